@@ -1,0 +1,30 @@
+"""hpdcp_runner.dcp — a torch-only distributed checkpoint engine.
+
+    from hpdcp_runner.dcp import save, load
+    save(model.state_dict(), checkpoint_id="ckpt/step100")
+    load(model.state_dict(), checkpoint_id="ckpt/step100")
+
+No Hydra, no OmegaConf: usable from any training script.
+"""
+
+from .api import LoadResult, load, read_metadata, save
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, CollectiveTimeoutError, ConfigError,
+                     CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, KeyMismatchError,
+                     MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError)
+from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .metadata import Metadata
+from .planner import LoadPlanner, SavePlanner
+from .ragged import FlatShard, LocalShard
+from .standard_planner import MinimumRankSavePlanner, StandardLoadPlanner, StandardSavePlanner
+from .storage import StorageReader, StorageWriter
+
+SAVE_PLANNERS = {"standard": StandardSavePlanner, "minimum_rank": MinimumRankSavePlanner}
+
+__all__ = [
+    "save", "load", "read_metadata", "LoadResult", "Metadata",
+    "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
+    "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "FlatShard", "LocalShard",
+    "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
+    "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",
+    "CoverageError", "PickleNotAllowedError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError",
+]

@@ -1,0 +1,167 @@
+"""Control-plane collectives: JSON all-gather/broadcast over gloo, with agreed failures.
+
+Plans and outcomes travel as JSON bytes in uint8 tensors (no pickle), always over a gloo group
+(a dedicated one when the caller's group is NCCL or a per-call ``timeout`` is asked for), so a
+dead or hung rank becomes a ``CollectiveTimeoutError`` instead of a hang. ``agree`` runs a
+local step on every rank and makes any rank's failure the same error on all ranks.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import errors as errmod
+from .errors import CollectiveTimeoutError, DistributedError, HpdcpError
+from .utils import get_logger
+
+log = get_logger(__name__)
+_GROUP_CACHE: dict[tuple, Any] = {}
+
+
+def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta | None:
+    if timeout is None or isinstance(timeout, _dt.timedelta):
+        return timeout
+    if timeout <= 0:
+        raise errmod.ConfigError(f"timeout must be positive seconds, got {timeout}")
+    return _dt.timedelta(seconds=float(timeout))
+
+
+class Comm:
+    """A process group's rank/size plus the gloo group used for control messages."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, control: Any) -> None:
+        self.group, self.rank, self.world_size, self.control = group, rank, world_size, control
+
+    @classmethod
+    def create(cls, process_group: Any = None, timeout: float | _dt.timedelta | None = None) -> "Comm":
+        if not (dist.is_available() and dist.is_initialized()):
+            if process_group is not None:
+                raise errmod.ConfigError("process_group was given but torch.distributed is not initialized")
+            return cls(None, 0, 1, None)
+        group = process_group or dist.group.WORLD
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise errmod.ConfigError(f"global rank {dist.get_rank()} is not a member of the given process group")
+        td = _as_timedelta(timeout)
+        if td is None and dist.get_backend(group) == "gloo":
+            return cls(group, rank, size, group)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        key = (ranks, td)
+        control = _GROUP_CACHE.get(key)
+        if control is None:
+            kwargs = {"timeout": td} if td is not None else {}
+            control = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
+            _GROUP_CACHE[key] = control
+        return cls(group, rank, size, control)
+
+    # -- raw JSON collectives ---------------------------------------------------------------
+    def _run(self, phase: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except HpdcpError:
+            raise
+        except Exception as e:  # gloo raises RuntimeError on timeouts and closed peers
+            raise CollectiveTimeoutError(
+                f"collective during '{phase}' failed on rank {self.rank} of {self.world_size}: {e}. A peer rank "
+                f"probably died, hung or took a different code path (raise the timeout if it is just slow)"
+            ) from e
+
+    def all_gather_json(self, obj: Any, phase: str = "all_gather") -> list[Any]:
+        payload = json.dumps(obj, separators=(",", ":")).encode()
+        if self.world_size == 1:
+            return [json.loads(payload)]
+
+        def go() -> list[Any]:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, size, group=self.control)
+            n = int(max(s.item() for s in sizes))
+            buf = torch.zeros(n, dtype=torch.uint8)
+            if payload:
+                buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            bufs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(bufs, buf, group=self.control)
+            return [json.loads(_tensor_bytes(b, int(s.item()))) for b, s in zip(bufs, sizes)]
+
+        return self._run(phase, go)
+
+    def broadcast_json(self, obj: Any, phase: str = "broadcast") -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        src = dist.get_global_rank(self.control, 0) if self.control is not dist.group.WORLD else 0
+
+        def go() -> Any:
+            payload = json.dumps(obj, separators=(",", ":")).encode() if self.rank == 0 else b""
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            dist.broadcast(size, src=src, group=self.control)
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+            if self.rank == 0 and payload:
+                buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            dist.broadcast(buf, src=src, group=self.control)
+            return json.loads(_tensor_bytes(buf, buf.numel()))
+
+        return self._run(phase, go)
+
+    # -- agreement --------------------------------------------------------------------------
+    def agree(self, phase: str, fn: Callable[[], Any]) -> list[Any]:
+        """Run ``fn`` here, gather every rank's value; if any rank failed, raise on all ranks."""
+        local_exc: BaseException | None = None
+        try:
+            payload = {"ok": fn()}
+        except Exception as e:
+            local_exc = e
+            log.debug("%s failed locally:\n%s", phase, traceback.format_exc())
+            payload = {"err": [type(e).__name__, _describe(e)]}
+        gathered = self.all_gather_json(payload, phase)
+        failures = {r: g["err"] for r, g in enumerate(gathered) if "err" in g}
+        if failures:
+            raise agreed_error(phase, failures) from local_exc
+        return [g["ok"] for g in gathered]
+
+    def agree_root(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 only and give its value (or its failure) to every rank."""
+        if self.rank == 0:
+            try:
+                payload = {"ok": fn()}
+                local_exc = None
+            except Exception as e:
+                local_exc = e
+                payload = {"err": [type(e).__name__, _describe(e)]}
+        else:
+            payload, local_exc = None, None
+        got = self.broadcast_json(payload, phase)
+        if "err" in got:
+            raise agreed_error(phase, {0: got["err"]}) from local_exc
+        return got["ok"]
+
+
+def _tensor_bytes(t: torch.Tensor, n: int) -> bytes:
+    from .checkpoint_io import byte_view
+
+    return bytes(byte_view(t)[:n]) if n else b""
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    return text if isinstance(e, HpdcpError) else f"{type(e).__name__}: {text}"
+
+
+def agreed_error(phase: str, failures: dict[int, list]) -> HpdcpError:
+    """The error every rank raises: the type of the lowest failing rank when it is one of ours."""
+    first = failures[min(failures)][0]
+    cls = getattr(errmod, first, None)
+    messages = {r: m for r, (_, m) in failures.items()}
+    if not (isinstance(cls, type) and issubclass(cls, HpdcpError)) or cls is DistributedError:
+        return DistributedError(phase, messages)
+    text = DistributedError(phase, messages).args[0]
+    err = cls.__new__(cls)
+    Exception.__init__(err, text)
+    err.phase, err.failures = phase, dict(sorted(messages.items()))
+    return err

@@ -1,0 +1,79 @@
+"""One exception hierarchy for the engine.
+
+Every subclass also derives from the matching builtin, so callers that already catch
+``FileNotFoundError`` or ``ValueError`` keep working, while ``except HpdcpError`` catches all.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+
+class HpdcpError(Exception):
+    """Base class of every error raised on purpose by hpdcp_runner."""
+
+
+class ConfigError(HpdcpError, ValueError):
+    """A configuration value (runner config or engine argument) is invalid."""
+
+
+class CheckpointNotFoundError(HpdcpError, FileNotFoundError):
+    """The checkpoint directory, its metadata or one of its files does not exist."""
+
+
+class CheckpointExistsError(HpdcpError, FileExistsError):
+    """The save target already exists and ``overwrite`` was not given."""
+
+
+class MetadataError(HpdcpError, ValueError):
+    """``metadata.json`` is malformed, too large, inconsistent or of an unknown version."""
+
+
+class CorruptCheckpointError(HpdcpError, OSError):
+    """A checkpoint file is truncated, has a bad header or fails its checksum."""
+
+
+class StateDictError(HpdcpError, ValueError):
+    """The state dict given to save/load is unusable (bad leaf, duplicate key, bad layout)."""
+
+
+class KeyMismatchError(StateDictError):
+    """Strict load found missing and/or unexpected keys."""
+
+    def __init__(self, message: str, missing: list[str] = (), unexpected: list[str] = ()) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+
+
+class ShapeMismatchError(StateDictError):
+    """A key's shape or dtype differs between the checkpoint and the target, or across ranks."""
+
+
+class CoverageError(StateDictError):
+    """Part of a tensor is covered by no saved chunk (or, on save, by overlapping chunks)."""
+
+
+class PickleNotAllowedError(HpdcpError, PermissionError):
+    """An object needs pickle but ``allow_pickle`` was not given: nothing was unpickled."""
+
+
+class ReplicaMismatchError(StateDictError):
+    """Ranks holding the same replicated chunk hold different values (opt-in check)."""
+
+
+class DistributedError(HpdcpError, RuntimeError):
+    """One or more ranks failed; raised identically on every rank.
+
+    ``failures`` maps rank -> the message that rank reported.
+    """
+
+    def __init__(self, phase: str, failures: Mapping[int, str]) -> None:
+        self.phase = phase
+        self.failures = dict(sorted(failures.items()))
+        lines = "; ".join(f"rank {r}: {m}" for r, m in self.failures.items())
+        super().__init__(f"{phase} failed on {len(self.failures)} rank(s): {lines}")
+
+
+class CollectiveTimeoutError(HpdcpError, TimeoutError):
+    """A collective did not complete in time: a rank is dead, hung or diverged."""

@@ -1,0 +1,285 @@
+"""Checkpoints as directories of per-rank safetensors files plus ``metadata.json``.
+
+Layout and commit protocol::
+
+    parent/.NAME.tmp-<token>/     staging: every rank writes its files here, fsynced
+        rank00000.safetensors     tensors rank 0 owns after dedup
+        rank00000.objects.json    non-tensor leaves rank 0 owns (safe tagged JSON)
+        metadata.json             written last by the coordinator
+    parent/NAME/                  appears only when staging is renamed: the commit
+
+An existing ``NAME`` is kept loadable until the new one commits: with ``overwrite`` the two
+directories are swapped atomically (``renameat2(RENAME_EXCHANGE)`` where the kernel has it) and
+the old one is then moved to a trash name and deleted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import uuid
+from collections import OrderedDict
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import objects as objcodec
+from .checkpoint_io import byte_view, digest, pread_into, write_file
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError
+from .geometry import flat_span, row_major_strides
+from .metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
+                       dtype_from_name)
+from .storage import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
+from .utils import get_logger
+
+log = get_logger(__name__)
+STAGING_MARK = ".tmp-"
+TRASH_MARK = ".trash-"
+DEFAULT_FILES_KEPT = 8
+
+
+def rank_file(rank: int, kind: str) -> str:
+    return f"rank{rank:05d}.{kind}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two directories (Linux renameat2). False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if fn(AT_FDCWD, a.encode(), AT_FDCWD, b.encode(), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def remove_tree_safely(path: str) -> None:
+    """Rename to a trash name first, then delete: a crash never leaves half a checkpoint under a real name."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f".{name.lstrip('.')}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+class FileSystemWriter(StorageWriter):
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.parent, self.name = os.path.split(self.path)
+        self.fsync = fsync
+        self.staging: str | None = None
+        self.rank = 0
+        self.counters = IOCounters()
+
+    def begin(self, *, overwrite: bool) -> str:
+        if os.path.lexists(self.path) and not overwrite:
+            raise CheckpointExistsError(f"checkpoint {self.path} already exists; pass overwrite=True to replace it "
+                                        f"(the old one stays loadable until the new one commits)")
+        os.makedirs(self.parent, exist_ok=True)
+        token = f".{self.name}{STAGING_MARK}{uuid.uuid4().hex[:12]}"
+        os.mkdir(os.path.join(self.parent, token))
+        return token
+
+    def attach(self, token: str, *, rank: int, world_size: int) -> None:
+        self.staging = os.path.join(self.parent, token)
+        self.rank = rank
+
+    def write(self, tensors: Sequence[tuple[str, torch.Tensor]], objects: Mapping[str, Any]) -> WriteResult:
+        files, chunks, objs = [], {}, {}
+        if tensors:
+            name = rank_file(self.rank, "safetensors")
+            wf = write_file(os.path.join(self.staging, name), tensors, meta={"format": "pt"}, fsync=self.fsync)
+            files.append(FileMeta(name, wf.size, wf.checksum, self.rank))
+            for e in wf.entries:
+                chunks[e.key] = (name, e.byte_offset, e.checksum)
+        if objects:
+            name = rank_file(self.rank, "objects.json")
+            texts = {k: json.dumps(v, separators=(",", ":")) for k, v in objects.items()}
+            body = ("{" + ",".join(f"{json.dumps(k)}:{t}" for k, t in texts.items()) + "}").encode()
+            with open(os.path.join(self.staging, name), "xb") as f:
+                f.write(body)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            files.append(FileMeta(name, len(body), digest(body), self.rank))
+            for k, t in texts.items():
+                objs[k] = (name, digest(t.encode()))
+        self.counters.bytes_written += sum(f.size for f in files)
+        self.counters.files_written += len(files)
+        return WriteResult(self.rank, tuple(files), chunks, objs)
+
+    def commit(self, metadata: Metadata) -> None:
+        body = metadata.to_json().encode()
+        with open(os.path.join(self.staging, METADATA_FILE), "xb") as f:
+            f.write(body)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        if self.fsync:
+            _fsync_dir(self.staging)
+        if os.path.lexists(self.path):
+            if not _exchange(self.staging, self.path):
+                old = os.path.join(self.parent, f".{self.name}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
+                os.rename(self.path, old)
+                os.rename(self.staging, self.path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                remove_tree_safely(self.staging)  # the staging name now holds the old checkpoint
+        else:
+            os.rename(self.staging, self.path)
+        if self.fsync:
+            _fsync_dir(self.parent)
+        self.staging = None
+
+    def abort(self) -> None:
+        if self.staging and os.path.isdir(self.staging):
+            shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging = None
+
+
+class FileSystemReader(StorageReader):
+    """Reads into preallocated destinations: one ``preadv`` per (chunk, destination) straight into
+    the destination memory when the bytes are contiguous on both sides, else into a reused scratch
+    buffer and one strided copy. Reads are sorted by file and offset; open files live in an LRU."""
+
+    def __init__(self, path: str | os.PathLike, *, files_kept: int = DEFAULT_FILES_KEPT,
+                 max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True) -> None:
+        if files_kept < 1:
+            raise ValueError(f"files_kept must be >= 1, got {files_kept}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.files_kept = files_kept
+        self.max_metadata_bytes = max_metadata_bytes
+        self.verify_checksums = verify_checksums
+        self.counters = IOCounters()
+        self.metadata: Metadata | None = None
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def _not_found(self) -> CheckpointNotFoundError:
+        parent, name = os.path.split(self.path)
+        pending = [n for n in (os.listdir(parent) if os.path.isdir(parent) else [])
+                   if n.startswith(f".{name}{STAGING_MARK}")]
+        hint = f" (an uncommitted save is in {os.path.join(parent, pending[0])})" if pending else ""
+        return CheckpointNotFoundError(f"no committed checkpoint at {self.path}{hint}")
+
+    def read_metadata_text(self) -> str:
+        mpath = os.path.join(self.path, METADATA_FILE)
+        if not os.path.isdir(self.path) or not os.path.isfile(mpath):
+            raise self._not_found()
+        size = os.path.getsize(mpath)
+        if size > self.max_metadata_bytes:
+            raise MetadataError(f"{mpath} is {size} bytes, over the {self.max_metadata_bytes}-byte limit")
+        with open(mpath, "rb") as f:
+            return f.read(self.max_metadata_bytes + 1).decode("utf-8", errors="replace")
+
+    def attach_metadata(self, metadata: Metadata) -> None:
+        self.metadata = metadata
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is not None:
+            self._fds.move_to_end(name)
+            return fd
+        check_file_name(name)
+        full = os.path.join(self.path, name)
+        try:
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"checkpoint file {full} is missing (listed in {METADATA_FILE})") from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"cannot open checkpoint file {full}: {e.strerror}") from None
+        expected = self.metadata.files[name].size if self.metadata else None
+        actual = os.fstat(fd).st_size
+        if expected is not None and actual != expected:
+            os.close(fd)
+            raise CorruptCheckpointError(f"checkpoint file {full} is {actual} bytes but {METADATA_FILE} records "
+                                         f"{expected} (truncated or modified)")
+        self.counters.files_opened += 1
+        self._fds[name] = fd
+        while len(self._fds) > self.files_kept:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+    def _scratch_view(self, nbytes: int) -> torch.Tensor:
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
+
+    def read_tensors(self, requests: Sequence[ReadRequest]) -> None:
+        plans = []
+        for r in requests:
+            dt = dtype_from_name(r.dtype)
+            esize = torch.empty((), dtype=dt).element_size()
+            start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
+            plans.append((r.chunk.file, r.chunk.byte_offset + start * esize, (stop - start) * esize, r, dt, stop - start))
+        plans.sort(key=lambda p: (p[0], p[1]))
+        for name, offset, nbytes, r, dt, span in plans:
+            if nbytes:
+                self._read_one(name, offset, nbytes, r, dt, span)
+
+    def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype, span: int) -> None:
+        fd = self._fd(name)
+        whole_chunk = r.sub.sizes == r.chunk.sizes
+        exact = span == r.sub.numel
+        dest = r.dest
+        direct = exact and dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
+        if direct:
+            view = byte_view(dest)
+            pread_into(fd, offset, view, name=name)
+        else:
+            buf = self._scratch_view(nbytes)
+            view = byte_view(buf)
+            pread_into(fd, offset, view, name=name)
+        self.counters.bytes_read += nbytes
+        self.counters.reads += 1
+        if whole_chunk and self.verify_checksums:
+            if digest(view) != r.chunk.checksum:
+                raise CorruptCheckpointError(f"checkpoint file {os.path.join(self.path, name)}: key {r.chunk.key!r} "
+                                             f"fails its checksum (corrupted data)")
+            self.counters.chunks_verified += 1
+        if not direct:
+            src = buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), 0)
+            dest.copy_(src)
+
+    def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]:
+        by_file: dict[str, list[str]] = {}
+        for fqn, om in wanted.items():
+            by_file.setdefault(om.file, []).append(fqn)
+        out: dict[str, Any] = {}
+        for name, fqns in sorted(by_file.items()):
+            fd = self._fd(name)
+            size = os.fstat(fd).st_size
+            body = bytearray(size)
+            pread_into(fd, 0, memoryview(body), name=name)
+            self.counters.bytes_read += size
+            full = os.path.join(self.path, name)
+            if self.metadata and digest(body) != self.metadata.files[name].checksum:
+                raise CorruptCheckpointError(f"checkpoint file {full} fails its checksum (corrupted data)")
+            try:
+                doc = json.loads(body)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"checkpoint file {full} is not valid JSON ({e})") from None
+            for fqn in fqns:
+                if not isinstance(doc, dict) or fqn not in doc:
+                    raise CorruptCheckpointError(f"checkpoint file {full} lacks object {fqn!r}")
+                out[fqn] = objcodec.decode(doc[fqn], key=fqn, source=full, allow_pickle=allow_pickle)
+        return out

@@ -1,0 +1,169 @@
+"""Shard geometry: boxes, intersections, DTensor local chunks, byte ranges inside a chunk.
+
+Everything here is pure (no process group) so planning can be unit-tested in isolation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import StateDictError
+
+
+@dataclass(frozen=True)
+class Box:
+    """An axis-aligned region of a tensor: ``offsets`` and ``sizes`` per dimension.
+
+    A 0-dim tensor is the empty box ``Box((), ())`` with one element.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return len(shape) == len(self.offsets) and all(
+            o >= 0 and s >= 0 and o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape)
+        )
+
+
+def whole(shape: Sequence[int]) -> Box:
+    return Box(tuple(0 for _ in shape), tuple(int(d) for d in shape))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes of the same rank, or None when they share no element."""
+    if len(a.offsets) != len(b.offsets):
+        raise StateDictError(f"box rank mismatch: {a} vs {b}")
+    offs, sizes = [], []
+    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if lo >= hi:
+            return None
+        offs.append(lo)
+        sizes.append(hi - lo)
+    return Box(tuple(offs), tuple(sizes))
+
+
+def relative(inner: Box, outer: Box) -> tuple[int, ...]:
+    """Offsets of ``inner`` relative to the origin of ``outer``."""
+    return tuple(i - o for i, o in zip(inner.offsets, outer.offsets))
+
+
+def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def flat_span(sub_offsets: Sequence[int], sub_sizes: Sequence[int], chunk_sizes: Sequence[int]) -> tuple[int, int]:
+    """Smallest contiguous element range ``[start, stop)`` of a row-major chunk holding a sub-box.
+
+    When the sub-box is a run of whole rows (e.g. resharding along dim 0) the span is exactly the
+    sub-box, so a reader fetches only the bytes it keeps.
+    """
+    if any(s == 0 for s in sub_sizes):
+        return 0, 0
+    strides = row_major_strides(chunk_sizes)
+    first = sum(o * st for o, st in zip(sub_offsets, strides))
+    last = sum((o + s - 1) * st for o, s, st in zip(sub_offsets, sub_sizes, strides))
+    return first, last + 1
+
+
+def span_is_exact(sub_offsets: Sequence[int], sub_sizes: Sequence[int], chunk_sizes: Sequence[int]) -> bool:
+    """True when the flat span of the sub-box contains only the sub-box's elements."""
+    start, stop = flat_span(sub_offsets, sub_sizes, chunk_sizes)
+    return stop - start == math.prod(sub_sizes)
+
+
+def split_piece(length: int, parts: int, index: int) -> tuple[int, int]:
+    """Offset and size of piece ``index`` when ``torch.chunk`` splits ``length`` into ``parts``.
+
+    This is DTensor's ``Shard`` rule: pieces of ``ceil(length/parts)``, trailing ones may be empty.
+    """
+    step = -(-length // parts) if length else 0
+    start = min(index * step, length)
+    return start, min(start + step, length) - start
+
+
+def dtensor_local_box(tensor: "torch.distributed.tensor.DTensor") -> Box | None:
+    """The global box this rank's local shard of a DTensor covers, or None if not on its mesh.
+
+    Shard/Replicate placements are computed here; other shard-like placements (e.g. the strided
+    shards of FSDP2 + TP) go through DTensor's own chunk list. The result is checked against the
+    real local shape, so a placement we misunderstand is an error, never a silent wrong box.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    mesh = tensor.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    shape = tuple(int(d) for d in tensor.shape)
+    offs = [0] * len(shape)
+    sizes = list(shape)
+    simple = True
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Partial):
+            raise StateDictError(
+                f"DTensor with a Partial placement cannot be checkpointed (placements "
+                f"{tensor.placements}); reduce it first, e.g. .redistribute(..., [Replicate()])"
+            )
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is Shard:
+            d = placement.dim if placement.dim >= 0 else placement.dim + len(shape)
+            start, size = split_piece(sizes[d], mesh.size(mesh_dim), coord[mesh_dim])
+            offs[d] += start
+            sizes[d] = size
+            continue
+        simple = False
+        break
+    if not simple:
+        chunks = tensor.__create_chunk_list__()
+        if len(chunks) != 1:
+            raise StateDictError(f"unsupported DTensor placements {tensor.placements}: {len(chunks)} chunks")
+        offs, sizes = list(chunks[0].offsets), list(chunks[0].sizes)
+    local_shape = tuple(tensor.to_local().shape)
+    if tuple(sizes) != local_shape:
+        raise StateDictError(
+            f"DTensor placements {tensor.placements} imply a local shape {tuple(sizes)} but the local "
+            f"tensor has shape {local_shape}"
+        )
+    return Box(tuple(offs), tuple(sizes))
+
+
+def boxes_tile(shape: Sequence[int], boxes: Sequence[Box], *, pairwise_limit: int = 512) -> str | None:
+    """Check that ``boxes`` cover ``shape`` exactly once. Returns a problem description or None.
+
+    Volumes must add up and boxes must lie inside the shape; pairwise disjointness is checked
+    when the box count is at most ``pairwise_limit`` (quadratic), which covers every real layout
+    below thousands of ranks per tensor.
+    """
+    total = math.prod(shape)
+    for b in boxes:
+        if not b.within(shape):
+            return f"chunk offsets={b.offsets} sizes={b.sizes} lies outside shape {tuple(shape)}"
+    vol = sum(b.numel for b in boxes)
+    nonempty = [b for b in boxes if b.numel]
+    if len(nonempty) <= pairwise_limit:
+        for i, a in enumerate(nonempty):
+            for b in nonempty[i + 1 :]:
+                if intersect(a, b) is not None:
+                    return f"chunks {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} overlap"
+    if vol != total:
+        return f"chunks cover {vol} of {total} elements"
+    return None

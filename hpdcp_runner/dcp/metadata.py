@@ -1,0 +1,239 @@
+"""Checkpoint metadata: frozen dataclasses and their versioned JSON form.
+
+``metadata.json`` is the last file written and the only description of a checkpoint. Loading
+validates all of it (types, bounds, file names, tiling) before anything is allocated, so a
+malformed or hostile file is an error naming the problem, never a crash or a path escape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .errors import MetadataError
+from .geometry import Box, boxes_tile
+
+FORMAT_NAME = "hpdcp"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+DEFAULT_MAX_METADATA_BYTES = 256 * 1024 * 1024
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+# torch dtype <-> our name <-> safetensors code. File names and keys never come from here.
+DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "float64": (torch.float64, "F64"),
+    "float32": (torch.float32, "F32"),
+    "float16": (torch.float16, "F16"),
+    "bfloat16": (torch.bfloat16, "BF16"),
+    "int64": (torch.int64, "I64"),
+    "int32": (torch.int32, "I32"),
+    "int16": (torch.int16, "I16"),
+    "int8": (torch.int8, "I8"),
+    "uint8": (torch.uint8, "U8"),
+    "bool": (torch.bool, "BOOL"),
+}
+for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+                     ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        DTYPES[_name] = (getattr(torch, _name), _code)
+_DTYPE_NAMES = {dt: name for name, (dt, _) in DTYPES.items()}
+
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise MetadataError(f"dtype {dtype} is not supported by the checkpoint format") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name][0]
+    except KeyError:
+        raise MetadataError(f"unknown dtype {name!r}") from None
+
+
+def element_size(name: str) -> int:
+    return torch.empty((), dtype=dtype_from_name(name)).element_size()
+
+
+def check_file_name(name: Any) -> str:
+    """File names are plain names inside the checkpoint directory: no separators, no dot-dot."""
+    if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name:
+        raise MetadataError(f"file name {name!r} is not a plain file name inside the checkpoint directory")
+    return name
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """One stored chunk: its box in the global tensor and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    key: str
+    byte_offset: int
+    checksum: str
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offsets, self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkMeta, ...]
+    path: tuple[str | int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * element_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    file: str
+    checksum: str
+    path: tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class FileMeta:
+    name: str
+    size: int
+    checksum: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class Metadata:
+    world_size: int
+    tensors: Mapping[str, TensorMeta]
+    objects: Mapping[str, ObjectMeta]
+    files: Mapping[str, FileMeta]
+    format_version: int = FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def keys(self) -> list[str]:
+        return sorted({*self.tensors, *self.objects})
+
+    @property
+    def total_tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    # -- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "world_size": self.world_size,
+            "checksum_algorithm": self.checksum_algorithm,
+            "files": {n: {"size": f.size, "checksum": f.checksum, "rank": f.rank} for n, f in sorted(self.files.items())},
+            "tensors": {
+                k: {
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "path": list(t.path),
+                    "chunks": [[list(c.offsets), list(c.sizes), c.file, c.key, c.byte_offset, c.checksum] for c in t.chunks],
+                }
+                for k, t in sorted(self.tensors.items())
+            },
+            "objects": {k: {"file": o.file, "checksum": o.checksum, "path": list(o.path)} for k, o in sorted(self.objects.items())},
+            "extra": dict(self.extra),
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = METADATA_FILE) -> "Metadata":
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise MetadataError(f"{source}: not valid JSON ({e})") from None
+        return _parse(doc, source)
+
+
+def _need(cond: bool, source: str, what: str) -> None:
+    if not cond:
+        raise MetadataError(f"{source}: {what}")
+
+
+def _int_list(v: Any, source: str, what: str) -> tuple[int, ...]:
+    _need(isinstance(v, list) and all(type(x) is int and x >= 0 for x in v), source,
+          f"{what} must be a list of non-negative integers, got {v!r:.80}")
+    return tuple(v)
+
+
+def _path(v: Any, source: str, key: str) -> tuple[str | int, ...]:
+    _need(isinstance(v, list) and v and all(type(x) in (str, int) for x in v), source, f"{key}: bad path {v!r:.80}")
+    return tuple(v)
+
+
+def _parse(doc: Any, source: str) -> Metadata:
+    _need(isinstance(doc, dict), source, "top level must be an object")
+    _need(doc.get("format") == FORMAT_NAME, source, f"not an hpdcp checkpoint (format={doc.get('format')!r})")
+    version = doc.get("format_version")
+    _need(version == FORMAT_VERSION, source,
+          f"format_version {version!r} is not supported (this build reads version {FORMAT_VERSION})")
+    ws = doc.get("world_size")
+    _need(type(ws) is int and ws >= 1, source, f"world_size must be a positive integer, got {ws!r}")
+    algo = doc.get("checksum_algorithm")
+    _need(algo == CHECKSUM_ALGORITHM, source, f"unknown checksum_algorithm {algo!r}")
+    for section in ("files", "tensors", "objects"):
+        _need(isinstance(doc.get(section), dict), source, f"'{section}' must be an object")
+    files: dict[str, FileMeta] = {}
+    for name, f in doc["files"].items():
+        check_file_name(name)
+        _need(isinstance(f, dict) and type(f.get("size")) is int and f["size"] >= 0
+              and isinstance(f.get("checksum"), str) and type(f.get("rank")) is int,
+              source, f"file {name!r}: bad entry {f!r:.120}")
+        files[name] = FileMeta(name, f["size"], f["checksum"], f["rank"])
+    tensors = {k: _parse_tensor(k, t, files, source) for k, t in doc["tensors"].items()}
+    objects: dict[str, ObjectMeta] = {}
+    for k, o in doc["objects"].items():
+        _need(k not in tensors, source, f"key {k!r} is both a tensor and an object")
+        _need(isinstance(o, dict) and o.get("file") in files and isinstance(o.get("checksum"), str),
+              source, f"object {k!r}: bad entry or unknown file {o!r:.120}")
+        objects[k] = ObjectMeta(o["file"], o["checksum"], _path(o.get("path"), source, k))
+    extra = doc.get("extra", {})
+    _need(isinstance(extra, dict), source, "'extra' must be an object")
+    return Metadata(ws, tensors, objects, files, version, algo, extra)
+
+
+def _parse_tensor(key: str, t: Any, files: Mapping[str, FileMeta], source: str) -> TensorMeta:
+    _need(isinstance(t, dict), source, f"tensor {key!r}: entry must be an object")
+    dtype = t.get("dtype")
+    _need(dtype in DTYPES, source, f"tensor {key!r}: unknown dtype {dtype!r}")
+    shape = _int_list(t.get("shape"), source, f"tensor {key!r} shape")
+    esize = element_size(dtype)
+    chunks_raw = t.get("chunks")
+    _need(isinstance(chunks_raw, list), source, f"tensor {key!r}: chunks must be a list")
+    chunks = []
+    for c in chunks_raw:
+        _need(isinstance(c, list) and len(c) == 6, source, f"tensor {key!r}: bad chunk {c!r:.120}")
+        offs = _int_list(c[0], source, f"tensor {key!r} chunk offsets")
+        sizes = _int_list(c[1], source, f"tensor {key!r} chunk sizes")
+        _need(len(offs) == len(shape) == len(sizes), source,
+              f"tensor {key!r}: chunk rank {len(offs)}/{len(sizes)} differs from shape {list(shape)}")
+        _need(Box(offs, sizes).within(shape), source,
+              f"tensor {key!r}: chunk offsets={list(offs)} sizes={list(sizes)} outside shape {list(shape)}")
+        fname, skey, boff, csum = c[2], c[3], c[4], c[5]
+        _need(fname in files, source, f"tensor {key!r}: chunk names unknown file {fname!r:.80}")
+        _need(isinstance(skey, str) and type(boff) is int and boff >= 0 and isinstance(csum, str),
+              source, f"tensor {key!r}: bad chunk location {c[2:]!r:.120}")
+        _need(boff + math.prod(sizes) * esize <= files[fname].size, source,
+              f"tensor {key!r}: chunk bytes [{boff}, {boff + math.prod(sizes) * esize}) lie beyond the end of "
+              f"{fname} ({files[fname].size} bytes)")
+        chunks.append(ChunkMeta(offs, sizes, fname, skey, boff, csum))
+    problem = boxes_tile(shape, [c.box for c in chunks])
+    _need(problem is None, source, f"tensor {key!r}: {problem}")
+    return TensorMeta(dtype, shape, tuple(chunks), _path(t.get("path"), source, key))

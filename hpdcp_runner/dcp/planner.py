@@ -1,0 +1,155 @@
+"""Planner interfaces and the plan data they exchange.
+
+A save or load runs the same protocol on every rank (see ``api.py``): a local plan from the
+rank's own state dict, an all-gather of plans, and a global plan every rank computes
+identically from the gathered plans. Plans are frozen dataclasses with a compact wire form
+(plain JSON lists) so gathering needs no pickle.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .geometry import Box
+from .metadata import Metadata
+
+TENSOR = "tensor"
+OBJECT = "object"
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One chunk (or object) a rank holds and could write."""
+
+    fqn: str
+    kind: str
+    box: Box | None
+    dtype: str | None
+    global_shape: tuple[int, ...] | None
+    nbytes: int
+    piece: int = 0
+    checksum: str | None = None
+
+    @property
+    def dedup_key(self) -> tuple:
+        return (self.fqn, self.box.offsets, self.box.sizes) if self.box is not None else (self.fqn,)
+
+    def to_wire(self) -> list:
+        if self.kind == OBJECT:
+            return [self.fqn, self.nbytes, self.checksum]
+        return [self.fqn, list(self.box.offsets), list(self.box.sizes), self.dtype, list(self.global_shape),
+                self.nbytes, self.piece, self.checksum]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "WriteItem":
+        if len(w) == 3:
+            return cls(w[0], OBJECT, None, None, None, w[1], 0, w[2])
+        return cls(w[0], TENSOR, Box(tuple(w[1]), tuple(w[2])), w[3], tuple(w[4]), w[5], w[6], w[7])
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    rank: int
+    items: tuple[WriteItem, ...]
+    paths: Mapping[str, tuple] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return {"rank": self.rank, "items": [i.to_wire() for i in self.items],
+                "paths": {k: list(v) for k, v in self.paths.items()}}
+
+    @classmethod
+    def from_wire(cls, w: dict) -> "SavePlan":
+        return cls(w["rank"], tuple(WriteItem.from_wire(i) for i in w["items"]),
+                   {k: tuple(v) for k, v in w["paths"].items()})
+
+
+@dataclass(frozen=True)
+class GlobalSavePlan:
+    """Who writes what: ``writes[r]`` are indices into rank r's plan items."""
+
+    writes: tuple[tuple[int, ...], ...]
+    plans: tuple[SavePlan, ...]
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Copy ``overlap`` (global coordinates) of saved chunk ``chunk`` into local piece ``dest``."""
+
+    fqn: str
+    dest: int
+    dest_box: Box
+    chunk: int
+    overlap: Box
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    rank: int
+    items: tuple[ReadItem, ...]
+    objects: tuple[str, ...]
+    missing: tuple[str, ...]
+    requested: frozenset[str]
+    # (fqn, dest offsets) -> rank that reads it from storage; absent: this rank reads it itself.
+    sources: Mapping[tuple, int] = field(default_factory=dict)
+
+    def shard_summary(self, metadata: Metadata) -> list:
+        """Per destination shard: [fqn, offsets, sizes, bytes to read] — what the global plan needs."""
+        out: dict[tuple, list] = {}
+        for it in self.items:
+            key = (it.fqn, it.dest_box.offsets)
+            esize = torch.empty((), dtype=_dt(metadata.tensors[it.fqn].dtype)).element_size()
+            row = out.setdefault(key, [it.fqn, list(it.dest_box.offsets), list(it.dest_box.sizes), 0])
+            row[3] += it.overlap.numel * esize
+        return list(out.values())
+
+
+def _dt(name: str) -> torch.dtype:
+    from .metadata import dtype_from_name
+
+    return dtype_from_name(name)
+
+
+class SavePlanner(ABC):
+    """Decides what each rank holds (local plan) and who writes each chunk (global plan)."""
+
+    @abstractmethod
+    def configure(self, state_dict: Mapping[str, Any], *, rank: int, world_size: int,
+                  allow_pickle: bool = False, verify_replicas: bool = False) -> None: ...
+
+    @abstractmethod
+    def create_local_plan(self) -> SavePlan: ...
+
+    @abstractmethod
+    def create_global_plan(self, plans: Sequence[SavePlan]) -> GlobalSavePlan:
+        """Pure and deterministic: every rank computes the same result from the same plans."""
+
+    @abstractmethod
+    def resolve_data(self, item: WriteItem) -> Any:
+        """The tensor (contiguous, CPU) or encoded object to write for ``item``."""
+
+
+class LoadPlanner(ABC):
+    """Matches the target state dict against checkpoint metadata and decides who reads what."""
+
+    @abstractmethod
+    def configure(self, state_dict: Mapping[str, Any], metadata: Metadata, *, rank: int, world_size: int,
+                  allow_cast: bool = False) -> None: ...
+
+    @abstractmethod
+    def create_local_plan(self) -> LoadPlan: ...
+
+    @abstractmethod
+    def create_global_plan(self, summaries: Sequence[list], own: LoadPlan) -> LoadPlan:
+        """Pure and deterministic: sets ``sources`` on the own plan from all ranks' summaries."""
+
+    @abstractmethod
+    def acquire_tensor(self, item: ReadItem) -> torch.Tensor:
+        """A detached view of the destination region of ``item`` (loading into Parameters works)."""
+
+    @abstractmethod
+    def apply_object(self, fqn: str, value: Any) -> None:
+        """Put a loaded non-tensor leaf into the target state dict."""

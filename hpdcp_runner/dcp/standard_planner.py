@@ -1,0 +1,287 @@
+"""Standard planners: dedup of replicated chunks on save, chunk intersection on load."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import objects as objcodec
+from .checkpoint_io import byte_view, digest
+from .errors import CoverageError, ReplicaMismatchError, ShapeMismatchError, StateDictError
+from .geometry import Box, boxes_tile, dtensor_local_box, intersect, relative, whole
+from .metadata import Metadata, dtype_name
+from .planner import (OBJECT, TENSOR, GlobalSavePlan, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner,
+                      WriteItem)
+from .ragged import FlatShard, LocalShard
+from .storage import WriteResult
+from .utils import TENSOR_LEAVES, flatten_state_dict, set_element
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+def is_tensor_leaf(v: Any) -> bool:
+    return isinstance(v, TENSOR_LEAVES)
+
+
+def leaf_shape_dtype(v: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    if isinstance(v, (FlatShard, LocalShard)):
+        return v.global_shape, v.dtype
+    return tuple(int(d) for d in v.shape), v.dtype
+
+
+def local_pieces(v: Any) -> list[tuple[Box, torch.Tensor]]:
+    """The boxes of the global tensor this rank holds, each with a detached view of its data."""
+    if isinstance(v, DTensor):
+        box = dtensor_local_box(v)
+        return [] if box is None else [(box, v.to_local().detach())]
+    if isinstance(v, FlatShard):
+        return [(p.box, v.piece_view(p).detach()) for p in v.pieces]
+    if isinstance(v, LocalShard):
+        return [(v.box, v.local.detach())]
+    return [(whole(v.shape), v.detach())]
+
+
+def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+class StandardSavePlanner(SavePlanner):
+    """Each chunk held by several ranks is written once, by the holder with the fewest bytes so far
+    (largest chunks first: a longest-processing-time greedy), so replicas share the writing."""
+
+    policy = "balanced"
+
+    def __init__(self) -> None:
+        self.flat: dict[str, Any] = {}
+        self.paths: dict[str, tuple] = {}
+        self.rank = 0
+        self.allow_pickle = False
+        self.verify_replicas = False
+        self._pieces: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+        self._encoded: dict[str, Any] = {}
+
+    def configure(self, state_dict: Mapping[str, Any], *, rank: int, world_size: int,
+                  allow_pickle: bool = False, verify_replicas: bool = False) -> None:
+        self.flat, self.paths = flatten_state_dict(state_dict)
+        self.rank, self.world_size = rank, world_size
+        self.allow_pickle, self.verify_replicas = allow_pickle, verify_replicas
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for fqn, v in self.flat.items():
+            if is_tensor_leaf(v):
+                shape, dt = leaf_shape_dtype(v)
+                pieces = local_pieces(v)
+                self._pieces[fqn] = pieces
+                for i, (box, t) in enumerate(pieces):
+                    csum = digest(byte_view(contiguous_cpu(t))) if self.verify_replicas else None
+                    items.append(WriteItem(fqn, TENSOR, box, dtype_name(dt), shape, t.numel() * t.element_size(), i, csum))
+            else:
+                enc = objcodec.encode(v, key=fqn, allow_pickle=self.allow_pickle)
+                self._encoded[fqn] = enc
+                text = json.dumps(enc, separators=(",", ":"))
+                items.append(WriteItem(fqn, OBJECT, None, None, None, len(text),
+                                       0, digest(text.encode()) if self.verify_replicas else None))
+        return SavePlan(self.rank, tuple(items), dict(self.paths))
+
+    def create_global_plan(self, plans: Sequence[SavePlan]) -> GlobalSavePlan:
+        return assign_owners(plans, self.policy, verify_replicas=self.verify_replicas)
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        if item.kind == OBJECT:
+            return self._encoded[item.fqn]
+        return contiguous_cpu(self._pieces[item.fqn][item.piece][1])
+
+
+class MinimumRankSavePlanner(StandardSavePlanner):
+    """Every replicated chunk is written by its lowest-ranked holder (predictable file contents)."""
+
+    policy = "minimum_rank"
+
+
+def _check_consistent(plans: Sequence[SavePlan]) -> None:
+    seen: dict[str, tuple[int, WriteItem]] = {}
+    for p in plans:
+        for it in p.items:
+            prev = seen.setdefault(it.fqn, (p.rank, it))
+            r0, first = prev
+            if first.kind != it.kind:
+                raise ShapeMismatchError(f"key {it.fqn!r} is a {first.kind} on rank {r0} but a {it.kind} on rank {p.rank}")
+            if it.kind == TENSOR and (first.dtype, first.global_shape) != (it.dtype, it.global_shape):
+                raise ShapeMismatchError(
+                    f"key {it.fqn!r}: rank {r0} has {first.dtype} {list(first.global_shape)} but rank {p.rank} has "
+                    f"{it.dtype} {list(it.global_shape)}; every rank must agree on a key's global shape and dtype")
+
+
+def assign_owners(plans: Sequence[SavePlan], policy: str = "balanced", *, verify_replicas: bool = False) -> GlobalSavePlan:
+    """Dedup: choose one writer per distinct chunk. Pure, deterministic, order-independent of
+    anything but the gathered plans (which every rank receives in rank order)."""
+    if policy not in ("balanced", "minimum_rank"):
+        raise StateDictError(f"unknown save dedup policy {policy!r}")
+    _check_consistent(plans)
+    by_rank = plans_by_rank(plans)
+    buckets: dict[tuple, list[tuple[int, int]]] = {}
+    for p in plans:
+        for idx, it in enumerate(p.items):
+            buckets.setdefault(it.dedup_key, []).append((p.rank, idx))
+    load = defaultdict(int)
+    owner: dict[tuple, tuple[int, int]] = {}
+    dups = []
+    for key, holders in buckets.items():
+        if len(holders) == 1:
+            owner[key] = holders[0]
+            r, i = holders[0]
+            load[r] += max(by_rank[r].items[i].nbytes, 1)
+        else:
+            dups.append((key, holders))
+    if verify_replicas:
+        for key, holders in dups:
+            sums = {r: by_rank[r].items[i].checksum for r, i in holders}
+            if len(set(sums.values())) > 1:
+                raise ReplicaMismatchError(
+                    f"key {key[0]!r} (chunk {list(key[1:])}) differs across the ranks that hold it: "
+                    f"checksums {sums}; replicated values must be identical (or give per-rank keys)")
+    if policy == "balanced":
+        dups.sort(key=lambda kh: -by_rank[kh[1][0][0]].items[kh[1][0][1]].nbytes)
+    for key, holders in dups:
+        if policy == "minimum_rank":
+            choice = min(holders)
+        else:
+            choice = min(holders, key=lambda h: (load[h[0]], h[0]))
+        owner[key] = choice
+        load[choice[0]] += max(by_rank[choice[0]].items[choice[1]].nbytes, 1)
+    writes: dict[int, list[int]] = defaultdict(list)
+    for r, i in owner.values():
+        writes[r].append(i)
+    _check_tiling(plans, owner, by_rank)
+    ranks = sorted(by_rank)
+    return GlobalSavePlan(tuple(tuple(sorted(writes[r])) for r in ranks), tuple(by_rank[r] for r in ranks))
+
+
+def plans_by_rank(plans: Sequence[SavePlan]) -> dict[int, SavePlan]:
+    return {p.rank: p for p in plans}
+
+
+def _check_tiling(plans: Sequence[SavePlan], owner: Mapping[tuple, tuple[int, int]], by_rank: Mapping[int, SavePlan]) -> None:
+    boxes: dict[str, list[Box]] = defaultdict(list)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for r, i in owner.values():
+        it = by_rank[r].items[i]
+        if it.kind == TENSOR:
+            boxes[it.fqn].append(it.box)
+            shapes[it.fqn] = it.global_shape
+    for fqn, bs in boxes.items():
+        problem = boxes_tile(shapes[fqn], bs)
+        if problem:
+            raise CoverageError(f"key {fqn!r}: the ranks' chunks do not tile shape {list(shapes[fqn])}: {problem}")
+
+
+class StandardLoadPlanner(LoadPlanner):
+    """Intersects every local destination piece with every saved chunk; each rank reads its own
+    pieces (the replica-broadcast planner overrides ``create_global_plan``)."""
+
+    def __init__(self) -> None:
+        self.state_dict: Mapping[str, Any] = {}
+        self.flat: dict[str, Any] = {}
+        self.paths: dict[str, tuple] = {}
+        self._pieces: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+
+    def configure(self, state_dict: Mapping[str, Any], metadata: Metadata, *, rank: int, world_size: int,
+                  allow_cast: bool = False) -> None:
+        self.state_dict = state_dict
+        self.flat, self.paths = flatten_state_dict(state_dict)
+        self.metadata, self.rank, self.world_size, self.allow_cast = metadata, rank, world_size, allow_cast
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata
+        items: list[ReadItem] = []
+        objs, missing, requested = [], [], set()
+        for fqn, v in self.flat.items():
+            if fqn in md.tensors:
+                requested.add(fqn)
+                items.extend(self._tensor_reads(fqn, v))
+            elif fqn in md.objects:
+                requested.add(fqn)
+                objs.append(fqn)
+            else:
+                missing.append(fqn)
+        return LoadPlan(self.rank, tuple(items), tuple(objs), tuple(missing), frozenset(requested))
+
+    def _tensor_reads(self, fqn: str, v: Any) -> list[ReadItem]:
+        tm = self.metadata.tensors[fqn]
+        if not is_tensor_leaf(v):
+            raise StateDictError(f"key {fqn!r} is a tensor in the checkpoint but a {type(v).__name__} in the target")
+        shape, dt = leaf_shape_dtype(v)
+        if tuple(shape) != tm.shape:
+            raise ShapeMismatchError(f"key {fqn!r}: checkpoint shape {list(tm.shape)} != target shape {list(shape)}")
+        if dtype_name(dt) != tm.dtype and not self.allow_cast:
+            raise ShapeMismatchError(f"key {fqn!r}: checkpoint dtype {tm.dtype} != target dtype {dtype_name(dt)} "
+                                     f"(pass allow_cast=True to convert)")
+        pieces = local_pieces(v)
+        self._pieces[fqn] = pieces
+        out = []
+        for d, (box, _) in enumerate(pieces):
+            covered = 0
+            for c, chunk in enumerate(tm.chunks):
+                ov = intersect(box, chunk.box)
+                if ov is not None:
+                    out.append(ReadItem(fqn, d, box, c, ov))
+                    covered += ov.numel
+            if covered != box.numel:
+                raise CoverageError(f"key {fqn!r}: saved chunks cover {covered} of the {box.numel} elements of the "
+                                    f"destination at offsets {list(box.offsets)} sizes {list(box.sizes)}")
+        return out
+
+    def create_global_plan(self, summaries: Sequence[list], own: LoadPlan) -> LoadPlan:
+        return own
+
+    def acquire_tensor(self, item: ReadItem) -> torch.Tensor:
+        t = self._pieces[item.fqn][item.dest][1]
+        for dim, (o, s) in enumerate(zip(relative(item.overlap, item.dest_box), item.overlap.sizes)):
+            t = t.narrow(dim, o, s)
+        return t
+
+    def apply_object(self, fqn: str, value: Any) -> None:
+        set_element(self.state_dict, self.paths[fqn], value)
+
+
+def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
+    """The safetensors key of a stored chunk; names inside files only, never file names."""
+    return f"{fqn}@{','.join(map(str, offsets))}"
+
+
+def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_size: int,
+                   extra: Mapping[str, Any] | None = None) -> Metadata:
+    """Combine the global plan with every rank's write result (pure; identical on all ranks)."""
+    from .metadata import ChunkMeta, ObjectMeta, TensorMeta
+
+    by_rank = {w.rank: w for w in results}
+    tensors: dict[str, dict] = {}
+    objects: dict[str, ObjectMeta] = {}
+    for plan in gplan.plans:
+        for it in plan.items:
+            if it.kind == TENSOR and it.fqn not in tensors:
+                tensors[it.fqn] = {"dtype": it.dtype, "shape": it.global_shape, "chunks": [], "path": plan.paths[it.fqn]}
+    for plan, idxs in zip(gplan.plans, gplan.writes):
+        res = by_rank[plan.rank]
+        for i in idxs:
+            it = plan.items[i]
+            if it.kind == OBJECT:
+                file, csum = res.objects[it.fqn]
+                objects[it.fqn] = ObjectMeta(file, csum, plan.paths[it.fqn])
+            elif it.box.numel:
+                key = chunk_key(it.fqn, it.box.offsets)
+                file, off, csum = res.chunks[key]
+                tensors[it.fqn]["chunks"].append(ChunkMeta(it.box.offsets, it.box.sizes, file, key, off, csum))
+    tmetas = {k: TensorMeta(v["dtype"], tuple(v["shape"]), tuple(sorted(v["chunks"], key=lambda c: c.offsets)),
+                            tuple(v["path"])) for k, v in tensors.items()}
+    files = {f.name: f for w in results for f in w.files}
+    return Metadata(world_size, tmetas, objects, files, extra=dict(extra or {}))

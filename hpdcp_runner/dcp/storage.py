@@ -1,0 +1,114 @@
+"""Storage interfaces: where checkpoint bytes go and come from.
+
+Planners decide *what* moves; storage only moves bytes. A writer stages every file of a
+checkpoint somewhere invisible and makes it visible in one step (``commit``); a reader fills
+destination views that the planner already resolved.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .geometry import Box
+from .metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What one rank wrote: its files, and for each stored key where its bytes are."""
+
+    rank: int
+    files: tuple[FileMeta, ...]
+    chunks: Mapping[str, tuple[str, int, str]]  # safetensors key -> (file, byte offset, checksum)
+    objects: Mapping[str, tuple[str, str]]  # fqn -> (file, checksum)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_wire(self) -> dict:
+        return {"rank": self.rank, "files": [[f.name, f.size, f.checksum] for f in self.files],
+                "chunks": {k: list(v) for k, v in self.chunks.items()},
+                "objects": {k: list(v) for k, v in self.objects.items()}}
+
+    @classmethod
+    def from_wire(cls, w: dict) -> "WriteResult":
+        return cls(w["rank"], tuple(FileMeta(n, s, c, w["rank"]) for n, s, c in w["files"]),
+                   {k: tuple(v) for k, v in w["chunks"].items()}, {k: tuple(v) for k, v in w["objects"].items()})
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Copy the sub-box ``sub`` (relative to the chunk's origin) of a stored chunk into ``dest``."""
+
+    chunk: ChunkMeta
+    dtype: str
+    sub: Box
+    dest: torch.Tensor
+
+
+@dataclass
+class IOCounters:
+    """Per-rank I/O counters, reported in the runner's metrics."""
+
+    bytes_read: int = 0
+    reads: int = 0
+    files_opened: int = 0
+    chunks_verified: int = 0
+    bytes_written: int = 0
+    files_written: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, int]:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d
+
+
+class StorageWriter(ABC):
+    counters: IOCounters
+
+    @abstractmethod
+    def begin(self, *, overwrite: bool) -> str:
+        """Coordinator only: check the target and create the staging area; returns its token."""
+
+    @abstractmethod
+    def attach(self, token: str, *, rank: int, world_size: int) -> None:
+        """Every rank: learn the staging area chosen by the coordinator."""
+
+    @abstractmethod
+    def write(self, tensors: Sequence[tuple[str, torch.Tensor]], objects: Mapping[str, Any]) -> WriteResult:
+        """Write this rank's contiguous CPU tensors and encoded objects durably into staging."""
+
+    @abstractmethod
+    def commit(self, metadata: Metadata) -> None:
+        """Coordinator only: write the metadata last and make the checkpoint visible atomically."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Coordinator only, best effort: remove the staging area; never touches a committed checkpoint."""
+
+
+class StorageReader(ABC):
+    counters: IOCounters
+
+    @abstractmethod
+    def read_metadata_text(self) -> str:
+        """The raw metadata document (size-capped)."""
+
+    @abstractmethod
+    def attach_metadata(self, metadata: Metadata) -> None:
+        """Every rank: the validated metadata, used to check files before reading them."""
+
+    @abstractmethod
+    def read_tensors(self, requests: Sequence[ReadRequest]) -> None: ...
+
+    @abstractmethod
+    def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]: ...
+
+    def close(self) -> None:
+        """Release open files."""

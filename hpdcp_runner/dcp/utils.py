@@ -1,0 +1,103 @@
+"""State-dict traversal, rank-aware logging and phase timing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from .errors import StateDictError
+from .ragged import FlatShard, LocalShard
+
+Path = tuple[Any, ...]
+TENSOR_LEAVES = (torch.Tensor, FlatShard, LocalShard)
+
+
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, TENSOR_LEAVES):
+        return True
+    if isinstance(v, Mapping):
+        return any(_holds_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x) for x in v)
+    return False
+
+
+def flatten_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Flatten nested dicts/lists into ``{fqn: leaf}`` plus ``{fqn: path}``.
+
+    Dicts are always descended (an empty nested dict is a leaf); lists and tuples only when they
+    hold a tensor somewhere, otherwise they are one object leaf. Keys must be str or int. Two
+    leaves with the same dotted name are an error rather than one silently shadowing the other.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise StateDictError(f"a state dict must be a mapping, got {type(state_dict).__name__}")
+    flat: dict[str, Any] = {}
+    paths: dict[str, Path] = {}
+
+    def visit(v: Any, path: Path) -> None:
+        if isinstance(v, Mapping) and (v or not path):
+            for k, x in v.items():
+                if type(k) not in (str, int):
+                    raise StateDictError(f"state-dict key {k!r} under {'.'.join(map(str, path)) or '<root>'} "
+                                         f"is a {type(k).__name__}; only str and int keys are supported")
+                visit(x, path + (k,))
+            return
+        if isinstance(v, (list, tuple)) and _holds_tensor(v):
+            for i, x in enumerate(v):
+                visit(x, path + (i,))
+            return
+        fqn = ".".join(map(str, path))
+        if fqn in flat:
+            raise StateDictError(f"two state-dict entries flatten to the same key {fqn!r}: "
+                                 f"{paths[fqn]!r} and {path!r}")
+        flat[fqn] = v
+        paths[fqn] = path
+
+    visit(state_dict, ())
+    return flat, paths
+
+
+def set_element(root: Any, path: Path, value: Any) -> None:
+    """Replace the leaf at ``path`` inside nested containers (used for non-tensor leaves)."""
+    node = root
+    for k in path[:-1]:
+        node = node[k]
+    if isinstance(node, tuple):
+        raise StateDictError(f"cannot assign the loaded value of {'.'.join(map(str, path))!r}: its container is a tuple")
+    node[path[-1]] = value
+
+
+def rank_of_env() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+class _RankAdapter(logging.LoggerAdapter):
+    def process(self, msg: str, kwargs: Any) -> tuple[str, Any]:
+        return f"[rank{rank_of_env()}] {msg}", kwargs
+
+
+def get_logger(name: str) -> logging.LoggerAdapter:
+    """A logger whose messages carry the global rank, so interleaved rank output stays readable."""
+    return _RankAdapter(logging.getLogger(name), {})
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase, accumulated; the runner puts these in metrics.json."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
