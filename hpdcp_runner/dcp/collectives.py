@@ -56,7 +56,12 @@ class Comm:
         control = _GROUP_CACHE.get(key)
         if control is None:
             kwargs = {"timeout": td} if td is not None else {}
-            control = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
+            try:
+                control = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
+            except Exception as e:
+                raise CollectiveTimeoutError(
+                    f"creating the gloo control group of ranks {list(ranks)} failed on rank {rank} of {size}: {e}. A peer rank "
+                    f"probably died, hung or did not call the same checkpoint function") from e
             _GROUP_CACHE[key] = control
         return cls(group, rank, size, control)
 

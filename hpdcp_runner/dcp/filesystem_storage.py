@@ -92,7 +92,8 @@ class FileSystemWriter(StorageWriter):
                                         f"(the old one stays loadable until the new one commits)")
         os.makedirs(self.parent, exist_ok=True)
         token = f".{self.name}{STAGING_MARK}{uuid.uuid4().hex[:12]}"
-        os.mkdir(os.path.join(self.parent, token))
+        self.staging = os.path.join(self.parent, token)
+        os.mkdir(self.staging)
         return token
 
     def attach(self, token: str, *, rank: int, world_size: int) -> None:

@@ -1,0 +1,172 @@
+"""Multi-process behaviour of save/load on real gloo groups: dedup, failures, sub-meshes, bytes read."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiproc.harness import run_ranks
+
+from hpdcp_runner.dcp import (CheckpointNotFoundError, CollectiveTimeoutError, FileSystemWriter, HpdcpError,
+                              MinimumRankSavePlanner, ReplicaMismatchError, ShapeMismatchError, load, read_metadata,
+                              save)
+
+
+def _raises(fn, exc_type):
+    try:
+        fn()
+    except exc_type as e:
+        return str(e)
+    raise AssertionError(f"expected {exc_type.__name__}")
+
+
+class _FailOnRank1(FileSystemWriter):
+    def write(self, tensors, objects):
+        if self.rank == 1:
+            raise OSError("injected write failure")
+        return super().write(tensors, objects)
+
+
+def _failures(rank: int, ws: int, root: str) -> dict:
+    out = {}
+    rep = {f"t{k}": torch.full((64,), float(k)) for k in range(4)}
+    # Dedup: 4 equal replicated tensors on 2 ranks -> each rank writes 2; minimum_rank -> rank 0 writes all.
+    md = save(rep, checkpoint_id=f"{root}/bal", timeout=30)
+    out["bal_files"] = sorted({c.file for t in md.tensors.values() for c in t.chunks})
+    md = save(rep, checkpoint_id=f"{root}/minr", planner=MinimumRankSavePlanner(), timeout=30)
+    out["minr_files"] = sorted({c.file for t in md.tensors.values() for c in t.chunks})
+    # An exception on rank 1 while writing: every rank gets it, nothing committed, old checkpoint intact.
+    save({"w": torch.ones(8)}, checkpoint_id=f"{root}/keep", timeout=30)
+    msg = _raises(lambda: save({"w": torch.zeros(8)}, storage_writer=_FailOnRank1(f"{root}/keep"),
+                               overwrite=True, timeout=30), HpdcpError)
+    out["write_fail"] = msg
+    tgt = {"w": torch.zeros(8)}
+    load(tgt, checkpoint_id=f"{root}/keep", timeout=30)
+    out["old_intact"] = bool(torch.equal(tgt["w"], torch.ones(8)))
+    # Ranks disagreeing on a global shape.
+    bad = {"w": torch.zeros(4 + rank, 2)}
+    out["shape"] = _raises(lambda: save(bad, checkpoint_id=f"{root}/bad", timeout=30), ShapeMismatchError)
+    # Opt-in replica verification catches per-rank values under one key.
+    per_rank = {"rng": torch.full((4,), float(rank))}
+    out["replica"] = _raises(lambda: save(per_rank, checkpoint_id=f"{root}/rng", verify_replicas=True, timeout=30),
+                             ReplicaMismatchError)
+    # Missing rank file on load: all ranks raise naming the file.
+    sharded = {"s": torch.full((8,), float(rank))}
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    full = torch.arange(16, dtype=torch.float32)
+    save({"s": distribute_tensor(full, mesh, [Shard(0)])}, checkpoint_id=f"{root}/shard", timeout=30)
+    dist.barrier()
+    if rank == 0:
+        os.remove(f"{root}/shard/rank00001.safetensors")
+    dist.barrier()
+    tgt = {"s": torch.zeros(16)}
+    out["missing_file"] = _raises(lambda: load(tgt, checkpoint_id=f"{root}/shard", timeout=30),
+                                  CheckpointNotFoundError)
+    del sharded
+    out["listing"] = sorted(n for n in os.listdir(root))
+    return out
+
+
+def test_dedup_and_agreed_failures(tmp_path):
+    res = run_ranks(2, _failures, str(tmp_path))
+    r0, r1 = res
+    assert r0["bal_files"] == ["rank00000.safetensors", "rank00001.safetensors"]
+    assert r0["minr_files"] == ["rank00000.safetensors"]
+    for r in res:
+        assert "rank 1: OSError: injected write failure" in r["write_fail"]
+        assert r["old_intact"]
+        assert "key 'w': rank 0 has float32 [4, 2] but rank 1 has float32 [5, 2]" in r["shape"]
+        assert "key 'rng'" in r["replica"]
+        assert "rank00001.safetensors is missing" in r["missing_file"]
+    assert r0["missing_file"] == r1["missing_file"]
+    # nothing uncommitted left behind: only committed checkpoint names in the directory
+    assert r0["listing"] == ["bal", "keep", "minr", "shard"]
+
+
+def _hang(rank: int, ws: int, root: str) -> dict:
+    if rank == 1:
+        time.sleep(8)  # a hung rank: never joins in time
+        return {}
+    t0 = time.monotonic()
+    try:
+        save({"w": torch.ones(4)}, checkpoint_id=f"{root}/h", timeout=2)
+    except CollectiveTimeoutError as e:
+        return {"elapsed": time.monotonic() - t0, "msg": str(e), "exists": os.path.exists(f"{root}/h")}
+    raise AssertionError("save did not time out")
+
+
+def test_hung_rank_is_a_timeout_error_not_a_hang(tmp_path):
+    r0 = run_ranks(2, _hang, str(tmp_path), timeout=120)[0]
+    assert r0["elapsed"] < 7, r0
+    assert "rank 0 of 2" in r0["msg"] and not r0["exists"]
+
+
+def _submesh(rank: int, ws: int, root: str) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    full = torch.arange(35, dtype=torch.float32).reshape(7, 5)
+    mesh4 = DeviceMesh("cpu", list(range(ws)))
+    save({"w": distribute_tensor(full, mesh4, [Shard(1)]), "n": 5}, checkpoint_id=f"{root}/c", timeout=30)
+    sub = DeviceMesh("cpu", [0, 1])  # every rank constructs it; only 0-1 are on it
+    if rank < 2:
+        tgt = {"w": DTensor.from_local(torch.zeros(4 if rank == 0 else 3, 5), sub, [Shard(0)], run_check=False,
+                                   shape=(7, 5), stride=(5, 1)),
+               "n": 0}
+    else:
+        tgt = {}
+    load(tgt, checkpoint_id=f"{root}/c", timeout=30)
+    if rank < 2:
+        expect = full[:4] if rank == 0 else full[4:]
+        return {"ok": bool(torch.equal(tgt["w"].to_local(), expect)) and tgt["n"] == 5}
+    return {"ok": tgt == {}}
+
+
+def test_load_into_sub_mesh_while_other_ranks_pass_empty(tmp_path):
+    assert all(r["ok"] for r in run_ranks(4, _submesh, str(tmp_path)))
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def _bytes_read(rank: int, ws: int, root: str) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hpdcp_runner.dcp import LocalShard
+
+    full = torch.arange(4 * 1024 * 1024, dtype=torch.float32).reshape(2048, 2048)  # 16 MiB
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    save({"w": distribute_tensor(full, mesh, [Shard(0)])}, checkpoint_id=f"{root}/s0", timeout=30)
+    solo = dist.new_group([0])  # a one-rank group: rank 0 saves the whole tensor as a world-size-1 checkpoint
+    if rank == 0:
+        save({"w": full}, checkpoint_id=f"{root}/ws1", process_group=solo, timeout=30)
+    dist.barrier()
+    out = {}
+    # Rank 0 keeps rows 512..1535 (half from each Shard(0) file), rank 1 rows 0..511.
+    a, b = (512, 1536) if rank == 0 else (0, 512)
+    for name in ("s0", "ws1"):
+        tgt = LocalShard(torch.zeros(b - a, 2048), (a, 0), (2048, 2048))
+        before = _rchar()
+        res = load({"w": tgt}, checkpoint_id=f"{root}/{name}", timeout=30)
+        out[name] = {"rchar": _rchar() - before, "kept": tgt.local.numel() * 4, "counter": res.counters["bytes_read"],
+                     "ok": bool(torch.equal(tgt.local, full[a:b]))}
+    return out
+
+
+def test_dim0_reshard_reads_about_the_bytes_kept(tmp_path):
+    for r in run_ranks(2, _bytes_read, str(tmp_path)):
+        for name in ("s0", "ws1"):
+            m = r[name]
+            assert m["ok"], name
+            assert m["counter"] == m["kept"], (name, m)
+            assert m["rchar"] <= 1.1 * m["kept"], (name, m)

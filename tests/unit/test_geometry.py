@@ -1,0 +1,54 @@
+import itertools
+import math
+
+import pytest
+import torch
+
+from hpdcp_runner.dcp.geometry import Box, boxes_tile, flat_span, intersect, span_is_exact, split_piece
+
+
+def test_intersect_overlap_and_disjoint():
+    a, b = Box((0, 0), (4, 4)), Box((2, 3), (4, 4))
+    assert intersect(a, b) == Box((2, 3), (2, 1))
+    assert intersect(a, Box((4, 0), (1, 4))) is None  # touching edges share no element
+    assert intersect(Box((), ()), Box((), ())) == Box((), ())  # 0-dim: one element, intersects itself
+
+
+def test_zero_size_box_never_intersects():
+    assert intersect(Box((0, 0), (0, 4)), Box((0, 0), (4, 4))) is None
+
+
+@pytest.mark.parametrize("length,parts", [(7, 4), (3, 4), (16, 4), (0, 2), (5, 1), (6, 4)])
+def test_split_piece_matches_torch_chunk(length, parts):
+    # DTensor's Shard follows torch.chunk: pieces of ceil(L/n), trailing ones may be empty.
+    chunks = list(torch.arange(length).chunk(parts)) if length else []
+    for k in range(parts):
+        start, size = split_piece(length, parts, k)
+        expect = chunks[k].tolist() if k < len(chunks) else []
+        assert list(range(start, start + size)) == expect
+
+
+def test_flat_span_dim0_is_exact_and_dim1_is_a_slab():
+    chunk = (8, 6)
+    assert flat_span((2, 0), (3, 6), chunk) == (12, 30)
+    assert span_is_exact((2, 0), (3, 6), chunk)
+    start, stop = flat_span((2, 1), (3, 2), chunk)
+    assert (start, stop) == (13, 27) and not span_is_exact((2, 1), (3, 2), chunk)
+
+
+def test_flat_span_contains_exactly_the_box_elements():
+    shape = (3, 4, 5)
+    flat = torch.arange(math.prod(shape)).reshape(shape)
+    for offs in itertools.product(range(3), range(4), range(5)):
+        sizes = (3 - offs[0], 1, 5 - offs[2])
+        start, stop = flat_span(offs, sizes, shape)
+        box = flat[offs[0]:offs[0] + sizes[0], offs[1]:offs[1] + sizes[1], offs[2]:offs[2] + sizes[2]]
+        assert box.min().item() == start and box.max().item() == stop - 1
+
+
+def test_boxes_tile_detects_gap_overlap_and_escape():
+    shape = (4, 4)
+    assert boxes_tile(shape, [Box((0, 0), (2, 4)), Box((2, 0), (2, 4))]) is None
+    assert "overlap" in boxes_tile(shape, [Box((0, 0), (3, 4)), Box((2, 0), (2, 4))])
+    assert "cover 8 of 16" in boxes_tile(shape, [Box((0, 0), (2, 4))])
+    assert "outside" in boxes_tile(shape, [Box((3, 0), (2, 4))])
