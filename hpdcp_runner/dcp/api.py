@@ -142,28 +142,31 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     own: LoadPlan | None = None
     try:
         with timer.phase("metadata"):
+            # Rank 0 reads, every rank parses and validates in parallel; a rank whose validation
+            # fails reports it in the plan agreement below, so every rank raises it.
             source = os.path.join(path, METADATA_FILE) if path else METADATA_FILE
-            parsed: dict[str, Metadata] = {}
-
-            def read_md() -> str:  # validated on the reading rank before anything is broadcast
-                text = reader.read_metadata_text()
-                parsed["md"] = Metadata.from_json(text, source=source)
-                return text
-
-            text = comm.agree_root("load: metadata", read_md)
-            md = parsed.get("md") or Metadata.from_json(text, source=source)
-            reader.attach_metadata(md)
-        keys = md.keys()
+            text = comm.agree_root("load: metadata", reader.read_metadata_text)
+            md_or_error: Metadata | Exception
+            try:
+                md_or_error = Metadata.from_json(text, source=source)
+                reader.attach_metadata(md_or_error)
+            except Exception as e:
+                md_or_error = e
 
         def local_plan() -> dict:
             nonlocal own
-            planner.configure(state_dict, md, rank=comm.rank, world_size=comm.world_size, allow_cast=allow_cast)
+            if isinstance(md_or_error, Exception):
+                raise md_or_error
+            planner.configure(state_dict, md_or_error, rank=comm.rank, world_size=comm.world_size,
+                              allow_cast=allow_cast)
             own = planner.create_local_plan()
-            return {"missing": list(own.missing), "requested": _bitmap(keys, own.requested),
-                    "shards": own.shard_summary(md)}
+            return {"missing": list(own.missing), "requested": _bitmap(md_or_error.keys(), own.requested),
+                    "shards": own.shard_summary(md_or_error)}
 
         with timer.phase("plan"):
             gathered = comm.agree("load: plan", local_plan)
+            md = md_or_error
+            keys = md.keys()
             missing_by_rank = {r: g["missing"] for r, g in enumerate(gathered) if g["missing"]}
             unexpected = _unrequested(keys, [g["requested"] for g in gathered])
             if strict and (missing_by_rank or unexpected):

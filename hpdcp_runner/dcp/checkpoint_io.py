@@ -85,6 +85,36 @@ def _header(entries: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]) -
     return raw, starts
 
 
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_WRITEBACK_EVERY = 32 << 20
+
+
+class _Writeback:
+    """Start the kernel's writeback of what was written so far (Linux ``sync_file_range``), so the
+    final fsync finds most bytes already on their way to disk: writing and flushing overlap."""
+
+    def __init__(self, f) -> None:
+        self.f, self.done, self.pending = f, 0, 0
+
+    def wrote(self, n: int) -> None:
+        self.pending += n
+        if _SYNC_FILE_RANGE is None or self.pending < _WRITEBACK_EVERY:
+            return
+        self.f.flush()
+        end = self.f.tell()
+        _SYNC_FILE_RANGE(self.f.fileno(), self.done, end - self.done, 2)  # SYNC_FILE_RANGE_WRITE
+        self.done, self.pending = end, 0
+
+
 def write_file(path: str, entries: Sequence[tuple[str, torch.Tensor]], *, meta: dict[str, str] | None = None,
                fsync: bool = True) -> WrittenFile:
     """Write contiguous CPU tensors as one safetensors file; returns offsets and checksums."""
@@ -94,13 +124,16 @@ def write_file(path: str, entries: Sequence[tuple[str, torch.Tensor]], *, meta: 
     with open(path, "xb", buffering=_WRITE_BUFFER) as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
+        wb = _Writeback(f) if fsync else None
         for (key, t), start in zip(entries, starts):
             view = byte_view(t)
             f.write(view)
             out.append(WrittenEntry(key, base + start, len(view), digest(view)))
+            if wb:
+                wb.wrote(len(view))
         f.flush()
         if fsync:
-            os.fsync(f.fileno())
+            os.fdatasync(f.fileno())
         size = f.tell()
     return WrittenFile(size, file_checksum(header, (e.checksum for e in out)), tuple(out))
 

@@ -31,7 +31,7 @@ from .checkpoint_io import byte_view, digest, pread_into, write_file
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError
 from .geometry import flat_span, row_major_strides
 from .metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
-                       dtype_from_name)
+                       dtype_from_name, element_size)
 from .storage import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
 from .utils import get_logger
 
@@ -229,7 +229,7 @@ class FileSystemReader(StorageReader):
         plans = []
         for r in requests:
             dt = dtype_from_name(r.dtype)
-            esize = torch.empty((), dtype=dt).element_size()
+            esize = element_size(r.dtype)
             start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
             plans.append((r.chunk.file, r.chunk.byte_offset + start * esize, (stop - start) * esize, r, dt, stop - start))
         plans.sort(key=lambda p: (p[0], p[1]))

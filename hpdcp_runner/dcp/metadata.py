@@ -60,8 +60,14 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise MetadataError(f"unknown dtype {name!r}") from None
 
 
+_ELEMENT_SIZES = {name: torch.empty((), dtype=dt).element_size() for name, (dt, _) in DTYPES.items()}
+
+
 def element_size(name: str) -> int:
-    return torch.empty((), dtype=dtype_from_name(name)).element_size()
+    try:
+        return _ELEMENT_SIZES[name]
+    except KeyError:
+        raise MetadataError(f"unknown dtype {name!r}") from None
 
 
 def check_file_name(name: Any) -> str:
@@ -234,6 +240,7 @@ def _parse_tensor(key: str, t: Any, files: Mapping[str, FileMeta], source: str) 
               f"tensor {key!r}: chunk bytes [{boff}, {boff + math.prod(sizes) * esize}) lie beyond the end of "
               f"{fname} ({files[fname].size} bytes)")
         chunks.append(ChunkMeta(offs, sizes, fname, skey, boff, csum))
-    problem = boxes_tile(shape, [c.box for c in chunks])
+    single_whole = len(chunks) == 1 and chunks[0].sizes == shape
+    problem = None if single_whole else boxes_tile(shape, [c.box for c in chunks])
     _need(problem is None, source, f"tensor {key!r}: {problem}")
     return TensorMeta(dtype, shape, tuple(chunks), _path(t.get("path"), source, key))

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .geometry import Box
-from .metadata import Metadata
+from .metadata import Metadata, element_size
 
 TENSOR = "tensor"
 OBJECT = "object"
@@ -101,16 +101,10 @@ class LoadPlan:
         out: dict[tuple, list] = {}
         for it in self.items:
             key = (it.fqn, it.dest_box.offsets)
-            esize = torch.empty((), dtype=_dt(metadata.tensors[it.fqn].dtype)).element_size()
+            esize = element_size(metadata.tensors[it.fqn].dtype)
             row = out.setdefault(key, [it.fqn, list(it.dest_box.offsets), list(it.dest_box.sizes), 0])
             row[3] += it.overlap.numel * esize
         return list(out.values())
-
-
-def _dt(name: str) -> torch.dtype:
-    from .metadata import dtype_from_name
-
-    return dtype_from_name(name)
 
 
 class SavePlanner(ABC):
