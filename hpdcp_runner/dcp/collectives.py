@@ -52,7 +52,7 @@ class Comm:
         if td is None and dist.get_backend(group) == "gloo":
             return cls(group, rank, size, group)
         ranks = tuple(dist.get_process_group_ranks(group))
-        key = (ranks, td)
+        key = (id(dist.group.WORLD), ranks, td)
         control = _GROUP_CACHE.get(key)
         if control is None:
             kwargs = {"timeout": td} if td is not None else {}

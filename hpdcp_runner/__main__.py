@@ -1,0 +1,33 @@
+"""Entry point: ``torchrun --nproc-per-node=N -m hpdcp_runner +job=<name> [overrides]``,
+``python -m hpdcp_runner +job=<name>`` (one process) or the ``hpdcp`` console script.
+
+Thin on purpose: agree the run dir across ranks before Hydra starts, then hand over to Hydra.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from . import config, runtime
+from .paths import find_conf_dir
+
+
+def _task(cfg: DictConfig):
+    from . import jobs
+
+    return jobs.run(cfg)
+
+
+def main() -> None:
+    runtime.agree_run_stamp()
+    runtime.register_resolvers()
+    config.register()
+    try:
+        hydra.main(version_base="1.3", config_path=find_conf_dir(), config_name="config")(_task)()
+    finally:
+        runtime.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The runner's structured config: dataclass schemas in Hydra's ConfigStore, size parsing and
+cross-field validation that reports every problem at once."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .dcp.errors import ConfigError
+
+JOBS = ("save", "load", "reshard", "inspect", "verify", "bench")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """``64MiB`` / ``6MB`` / ``1GiB`` / ``4096`` -> bytes. Booleans and negatives are errors."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size such as 64MiB or an integer, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: a size cannot be negative, got {value}")
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"{key}: {value!r} is not a size (use e.g. 64MiB, 6MB, 1GiB or a byte count)")
+    number, unit = float(m.group(1)), (m.group(2) or "B").lower()
+    n = number * _UNITS[unit]
+    if n != int(n):
+        raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
+    return int(n)
+
+
+Size = Union[int, str]
+
+
+@dataclass
+class PlannerConf:
+    name: str = "standard"  # standard | minimum_rank
+
+
+@dataclass
+class StorageConf:
+    name: str = "filesystem"
+    files_kept: int = 8
+    fsync: bool = True
+    verify_checksums: bool = True
+    max_metadata_bytes: Size = "256MiB"
+
+
+@dataclass
+class DcpConf:
+    planner: PlannerConf = field(default_factory=PlannerConf)
+    storage: StorageConf = field(default_factory=StorageConf)
+    timeout_s: float = 300.0
+    allow_pickle: bool = False
+    allow_cast: bool = False
+    verify_replicas: bool = False
+
+
+@dataclass
+class RuleConf:
+    pattern: str = ".*"
+    placements: list[str] = field(default_factory=lambda: ["R"])
+
+
+@dataclass
+class LayoutConf:
+    name: str = "replicated"
+    kind: str = "plain"  # plain (replicated tensors) | dtensor | flat (ragged flat shards)
+    mesh: list[int] = field(default_factory=lambda: [-1])  # -1: the rest of the world size
+    rules: list[RuleConf] = field(default_factory=list)  # first match wins; no match -> replicate
+    flat_units: list[int] = field(default_factory=list)  # kind=flat: relative share per rank (empty: even)
+
+
+@dataclass
+class ModelConf:
+    name: str = "tiny"
+    kind: str = "transformer"  # transformer | peer | mlp_adamw
+    vocab: int = 64
+    hidden: int = 16
+    layers: int = 2
+    ffn: int = 40
+    dtype: str = "float32"
+    big_rows: int = 4096  # peer workload: rows of the 15 big tensors
+    seed: int = 0
+
+
+@dataclass
+class CheckpointConf:
+    dir: str = "checkpoints"  # relative paths are under the run directory
+    name: str = "step_0"
+    path: Optional[str] = None  # explicit checkpoint to read (load/inspect/verify); default dir/name
+    keep_last: int = 0  # 0 keeps every checkpoint
+    overwrite: bool = False
+
+
+@dataclass
+class RuntimeConf:
+    backend: str = "auto"  # auto | gloo | nccl
+    device: str = "cpu"  # cpu | cuda
+    timeout_s: float = 300.0
+    progress: bool = True
+
+
+@dataclass
+class SourceConf:
+    path: Optional[str] = None
+    layout: str = "tp"
+
+
+@dataclass
+class JobConf:
+    name: str = MISSING
+    format: str = "table"  # inspect: table | json
+    source: SourceConf = field(default_factory=SourceConf)
+    output: Optional[str] = None  # reshard: where the resharded checkpoint goes
+    warmup: int = 1
+    repeats: int = 3
+    peer: bool = False  # bench: run torch.distributed.checkpoint side by side
+    verify: bool = True
+
+
+@dataclass
+class Config:
+    dcp: DcpConf = field(default_factory=DcpConf)
+    layout: LayoutConf = field(default_factory=LayoutConf)
+    model: ModelConf = field(default_factory=ModelConf)
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    runtime: RuntimeConf = field(default_factory=RuntimeConf)
+    job: Optional[JobConf] = None
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="hpdcp_schema", node=Config)
+    cs.store(group="job", name="job_schema", node=JobConf)
+    cs.store(group="layout", name="layout_schema", node=LayoutConf)
+    cs.store(group="model", name="model_schema", node=ModelConf)
+    cs.store(group="planner", name="planner_schema", node=PlannerConf, package="dcp.planner")
+    cs.store(group="storage", name="storage_schema", node=StorageConf, package="dcp.storage")
+
+
+def to_plain(cfg: DictConfig) -> dict:
+    """Resolved plain dict of the user config (no ``hydra`` node)."""
+    d = OmegaConf.to_container(cfg, resolve=True)
+    d.pop("hydra", None)
+    return d
+
+
+def validate(cfg: DictConfig, world_size: int) -> Config:
+    """Re-check against the schema (``+key=`` bypasses struct mode) and cross-check fields.
+
+    Raises one ConfigError listing every problem with its full key.
+    """
+    problems: list[str] = []
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), to_plain(cfg))
+    except OmegaConfBaseException as e:
+        full_key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"invalid config: {full_key or '?'}: {msg}") from None
+    c: Config = OmegaConf.to_object(merged)
+    from . import layouts
+    from .dcp import SAVE_PLANNERS
+
+    if c.job is None:
+        problems.append(f"job: no job given; pick one with +job=<name>: {', '.join(JOBS)}")
+    elif c.job.name not in JOBS:
+        problems.append(f"job.name: unknown job {c.job.name!r} (jobs: {', '.join(JOBS)})")
+    if c.dcp.planner.name not in SAVE_PLANNERS:
+        problems.append(f"dcp.planner.name: unknown planner {c.dcp.planner.name!r} (choose {', '.join(SAVE_PLANNERS)})")
+    if c.dcp.storage.name != "filesystem":
+        problems.append(f"dcp.storage.name: unknown storage {c.dcp.storage.name!r} (choose filesystem)")
+    if c.dcp.storage.files_kept < 1:
+        problems.append(f"dcp.storage.files_kept: must be >= 1, got {c.dcp.storage.files_kept}")
+    for key, value in (("dcp.storage.max_metadata_bytes", c.dcp.storage.max_metadata_bytes),):
+        try:
+            parse_size(value, key)
+        except ConfigError as e:
+            problems.append(str(e))
+    for key, value in (("dcp.timeout_s", c.dcp.timeout_s), ("runtime.timeout_s", c.runtime.timeout_s)):
+        if value <= 0:
+            problems.append(f"{key}: must be positive seconds, got {value}")
+    if c.checkpoint.keep_last < 0:
+        problems.append(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got {c.checkpoint.keep_last}")
+    if c.runtime.backend not in ("auto", "gloo", "nccl"):
+        problems.append(f"runtime.backend: {c.runtime.backend!r} is not auto, gloo or nccl")
+    if c.runtime.device not in ("cpu", "cuda"):
+        problems.append(f"runtime.device: {c.runtime.device!r} is not cpu or cuda")
+    if c.runtime.backend == "nccl" and c.runtime.device == "cpu":
+        problems.append("runtime.backend: nccl cannot carry CPU tensors; use runtime.device=cuda or backend gloo")
+    problems += [f"layout.{p}" for p in layouts.problems(c.layout, world_size)]
+    if c.model.dtype not in ("float32", "bfloat16", "float16"):
+        problems.append(f"model.dtype: {c.model.dtype!r} is not float32, bfloat16 or float16")
+    if c.model.kind not in ("transformer", "peer", "mlp_adamw"):
+        problems.append(f"model.kind: {c.model.kind!r} is not transformer, peer or mlp_adamw")
+    if c.job is not None:
+        if c.job.name in ("inspect", "verify") and not c.checkpoint.path:
+            problems.append(f"checkpoint.path: the {c.job.name} job needs checkpoint.path=<checkpoint dir>")
+        if c.job.format not in ("table", "json"):
+            problems.append(f"job.format: {c.job.format!r} is not table or json")
+        if c.job.name == "reshard" and not c.job.source.path and c.job.source.layout not in layouts.PRESETS:
+            problems.append(f"job.source.layout: unknown layout {c.job.source.layout!r} "
+                            f"(choose {', '.join(sorted(layouts.PRESETS))})")
+        if c.job.repeats < 1 or c.job.warmup < 0:
+            problems.append("job.repeats/job.warmup: repeats must be >= 1 and warmup >= 0")
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    return c

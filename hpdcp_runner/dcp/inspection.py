@@ -1,0 +1,147 @@
+"""Single-process checkpoint tools: describe, verify, and full-tensor digests.
+
+They need no process group and read one tensor at a time, so memory stays at the largest
+tensor whatever the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .checkpoint_io import digest, file_checksum, read_header
+from .errors import HpdcpError
+from .filesystem_storage import STAGING_MARK, TRASH_MARK, FileSystemReader
+from .geometry import Box
+from .metadata import METADATA_FILE, Metadata, dtype_from_name
+from .storage import ReadRequest
+
+
+def commit_state(path: str | os.PathLike) -> str:
+    """'committed', 'uncommitted' (a staging dir or a dir without metadata) or 'missing'."""
+    path = os.path.abspath(os.fspath(path))
+    name = os.path.basename(path)
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+        return "committed"
+    if os.path.isdir(path) or STAGING_MARK in name or TRASH_MARK in name:
+        return "uncommitted"
+    return "missing"
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """A JSON-able summary: format, world size, files, and per tensor dtype/shape/chunks/bytes."""
+    reader = FileSystemReader(path)
+    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+    tensors = {k: {"dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes,
+                   "files": sorted({c.file for c in t.chunks})} for k, t in md.tensors.items()}
+    return {"path": reader.path, "state": commit_state(path), "format_version": md.format_version,
+            "world_size": md.world_size, "tensor_bytes": md.total_tensor_bytes,
+            "files": {n: {"size": f.size, "rank": f.rank} for n, f in sorted(md.files.items())},
+            "tensors": tensors, "objects": sorted(md.objects)}
+
+
+def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, full tensor)`` assembled from every chunk, one tensor at a time."""
+    reader = FileSystemReader(path, files_kept=4)
+    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+    reader.attach_metadata(md)
+    try:
+        for key in keys if keys is not None else sorted(md.tensors):
+            tm = md.tensors[key]
+            full = torch.empty(tm.shape, dtype=dtype_from_name(tm.dtype))
+            reqs = []
+            for c in tm.chunks:
+                view = full
+                for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+                    view = view.narrow(d, o, s)
+                reqs.append(ReadRequest(c, tm.dtype, Box(tuple(0 for _ in c.sizes), c.sizes), view))
+            reader.read_tensors(reqs)
+            yield key, full
+    finally:
+        reader.close()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """Digest of a tensor's dtype, shape and row-major bytes (layout independent)."""
+    from .checkpoint_io import byte_view
+
+    c = t.detach().to("cpu").contiguous()
+    return digest(f"{c.dtype}{list(c.shape)}".encode() + bytes(byte_view(c)))
+
+
+def full_tensor_digests(path: str | os.PathLike) -> dict[str, str]:
+    return {k: tensor_digest(t) for k, t in iter_full_tensors(path)}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    path: str
+    problems: tuple[str, ...]
+    files_checked: int
+    bytes_checked: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str | os.PathLike) -> VerifyReport:
+    """Recompute every checksum and cross-check files against the metadata; collect all problems."""
+    problems: list[str] = []
+    abspath = os.path.abspath(os.fspath(path))
+    try:
+        md = Metadata.from_json(FileSystemReader(path).read_metadata_text(), source=os.path.join(abspath, METADATA_FILE))
+    except HpdcpError as e:
+        return VerifyReport(abspath, (str(e),), 0, 0)
+    by_file: dict[str, dict[str, object]] = {}
+    for t in md.tensors.values():
+        for c in t.chunks:
+            by_file.setdefault(c.file, {})[c.key] = c
+    checked = nbytes = 0
+    for name, fm in sorted(md.files.items()):
+        full = os.path.join(abspath, name)
+        if not os.path.isfile(full):
+            problems.append(f"{name}: missing")
+            continue
+        size = os.path.getsize(full)
+        if size != fm.size:
+            problems.append(f"{name}: {size} bytes, metadata records {fm.size}")
+            continue
+        checked += 1
+        nbytes += size
+        if name.endswith(".safetensors"):
+            problems += _verify_tensor_file(full, name, fm.checksum, by_file.get(name, {}))
+        else:
+            with open(full, "rb") as f:
+                if digest(f.read()) != fm.checksum:
+                    problems.append(f"{name}: checksum mismatch")
+    extra = sorted(set(os.listdir(abspath)) - set(md.files) - {METADATA_FILE})
+    problems += [f"{n}: not listed in {METADATA_FILE}" for n in extra]
+    return VerifyReport(abspath, tuple(problems), checked, nbytes)
+
+
+def _verify_tensor_file(full: str, name: str, checksum: str, chunks: dict) -> list[str]:
+    problems = []
+    try:
+        header, entries = read_header(full)
+    except HpdcpError as e:
+        return [str(e)]
+    digests = []
+    with open(full, "rb") as f:
+        for e in entries:
+            f.seek(e.byte_offset)
+            d = digest(f.read(e.nbytes))
+            digests.append(d)
+            c = chunks.get(e.key)
+            if c is None:
+                problems.append(f"{name}: key {e.key!r} is not in the metadata")
+            elif c.checksum != d or c.byte_offset != e.byte_offset:
+                problems.append(f"{name}: key {e.key!r} fails its checksum")
+    missing = sorted(set(chunks) - {e.key for e in entries})
+    problems += [f"{name}: key {k!r} listed in the metadata is not in the file" for k in missing]
+    if file_checksum(header, digests) != checksum:
+        problems.append(f"{name}: file checksum mismatch")
+    return problems

@@ -1,0 +1,82 @@
+"""bench: repeated save and load (after warmup), medians and min-max; optionally torch DCP
+side by side in the same run (``job.peer=true``, needs numpy for torch.distributed.checkpoint)."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..dcp.errors import ConfigError, HpdcpError
+from ..layouts import place_state
+from ..workloads import reference_state, zeros_like_state
+from .context import JobContext, compare_state
+
+
+def _max_over_ranks(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return _max_over_ranks(time.perf_counter() - t0)
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median_s": round(statistics.median(xs), 4), "min_s": round(min(xs), 4), "max_s": round(max(xs), 4),
+            "n": len(xs)}
+
+
+def _peer(ctx: JobContext, state, target, path: str) -> tuple[float, float]:
+    try:
+        import numpy  # noqa: F401  torch.distributed.checkpoint needs it
+        import torch.distributed.checkpoint as tdcp
+    except ImportError as e:
+        raise ConfigError(f"job.peer=true needs torch.distributed.checkpoint and numpy ({e}); "
+                          f"pip install numpy") from None
+    s = _timed(lambda: tdcp.save(state, storage_writer=tdcp.FileSystemWriter(path)))
+    l_ = _timed(lambda: tdcp.load(target, storage_reader=tdcp.FileSystemReader(path)))
+    return s, l_
+
+
+def run(ctx: JobContext) -> dict:
+    job, placer = ctx.cfg.job, ctx.placer()
+    with ctx.metrics.phase("build"):
+        ref = reference_state(ctx.cfg.model)
+        state = place_state(ref, placer)
+        target = place_state(zeros_like_state(ref), placer)
+    times = {"save": [], "load": [], "peer_save": [], "peer_load": []}
+    for i in range(job.warmup + job.repeats):
+        path = ctx.checkpoint_path(f"bench_{i}")
+        s = _timed(lambda: ctx.save(state, path, overwrite=True))
+        l_ = _timed(lambda: ctx.load(target, path))
+        if job.verify and i == 0:
+            problems = compare_state(target, state)
+            if problems:
+                raise HpdcpError(f"bench load differs from what was saved: {problems[:10]}")
+        ps = pl = None
+        if job.peer:
+            ps, pl = _peer(ctx, state, target, ctx.checkpoint_path(f"peer_{i}"))
+        dist.barrier()
+        if ctx.info.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(ctx.checkpoint_path(f"peer_{i}"), ignore_errors=True)
+        if i >= job.warmup:
+            times["save"].append(s)
+            times["load"].append(l_)
+            if job.peer:
+                times["peer_save"].append(ps)
+                times["peer_load"].append(pl)
+    result = {k: _stats(v) for k, v in times.items() if v}
+    if job.peer:
+        for p in ("save", "load"):
+            result[f"speedup_{p}_vs_torch_dcp"] = round(result[f"peer_{p}"]["median_s"] / result[p]["median_s"], 3)
+    result["objective"] = result["load"]["median_s"]
+    return result

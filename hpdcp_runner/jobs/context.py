@@ -1,0 +1,101 @@
+"""What every job gets: the validated config, rank info, the run dir, metrics and engine calls
+with the configured knobs."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+from .. import dcp
+from ..config import Config, parse_size
+from ..dcp.collectives import Comm
+from ..dcp.filesystem_storage import FileSystemReader, FileSystemWriter, remove_tree_safely
+from ..dcp.inspection import commit_state
+from ..dcp.standard_planner import local_pieces
+from ..layouts import Placer
+from ..metrics import Metrics
+from ..runtime import RankInfo
+
+
+class JobContext:
+    def __init__(self, cfg: Config, plain: dict, info: RankInfo, run_dir: str) -> None:
+        self.cfg, self.plain, self.info, self.run_dir = cfg, plain, info, run_dir
+        self.metrics = Metrics()
+        self.comm = Comm.create(None, cfg.dcp.timeout_s)
+
+    # -- paths ------------------------------------------------------------------------------
+    def abspath(self, p: str) -> str:
+        return p if os.path.isabs(p) else os.path.join(self.run_dir, p)
+
+    def checkpoint_path(self, name: str | None = None) -> str:
+        if self.cfg.checkpoint.path and name is None:
+            return self.abspath(self.cfg.checkpoint.path)
+        return os.path.join(self.abspath(self.cfg.checkpoint.dir), name or self.cfg.checkpoint.name)
+
+    def placer(self, layout: Any = None) -> Placer:
+        return Placer(layout or self.cfg.layout, self.info.rank, self.info.world_size, self.info.device)
+
+    # -- engine calls with the configured knobs ----------------------------------------------
+    def save(self, state: Any, path: str, phase: str = "save", overwrite: bool | None = None) -> dcp.Metadata:
+        d = self.cfg.dcp
+        writer = FileSystemWriter(path, fsync=d.storage.fsync)
+        with self.metrics.phase(phase):
+            md = dcp.save(state, storage_writer=writer, planner=dcp.SAVE_PLANNERS[d.planner.name](),
+                          overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
+                          allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s)
+        self.metrics.add(writer.counters.as_dict(), f"{phase}.")
+        return md
+
+    def load(self, state: Any, path: str, phase: str = "load", strict: bool = True) -> dcp.LoadResult:
+        d = self.cfg.dcp
+        reader = FileSystemReader(path, files_kept=d.storage.files_kept, verify_checksums=d.storage.verify_checksums,
+                                  max_metadata_bytes=parse_size(d.storage.max_metadata_bytes))
+        with self.metrics.phase(phase):
+            res = dcp.load(state, storage_reader=reader, strict=strict, allow_pickle=d.allow_pickle,
+                           allow_cast=d.allow_cast, timeout=d.timeout_s)
+        self.metrics.add(dict(res.counters), f"{phase}.")
+        return res
+
+    def apply_retention(self, directory: str) -> list[str]:
+        """Keep the newest ``checkpoint.keep_last`` committed checkpoints of ``directory`` (rank 0)."""
+        k = self.cfg.checkpoint.keep_last
+        if k <= 0 or self.info.rank != 0 or not os.path.isdir(directory):
+            return []
+        found = [n for n in os.listdir(directory) if not n.startswith(".")
+                 and commit_state(os.path.join(directory, n)) == "committed"]
+        found.sort(key=_step_key)
+        removed = found[:-k] if len(found) > k else []
+        for n in removed:
+            remove_tree_safely(os.path.join(directory, n))
+        return removed
+
+
+def _step_key(name: str) -> tuple:
+    m = re.search(r"(\d+)$", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+def compare_state(got: Any, expect: Any, prefix: str = "") -> list[str]:
+    """Problems comparing a loaded state with its placed reference, shard by shard, bitwise."""
+    from ..dcp.utils import TENSOR_LEAVES
+
+    if isinstance(expect, dict):
+        if not isinstance(got, dict) or set(got) != set(expect):
+            return [f"{prefix or '<root>'}: structure differs"]
+        return [p for k in expect for p in compare_state(got[k], expect[k], f"{prefix}{k}.")]
+    if isinstance(expect, list):
+        if not isinstance(got, list) or len(got) != len(expect):
+            return [f"{prefix[:-1]}: list differs"]
+        return [p for i, (g, e) in enumerate(zip(got, expect)) for p in compare_state(g, e, f"{prefix}{i}.")]
+    key = prefix[:-1]
+    if isinstance(expect, TENSOR_LEAVES):
+        gp, ep = local_pieces(got), local_pieces(expect)
+        if [b for b, _ in gp] != [b for b, _ in ep]:
+            return [f"{key}: local boxes differ"]
+        if any(g.dtype != e.dtype or not torch.equal(g.cpu(), e.cpu()) for (_, g), (_, e) in zip(gp, ep)):
+            return [f"{key}: values differ from the reference"]
+        return []
+    return [] if got == expect and type(got) is type(expect) else [f"{key}: {got!r} != {expect!r}"]

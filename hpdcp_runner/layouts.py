@@ -1,0 +1,161 @@
+"""Layout config -> DeviceMesh + placements per parameter, applied to full reference tensors.
+
+Every rank holds the same deterministic full tensors, so placing is local slicing (no
+collectives); the slicing follows DTensor's ``Shard`` rule (``torch.chunk`` sizes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from .dcp import FlatShard
+from .dcp.geometry import split_piece
+
+PLACEMENT = re.compile(r"^(R|S-?\d+)$")
+
+
+def conf_dir() -> str:
+    from .paths import find_conf_dir
+
+    return find_conf_dir()
+
+
+def _preset_names() -> list[str]:
+    d = os.path.join(conf_dir(), "layout")
+    return sorted(n[:-5] for n in os.listdir(d) if n.endswith(".yaml")) if os.path.isdir(d) else []
+
+
+class _Presets:
+    def __contains__(self, name: object) -> bool:
+        return name in _preset_names()
+
+    def __iter__(self):
+        return iter(_preset_names())
+
+
+PRESETS = _Presets()
+
+
+def load_preset(name: str):
+    """A layout from ``conf/layout/<name>.yaml`` as a LayoutConf (used by reshard's source layout)."""
+    from .config import LayoutConf
+
+    raw = OmegaConf.load(os.path.join(conf_dir(), "layout", f"{name}.yaml"))
+    raw.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConf), raw))
+
+
+def mesh_shape(layout: Any, world_size: int) -> tuple[int, ...]:
+    dims = list(layout.mesh)
+    known = math.prod(d for d in dims if d != -1)
+    return tuple(world_size // known if d == -1 else d for d in dims)
+
+
+def problems(layout: Any, world_size: int) -> list[str]:
+    out = []
+    if layout.kind not in ("plain", "dtensor", "flat"):
+        out.append(f"kind: {layout.kind!r} is not plain, dtensor or flat")
+    dims = list(layout.mesh)
+    if dims.count(-1) > 1 or any(d == 0 or d < -1 for d in dims) or not dims:
+        out.append(f"mesh: {dims} must be positive sizes with at most one -1")
+    else:
+        known = math.prod(d for d in dims if d != -1)
+        if (world_size % known) if -1 in dims else (known != world_size):
+            out.append(f"mesh: {dims} does not fit world size {world_size}")
+    for i, rule in enumerate(layout.rules):
+        try:
+            re.compile(rule.pattern)
+        except re.error as e:
+            out.append(f"rules[{i}].pattern: bad regex {rule.pattern!r} ({e})")
+        if len(rule.placements) != len(dims):
+            out.append(f"rules[{i}].placements: {list(rule.placements)} needs one entry per mesh dim ({len(dims)})")
+        bad = [p for p in rule.placements if not PLACEMENT.match(str(p))]
+        if bad:
+            out.append(f"rules[{i}].placements: {bad} are not R or S<dim>")
+    if layout.kind == "flat":
+        if len(dims) != 1:
+            out.append("mesh: flat layouts use a 1-D mesh")
+        if layout.flat_units and len(layout.flat_units) != world_size:
+            out.append(f"flat_units: {list(layout.flat_units)} needs one entry per rank ({world_size})")
+        if any(u < 0 for u in layout.flat_units) or (layout.flat_units and sum(layout.flat_units) == 0):
+            out.append(f"flat_units: {list(layout.flat_units)} must be non-negative with a positive sum")
+    return out
+
+
+class Placer:
+    """Applies one layout on this rank."""
+
+    def __init__(self, layout: Any, rank: int, world_size: int, device: str = "cpu") -> None:
+        self.layout, self.rank, self.world_size, self.device = layout, rank, world_size, device
+        self.shape = mesh_shape(layout, world_size)
+        self._mesh = None
+        self._rules = [(re.compile(r.pattern), list(r.placements)) for r in layout.rules]
+
+    @property
+    def mesh(self):
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._mesh = DeviceMesh(self.device, torch.arange(self.world_size).reshape(self.shape))
+        return self._mesh
+
+    def placements_for(self, fqn: str, ndim: int) -> list[str]:
+        for pat, pl in self._rules:
+            if pat.fullmatch(fqn):
+                # A shard dim the tensor does not have replicates instead (e.g. biases under tp).
+                return [p if p == "R" or _dim(p, ndim) is not None else "R" for p in pl]
+        return ["R"] * len(self.shape)
+
+    def place(self, fqn: str, full: torch.Tensor) -> Any:
+        full = full.to(self.device)
+        if self.layout.kind == "plain" or full.dim() == 0:
+            return full.clone()
+        if self.layout.kind == "flat":
+            return self._flat(full)
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        names = self.placements_for(fqn, full.dim())
+        coord = self.mesh.get_coordinate()
+        local = full
+        placements = []
+        for mesh_dim, p in enumerate(names):
+            if p == "R":
+                placements.append(Replicate())
+                continue
+            d = _dim(p, full.dim())
+            start, size = split_piece(local.shape[d], self.shape[mesh_dim], coord[mesh_dim])
+            local = local.narrow(d, start, size)
+            placements.append(Shard(d))
+        return DTensor.from_local(local.clone(), self.mesh, placements, run_check=False, shape=full.shape,
+                                  stride=full.stride())
+
+    def _flat(self, full: torch.Tensor) -> FlatShard:
+        n = full.numel()
+        units = list(self.layout.flat_units) or [1] * self.world_size
+        total = sum(units)
+        cuts = [n * sum(units[:k]) // total for k in range(self.world_size + 1)]
+        a, b = cuts[self.rank], cuts[self.rank + 1]
+        return FlatShard(full.reshape(-1)[a:b].clone(), full.shape, a)
+
+
+def _dim(p: str, ndim: int) -> int | None:
+    d = int(p[1:])
+    d = d + ndim if d < 0 else d
+    return d if 0 <= d < ndim else None
+
+
+def place_state(full_sd: Any, placer: Placer, prefix: str = "") -> Any:
+    """Place every tensor leaf of a nested reference state dict; other leaves are copied."""
+    if isinstance(full_sd, dict):
+        return {k: place_state(v, placer, f"{prefix}{k}.") for k, v in full_sd.items()}
+    if isinstance(full_sd, list):
+        return [place_state(v, placer, f"{prefix}{i}.") for i, v in enumerate(full_sd)]
+    if isinstance(full_sd, torch.Tensor):
+        return placer.place(prefix[:-1], full_sd)
+    return full_sd

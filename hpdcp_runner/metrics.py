@@ -1,0 +1,81 @@
+"""Per-rank phase timers and byte counters, gathered into ``metrics.json`` plus a summary table."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from .runtime import peak_rss_mib
+
+
+def config_digest(plain_cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(plain_cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Metrics:
+    """What one rank measured. ``phase`` times wall-clock; ``add`` accumulates counters."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self.counters: dict[str, int] = {}
+        self.values: dict[str, Any] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def add(self, counters: dict[str, int], prefix: str = "") -> None:
+        for k, v in counters.items():
+            if isinstance(v, (int, float)):
+                self.counters[prefix + k] = self.counters.get(prefix + k, 0) + v
+
+    def rank_record(self, rank: int) -> dict:
+        return {"rank": rank, "phases_s": self.phases, "counters": self.counters, "values": self.values,
+                "peak_rss_mib": round(peak_rss_mib(), 1)}
+
+
+def summarize(records: list[dict]) -> dict:
+    """Max-over-ranks phase seconds, and GB/s for phases that moved bytes (``<phase>.bytes_*``)."""
+    phases = sorted({p for r in records for p in r["phases_s"]})
+    out = {}
+    for p in phases:
+        secs = max(r["phases_s"].get(p, 0.0) for r in records)
+        row = {"seconds_max": round(secs, 4)}
+        keys = (f"{p}.bytes_written", f"{p}.bytes_read")
+        if any(k in r["counters"] for r in records for k in keys):
+            total = sum(r["counters"].get(k, 0) for r in records for k in keys)
+            row["bytes"] = total
+            row["GB_per_s"] = round(total / secs / 1e9, 3) if secs > 0 else None
+        out[p] = row
+    return out
+
+
+def write_metrics(run_dir: str, doc: dict) -> str:
+    path = os.path.join(run_dir, "metrics.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+def summary_table(doc: dict) -> str:
+    lines = [f"hpdcp {doc['job']}: world_size={doc['world_size']} layout={doc['layout']} model={doc['model']}"]
+    lines.append(f"{'phase':<20}{'seconds(max)':>14}{'bytes':>16}{'GB/s':>10}")
+    for p, row in doc["summary"].items():
+        b = row.get("bytes")
+        lines.append(f"{p:<20}{row['seconds_max']:>14.3f}{(str(b) if b is not None else '-'):>16}"
+                     f"{(str(row.get('GB_per_s')) if row.get('GB_per_s') is not None else '-'):>10}")
+    rss = max(r["peak_rss_mib"] for r in doc["ranks"])
+    lines.append(f"peak RSS (max over ranks): {rss:.0f} MiB; metrics: {doc['metrics_path']}")
+    for k, v in doc.get("result", {}).items():
+        lines.append(f"{k}: {v}")
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""Process-group lifetime, rank info, run-directory agreement and rank-aware logging.
+
+Under torchrun every rank runs Hydra. Before Hydra starts, all ranks of one launch agree on one
+run stamp through torchrun's own TCPStore, so they share one run directory; rank 0 alone writes
+``.hydra/``; each rank logs to its own file; the console shows INFO from rank 0 and warnings
+from every rank.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+STAMP_ENV = "HPDCP_RUN_STAMP"
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def agree_run_stamp(timeout_s: float = 120.0) -> str:
+    """One ``date_time_id`` stamp per launch, identical on every rank; the random id keeps two
+    launches in the same second apart."""
+    if STAMP_ENV in os.environ:
+        return os.environ[STAMP_ENV]
+    stamp = _dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S") + "_" + secrets.token_hex(3)
+    if under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=_dt.timedelta(seconds=timeout_s))
+        key = f"hpdcp/stamp/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        if env_rank() == 0:
+            store.set(key, stamp)
+        stamp = store.get(key).decode()
+    os.environ[STAMP_ENV] = stamp
+    return stamp
+
+
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("hpdcp.stamp", lambda: os.environ.get(STAMP_ENV, "local"), replace=True)
+    OmegaConf.register_new_resolver("hpdcp.rank", lambda: env_rank(), replace=True)
+    OmegaConf.register_new_resolver("hpdcp.rank0_only", lambda v: v if env_rank() == 0 else None, replace=True)
+
+
+class RankZeroFilter(logging.Filter):
+    """Console filter: INFO and below from rank 0 only; WARNING and above from every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return env_rank() == 0 or record.levelno >= logging.WARNING
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    device: str
+
+
+def init_distributed(backend: str, device: str, timeout_s: float) -> RankInfo:
+    """Create the process group once (reused across multirun jobs inside one torchrun)."""
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            from .dcp.errors import ConfigError
+
+            raise ConfigError("runtime.device: cuda was asked for but torch.cuda.is_available() is False")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if not dist.is_initialized():
+        timeout = _dt.timedelta(seconds=timeout_s)
+        if ws > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # one process: a private store, no ports
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, node_rank, device)
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def shutdown_distributed() -> None:
+    """Tear the process group down before interpreter exit (gloo threads alive at exit can abort)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,111 @@
+"""Every conf option composes and validates; the key set is golden; sizes parse; the engine
+imports no Hydra/OmegaConf."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from hpdcp_runner import config, runtime
+from hpdcp_runner.config import parse_size, validate
+from hpdcp_runner.dcp.errors import ConfigError
+from hpdcp_runner.paths import find_conf_dir
+
+CONF = find_conf_dir()
+runtime.register_resolvers()
+config.register()
+
+
+def _compose(overrides):
+    with initialize_config_dir(version_base="1.3", config_dir=CONF):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _options(group):
+    return sorted(n[:-5] for n in os.listdir(os.path.join(CONF, group)) if n.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("group", ["job", "planner", "storage", "layout", "model"])
+def test_every_option_composes_and_validates(group):
+    for opt in _options(group):
+        overrides = [f"+job={opt}" if group == "job" else "+job=save"]
+        if group != "job":
+            overrides.append(f"{group}={opt}")
+        if opt in ("inspect", "verify"):
+            overrides.append("checkpoint.path=/tmp/x")
+        ws = 4 if opt == "dp_tp" else 2
+        c = validate(_compose(overrides), ws)
+        if group == "layout":
+            assert c.layout.name == opt
+        if group == "job":
+            assert c.job.name == opt
+
+
+GOLDEN_KEYS = sorted("""
+checkpoint.dir checkpoint.keep_last checkpoint.name checkpoint.overwrite checkpoint.path
+dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
+dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas
+job.format job.name job.output job.peer job.repeats job.source.layout job.source.path job.verify job.warmup
+layout.flat_units layout.kind layout.mesh layout.name layout.rules
+model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab
+runtime.backend runtime.device runtime.progress runtime.timeout_s
+""".split())
+
+
+def _keys(node, prefix=""):
+    out = []
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out += _keys(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def test_golden_config_keys():
+    plain = OmegaConf.to_container(_compose(["+job=reshard"]), resolve=True)
+    assert sorted(_keys(plain)) == GOLDEN_KEYS
+
+
+def test_plus_override_of_unknown_key_is_caught():
+    with pytest.raises(ConfigError, match="files_kep"):
+        validate(_compose(["+job=save", "+dcp.storage.files_kep=3"]), 1)
+
+
+def test_all_problems_reported_at_once():
+    cfg = _compose(["+job=inspect", "layout=dp_tp", "dcp.storage.files_kept=0", "runtime.backend=mpi"])
+    with pytest.raises(ConfigError) as ei:
+        validate(cfg, 3)
+    text = str(ei.value)
+    for key in ("layout.mesh", "dcp.storage.files_kept", "runtime.backend", "checkpoint.path"):
+        assert key in text
+
+
+@pytest.mark.parametrize("text,value", [("64MiB", 64 << 20), ("6MB", 6_000_000), ("1GiB", 1 << 30), (4096, 4096),
+                                        ("0", 0), ("1.5KiB", 1536), ("12 kb", 12000)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["12XB", "-1", "MiB", True, -5, "0.3B"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError, match="k"):
+        parse_size(bad, "k")
+
+
+def test_engine_imports_no_hydra_or_omegaconf():
+    code = ("import sys, hpdcp_runner.dcp, hpdcp_runner.dcp.inspection;"
+            "bad=[m for m in sys.modules if m.split('.')[0] in ('hydra','omegaconf')];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    root = os.path.join(os.path.dirname(config.__file__), "dcp")
+    for name in os.listdir(root):
+        if name.endswith(".py"):
+            src = open(os.path.join(root, name)).read()
+            assert "import hydra" not in src and "omegaconf" not in src, name
