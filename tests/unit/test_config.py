@@ -46,6 +46,15 @@ def test_every_option_composes_and_validates(group):
             assert c.job.name == opt
 
 
+@pytest.mark.parametrize("name", _options("experiment"))
+def test_experiments_compose_and_open_with_their_launch_command(name):
+    lines = open(os.path.join(CONF, "experiment", f"{name}.yaml")).read().splitlines()
+    assert lines[0] == "# @package _global_" and "-m hpdcp_runner +experiment=" + name in lines[1]
+    ws = int(lines[1].split("--nproc-per-node=")[1].split()[0]) if "--nproc-per-node=" in lines[1] else 1
+    c = validate(_compose([f"+experiment={name}"]), ws)
+    assert c.job is not None
+
+
 GOLDEN_KEYS = sorted("""
 checkpoint.dir checkpoint.keep_last checkpoint.name checkpoint.overwrite checkpoint.path
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
