@@ -52,12 +52,22 @@ class StorageConf:
     fsync: bool = True
     verify_checksums: bool = True
     max_metadata_bytes: Size = "256MiB"
+    shared: bool = False  # declare network/shared storage: replica broadcast pays off on one node too
+    max_read_bytes_per_s: Optional[Size] = None  # per-process read cap (token bucket), to simulate slow storage
+
+
+@dataclass
+class BroadcastConf:
+    mode: str = "auto"  # always | never | auto (across nodes, or shared/slow storage)
+    batch_bytes: Size = "8MiB"  # shards below this are packed; 0 disables packing
+    max_in_flight: int = 4
 
 
 @dataclass
 class DcpConf:
     planner: PlannerConf = field(default_factory=PlannerConf)
     storage: StorageConf = field(default_factory=StorageConf)
+    broadcast: BroadcastConf = field(default_factory=BroadcastConf)
     timeout_s: float = 300.0
     allow_pickle: bool = False
     allow_cast: bool = False
@@ -180,11 +190,19 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
         problems.append(f"dcp.storage.name: unknown storage {c.dcp.storage.name!r} (choose filesystem)")
     if c.dcp.storage.files_kept < 1:
         problems.append(f"dcp.storage.files_kept: must be >= 1, got {c.dcp.storage.files_kept}")
-    for key, value in (("dcp.storage.max_metadata_bytes", c.dcp.storage.max_metadata_bytes),):
+    for key, value in (("dcp.storage.max_metadata_bytes", c.dcp.storage.max_metadata_bytes),
+                       ("dcp.broadcast.batch_bytes", c.dcp.broadcast.batch_bytes),
+                       ("dcp.storage.max_read_bytes_per_s", c.dcp.storage.max_read_bytes_per_s)):
         try:
-            parse_size(value, key)
+            if value is not None and parse_size(value, key) == 0 and key.endswith("per_s"):
+                problems.append(f"{key}: must be positive (or null for no cap)")
         except ConfigError as e:
             problems.append(str(e))
+    if c.dcp.broadcast.mode not in ("always", "never", "auto"):
+        problems.append(f"dcp.broadcast.mode: {c.dcp.broadcast.mode!r} is not always, never or auto")
+    if c.dcp.broadcast.max_in_flight < 1:
+        problems.append(f"dcp.broadcast.max_in_flight: must be >= 1, got {c.dcp.broadcast.max_in_flight}")
+
     for key, value in (("dcp.timeout_s", c.dcp.timeout_s), ("runtime.timeout_s", c.runtime.timeout_s)):
         if value <= 0:
             problems.append(f"{key}: must be positive seconds, got {value}")

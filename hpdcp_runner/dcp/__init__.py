@@ -8,6 +8,7 @@ No Hydra, no OmegaConf: usable from any training script.
 """
 
 from .api import LoadResult, load, read_metadata, save
+from .broadcast import BroadcastOptions, release_broadcast_groups
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CollectiveTimeoutError, ConfigError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, KeyMismatchError,
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError)
@@ -15,13 +16,16 @@ from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .metadata import Metadata
 from .planner import LoadPlanner, SavePlanner
 from .ragged import FlatShard, LocalShard
-from .standard_planner import MinimumRankSavePlanner, StandardLoadPlanner, StandardSavePlanner
+from .standard_planner import (MinimumRankLoadPlanner, MinimumRankSavePlanner, StandardLoadPlanner,
+                               StandardSavePlanner)
 from .storage import StorageReader, StorageWriter
 
 SAVE_PLANNERS = {"standard": StandardSavePlanner, "minimum_rank": MinimumRankSavePlanner}
+LOAD_PLANNERS = {"standard": StandardLoadPlanner, "minimum_rank": MinimumRankLoadPlanner}
 
 __all__ = [
-    "save", "load", "read_metadata", "LoadResult", "Metadata",
+    "save", "load", "read_metadata", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
+    "LOAD_PLANNERS", "LoadResult", "Metadata",
     "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
     "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "FlatShard", "LocalShard",
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",

@@ -13,12 +13,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .broadcast import BroadcastOptions, node_id, run_broadcasts
 from .collectives import Comm
 from .errors import KeyMismatchError
 from .filesystem_storage import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
 from .geometry import Box, relative
 from .metadata import METADATA_FILE, Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from .replica_plan import ShardSummary, batch_ops
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
 from .storage import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
 from .utils import PhaseTimer, get_logger
@@ -127,13 +129,17 @@ def _unrequested(keys: list[str], bitmaps: list[str]) -> list[str]:
 def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_reader: StorageReader | None = None, planner: LoadPlanner | None = None,
          process_group: Any = None, strict: bool = True, allow_pickle: bool = False, allow_cast: bool = False,
-         files_kept: int = DEFAULT_FILES_KEPT, timeout: Timeout = None, timer: PhaseTimer | None = None) -> LoadResult:
+         files_kept: int = DEFAULT_FILES_KEPT, broadcast: BroadcastOptions | None = None, timeout: Timeout = None,
+         timer: PhaseTimer | None = None) -> LoadResult:
     """Load a checkpoint into ``state_dict`` in place (tensors are filled, other leaves replaced).
 
     Works for any saved layout and world size: each destination shard is assembled from the
     saved chunks it intersects. ``strict`` makes missing keys (on any rank) and checkpoint keys
-    that no rank asked for one ``KeyMismatchError``; otherwise they are returned.
+    that no rank asked for one ``KeyMismatchError``; otherwise they are returned. A shard held by
+    several ranks is read once and broadcast to the others per ``broadcast`` (mode auto: only
+    across nodes or from storage declared shared/slow).
     """
+    options = broadcast or BroadcastOptions()
     path = _checkpoint_path(checkpoint_id, storage_reader)
     comm = Comm.create(process_group, timeout)
     reader = storage_reader or FileSystemReader(path, files_kept=files_kept)
@@ -161,7 +167,8 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                               allow_cast=allow_cast)
             own = planner.create_local_plan()
             return {"missing": list(own.missing), "requested": _bitmap(md_or_error.keys(), own.requested),
-                    "shards": own.shard_summary(md_or_error)}
+                    "shards": [s.to_wire() for s in own.shards], "node": node_id(),
+                    "slow": bool(reader.slow_storage)}
 
         with timer.phase("plan"):
             gathered = comm.agree("load: plan", local_plan)
@@ -171,7 +178,10 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             unexpected = _unrequested(keys, [g["requested"] for g in gathered])
             if strict and (missing_by_rank or unexpected):
                 raise _key_error(missing_by_rank, unexpected)
-            own = planner.create_global_plan([g["shards"] for g in gathered], own)
+            shards = [[ShardSummary.from_wire(w) for w in g["shards"]] for g in gathered]
+            own, ops = planner.create_global_plan(shards, own, mode=options.mode, nodes=[g["node"] for g in gathered],
+                                                  slow_storage=gathered[0]["slow"])
+            batches = batch_ops(ops, options.batch_bytes)
 
         def read() -> dict:
             requests = []
@@ -190,7 +200,12 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             return reader.counters.as_dict()
 
         with timer.phase("read"):
-            comm.agree("load: read", read)
+            comm.agree("load: read", read)  # no broadcast starts unless every reader succeeded
+        if batches:
+            with timer.phase("broadcast"):
+                comm.agree("load: broadcast", lambda: run_broadcasts(
+                    batches, rank=comm.rank, group=comm.group, timeout=comm.timeout, options=options,
+                    destination=planner.destination, counters=reader.counters))
     finally:
         reader.close()
     return LoadResult(tuple(own.missing), tuple(unexpected), reader.counters.as_dict(), dict(timer.seconds))

@@ -35,8 +35,9 @@ def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta | None
 class Comm:
     """A process group's rank/size plus the gloo group used for control messages."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, control: Any) -> None:
+    def __init__(self, group: Any, rank: int, world_size: int, control: Any, timeout: Any = None) -> None:
         self.group, self.rank, self.world_size, self.control = group, rank, world_size, control
+        self.timeout = timeout
 
     @classmethod
     def create(cls, process_group: Any = None, timeout: float | _dt.timedelta | None = None) -> "Comm":
@@ -50,7 +51,7 @@ class Comm:
             raise errmod.ConfigError(f"global rank {dist.get_rank()} is not a member of the given process group")
         td = _as_timedelta(timeout)
         if td is None and dist.get_backend(group) == "gloo":
-            return cls(group, rank, size, group)
+            return cls(group, rank, size, group, td)
         ranks = tuple(dist.get_process_group_ranks(group))
         key = (id(dist.group.WORLD), ranks, td)
         control = _GROUP_CACHE.get(key)
@@ -63,7 +64,7 @@ class Comm:
                     f"creating the gloo control group of ranks {list(ranks)} failed on rank {rank} of {size}: {e}. A peer rank "
                     f"probably died, hung or did not call the same checkpoint function") from e
             _GROUP_CACHE[key] = control
-        return cls(group, rank, size, control)
+        return cls(group, rank, size, control, td)
 
     # -- raw JSON collectives ---------------------------------------------------------------
     def _run(self, phase: str, fn: Callable[[], Any]) -> Any:

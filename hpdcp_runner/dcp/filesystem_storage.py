@@ -153,15 +153,40 @@ class FileSystemWriter(StorageWriter):
         self.staging = None
 
 
+class _TokenBucket:
+    """Caps throughput at ``rate`` bytes/s with a one-second burst."""
+
+    def __init__(self, rate: int) -> None:
+        import time
+
+        self.rate, self._clock = float(rate), time.monotonic
+        self.tokens, self.last = float(rate), self._clock()
+
+    def take(self, n: int) -> None:
+        import time
+
+        now = self._clock()
+        self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate) - n
+        self.last = now
+        if self.tokens < 0:
+            time.sleep(-self.tokens / self.rate)
+
+
 class FileSystemReader(StorageReader):
     """Reads into preallocated destinations: one ``preadv`` per (chunk, destination) straight into
     the destination memory when the bytes are contiguous on both sides, else into a reused scratch
     buffer and one strided copy. Reads are sorted by file and offset; open files live in an LRU."""
 
     def __init__(self, path: str | os.PathLike, *, files_kept: int = DEFAULT_FILES_KEPT,
-                 max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True) -> None:
+                 max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True,
+                 shared_storage: bool = False, max_read_bytes_per_s: int | None = None) -> None:
         if files_kept < 1:
             raise ValueError(f"files_kept must be >= 1, got {files_kept}")
+        if max_read_bytes_per_s is not None and max_read_bytes_per_s <= 0:
+            raise ValueError(f"max_read_bytes_per_s must be positive, got {max_read_bytes_per_s}")
+        # A per-process token bucket that models network storage on one machine.
+        self.throttle = _TokenBucket(max_read_bytes_per_s) if max_read_bytes_per_s else None
+        self.slow_storage = shared_storage or self.throttle is not None
         self.path = os.path.abspath(os.fspath(path))
         self.files_kept = files_kept
         self.max_metadata_bytes = max_metadata_bytes
@@ -252,6 +277,8 @@ class FileSystemReader(StorageReader):
             pread_into(fd, offset, view, name=name)
         self.counters.bytes_read += nbytes
         self.counters.reads += 1
+        if self.throttle:
+            self.throttle.take(nbytes)
         if whole_chunk and self.verify_checksums:
             if digest(view) != r.chunk.checksum:
                 raise CorruptCheckpointError(f"checkpoint file {os.path.join(self.path, name)}: key {r.chunk.key!r} "
@@ -272,6 +299,7 @@ class FileSystemReader(StorageReader):
             body = bytearray(size)
             pread_into(fd, 0, memoryview(body), name=name)
             self.counters.bytes_read += size
+            self.counters.extra["object_bytes_read"] = self.counters.extra.get("object_bytes_read", 0) + size
             full = os.path.join(self.path, name)
             if self.metadata and digest(body) != self.metadata.files[name].checksum:
                 raise CorruptCheckpointError(f"checkpoint file {full} fails its checksum (corrupted data)")

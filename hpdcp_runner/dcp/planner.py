@@ -15,7 +15,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .geometry import Box
-from .metadata import Metadata, element_size
+from .metadata import Metadata
+from .replica_plan import BroadcastOp, ShardSummary
 
 TENSOR = "tensor"
 OBJECT = "object"
@@ -93,18 +94,9 @@ class LoadPlan:
     objects: tuple[str, ...]
     missing: tuple[str, ...]
     requested: frozenset[str]
+    shards: tuple[ShardSummary, ...] = ()
     # (fqn, dest offsets) -> rank that reads it from storage; absent: this rank reads it itself.
     sources: Mapping[tuple, int] = field(default_factory=dict)
-
-    def shard_summary(self, metadata: Metadata) -> list:
-        """Per destination shard: [fqn, offsets, sizes, bytes to read] — what the global plan needs."""
-        out: dict[tuple, list] = {}
-        for it in self.items:
-            key = (it.fqn, it.dest_box.offsets)
-            esize = element_size(metadata.tensors[it.fqn].dtype)
-            row = out.setdefault(key, [it.fqn, list(it.dest_box.offsets), list(it.dest_box.sizes), 0])
-            row[3] += it.overlap.numel * esize
-        return list(out.values())
 
 
 class SavePlanner(ABC):
@@ -137,8 +129,14 @@ class LoadPlanner(ABC):
     def create_local_plan(self) -> LoadPlan: ...
 
     @abstractmethod
-    def create_global_plan(self, summaries: Sequence[list], own: LoadPlan) -> LoadPlan:
-        """Pure and deterministic: sets ``sources`` on the own plan from all ranks' summaries."""
+    def create_global_plan(self, shards: Sequence[Sequence[ShardSummary]], own: LoadPlan, *, mode: str,
+                           nodes: Sequence[str], slow_storage: bool) -> tuple[LoadPlan, list[BroadcastOp]]:
+        """Pure and deterministic: who reads each replicated shard (``sources`` on the own plan)
+        and the global list of broadcasts, from every rank's shard summaries."""
+
+    @abstractmethod
+    def destination(self, key: tuple) -> torch.Tensor:
+        """The detached local view of the destination shard ``(fqn, offsets, sizes)``."""
 
     @abstractmethod
     def acquire_tensor(self, item: ReadItem) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
@@ -16,6 +17,8 @@ from .metadata import Metadata, dtype_name
 from .planner import (OBJECT, TENSOR, GlobalSavePlan, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner,
                       WriteItem)
 from .ragged import FlatShard, LocalShard
+from .broadcast import sendable_device
+from .replica_plan import BroadcastOp, ShardSummary, plan_replica_reads
 from .storage import WriteResult
 from .utils import TENSOR_LEAVES, flatten_state_dict, set_element
 
@@ -185,8 +188,10 @@ def _check_tiling(plans: Sequence[SavePlan], owner: Mapping[tuple, tuple[int, in
 
 
 class StandardLoadPlanner(LoadPlanner):
-    """Intersects every local destination piece with every saved chunk; each rank reads its own
-    pieces (the replica-broadcast planner overrides ``create_global_plan``)."""
+    """Intersects every local destination piece with every saved chunk; a shard held by several
+    ranks is read by one of them (balanced by bytes) and broadcast to the others."""
+
+    policy = "balanced"
 
     def __init__(self) -> None:
         self.state_dict: Mapping[str, Any] = {}
@@ -213,7 +218,18 @@ class StandardLoadPlanner(LoadPlanner):
                 objs.append(fqn)
             else:
                 missing.append(fqn)
-        return LoadPlan(self.rank, tuple(items), tuple(objs), tuple(missing), frozenset(requested))
+        return LoadPlan(self.rank, tuple(items), tuple(objs), tuple(missing), frozenset(requested),
+                        self._summaries(items))
+
+    def _summaries(self, items: Sequence[ReadItem]) -> tuple[ShardSummary, ...]:
+        seen: dict[tuple, ShardSummary] = {}
+        for it in items:
+            k = (it.fqn, it.dest)
+            if k not in seen:
+                box, t = self._pieces[it.fqn][it.dest]
+                seen[k] = ShardSummary(it.fqn, box.offsets, box.sizes, t.numel() * t.element_size(),
+                                       dtype_name(t.dtype), sendable_device(t))
+        return tuple(seen.values())
 
     def _tensor_reads(self, fqn: str, v: Any) -> list[ReadItem]:
         tm = self.metadata.tensors[fqn]
@@ -240,8 +256,19 @@ class StandardLoadPlanner(LoadPlanner):
                                     f"destination at offsets {list(box.offsets)} sizes {list(box.sizes)}")
         return out
 
-    def create_global_plan(self, summaries: Sequence[list], own: LoadPlan) -> LoadPlan:
-        return own
+    def create_global_plan(self, shards: Sequence[Sequence[ShardSummary]], own: LoadPlan, *, mode: str,
+                           nodes: Sequence[str], slow_storage: bool) -> tuple[LoadPlan, list[BroadcastOp]]:
+        ops = plan_replica_reads(shards, mode=mode, nodes=nodes, slow_storage=slow_storage, policy=self.policy)
+        mine = {s.key for s in own.shards}
+        sources = {(op.key[0], op.key[1]): op.src for op in ops if op.key in mine}
+        return dataclasses.replace(own, sources=sources), ops
+
+    def destination(self, key: tuple) -> torch.Tensor:
+        fqn, offsets, sizes = key
+        for box, t in self._pieces[fqn]:
+            if box.offsets == tuple(offsets) and box.sizes == tuple(sizes):
+                return t
+        raise StateDictError(f"no local destination shard {key!r}")
 
     def acquire_tensor(self, item: ReadItem) -> torch.Tensor:
         t = self._pieces[item.fqn][item.dest][1]
@@ -251,6 +278,12 @@ class StandardLoadPlanner(LoadPlanner):
 
     def apply_object(self, fqn: str, value: Any) -> None:
         set_element(self.state_dict, self.paths[fqn], value)
+
+
+class MinimumRankLoadPlanner(StandardLoadPlanner):
+    """Every replicated shard is read by its lowest-ranked holder."""
+
+    policy = "minimum_rank"
 
 
 def chunk_key(fqn: str, offsets: Sequence[int]) -> str:

@@ -95,6 +95,8 @@ class StorageWriter(ABC):
 
 class StorageReader(ABC):
     counters: IOCounters
+    #: True when reads are expensive (network/shared storage): replica broadcast pays off even on one node.
+    slow_storage: bool = False
 
     @abstractmethod
     def read_metadata_text(self) -> str:

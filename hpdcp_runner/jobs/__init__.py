@@ -78,8 +78,7 @@ def _report(ctx: JobContext, result: dict) -> dict | None:
            "model": ctx.cfg.model.name, "run_dir": ctx.run_dir, "config": ctx.plain,
            "config_digest": config_digest(ctx.plain), "ranks": records,
            "summary": summarize(records), "result": result,
-           "engine": {"dcp.planner.name": ctx.cfg.dcp.planner.name,
-                      "dcp.storage.files_kept": ctx.cfg.dcp.storage.files_kept}}
+           "engine": ctx.engine_knobs()}
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
     print(summary_table(doc), flush=True)
     return doc

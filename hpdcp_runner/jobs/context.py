@@ -51,13 +51,30 @@ class JobContext:
 
     def load(self, state: Any, path: str, phase: str = "load", strict: bool = True) -> dcp.LoadResult:
         d = self.cfg.dcp
+        cap = d.storage.max_read_bytes_per_s
         reader = FileSystemReader(path, files_kept=d.storage.files_kept, verify_checksums=d.storage.verify_checksums,
-                                  max_metadata_bytes=parse_size(d.storage.max_metadata_bytes))
+                                  max_metadata_bytes=parse_size(d.storage.max_metadata_bytes),
+                                  shared_storage=d.storage.shared,
+                                  max_read_bytes_per_s=parse_size(cap) if cap is not None else None)
         with self.metrics.phase(phase):
-            res = dcp.load(state, storage_reader=reader, strict=strict, allow_pickle=d.allow_pickle,
-                           allow_cast=d.allow_cast, timeout=d.timeout_s)
+            res = dcp.load(state, storage_reader=reader, planner=dcp.LOAD_PLANNERS[d.planner.name](), strict=strict,
+                           allow_pickle=d.allow_pickle, allow_cast=d.allow_cast, timeout=d.timeout_s,
+                           broadcast=self.broadcast_options())
         self.metrics.add(dict(res.counters), f"{phase}.")
         return res
+
+    def broadcast_options(self) -> dcp.BroadcastOptions:
+        b = self.cfg.dcp.broadcast
+        return dcp.BroadcastOptions(b.mode, parse_size(b.batch_bytes, "dcp.broadcast.batch_bytes"), b.max_in_flight)
+
+    def engine_knobs(self) -> dict:
+        """The knob values as the engine received them (parsed), for metrics.json."""
+        o, s = self.broadcast_options(), self.cfg.dcp.storage
+        return {"dcp.planner.name": self.cfg.dcp.planner.name, "dcp.broadcast.mode": o.mode,
+                "dcp.broadcast.batch_bytes": o.batch_bytes, "dcp.broadcast.max_in_flight": o.max_in_flight,
+                "dcp.storage.files_kept": s.files_kept, "dcp.storage.shared": s.shared,
+                "dcp.storage.max_read_bytes_per_s": parse_size(s.max_read_bytes_per_s)
+                if s.max_read_bytes_per_s is not None else None}
 
     def apply_retention(self, directory: str) -> list[str]:
         """Keep the newest ``checkpoint.keep_last`` committed checkpoints of ``directory`` (rank 0)."""

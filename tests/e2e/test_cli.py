@@ -16,14 +16,18 @@ def _tail(r):
 
 def test_bare_reshard_under_torchrun(cli, tmp_path):
     run = tmp_path / "run"
-    r = cli(["+job=reshard", f"hydra.run.dir={run}", "dcp.storage.files_kept=3"], nproc=2)
+    r = cli(["+job=reshard", f"hydra.run.dir={run}", "dcp.storage.files_kept=3", "dcp.broadcast.batch_bytes=64MiB",
+             "dcp.broadcast.mode=always", "layout=tp", "job.source.layout=fsdp"], nproc=2)
     assert r.returncode == 0, _tail(r)
     names = sorted(p.name for p in run.iterdir())
     assert names == [".hydra", "checkpoints", "hpdcp_rank0.log", "hpdcp_rank1.log", "metrics.json"], names
     m = metrics(run)
     assert m["world_size"] == 2 and m["result"]["verified_tensors"] > 0
-    assert m["result"]["source_layout"] == "tp" and m["result"]["target_layout"] == "fsdp"
+    assert m["result"]["source_layout"] == "fsdp" and m["result"]["target_layout"] == "tp"
     assert m["engine"]["dcp.storage.files_kept"] == 3 and m["config"]["dcp"]["storage"]["files_kept"] == 3
+    assert m["engine"]["dcp.broadcast.batch_bytes"] == 64 << 20 and m["engine"]["dcp.broadcast.mode"] == "always"
+    # the fsdp->tp reshard has replicated norms: with mode=always someone received them by broadcast
+    assert sum(rec["counters"].get("reshard.load.bytes_received", 0) for rec in m["ranks"]) > 0
     assert [rec["rank"] for rec in m["ranks"]] == [0, 1]
     assert all(rec["counters"]["reshard.load.bytes_read"] > 0 for rec in m["ranks"])
     assert "hpdcp reshard: world_size=2" in r.stdout and r.stdout.count("hpdcp reshard:") == 1
