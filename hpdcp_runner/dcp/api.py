@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .broadcast import BroadcastOptions, node_id, run_broadcasts
+from .broadcast import BroadcastOptions, node_id, run_load_transfers
 from .collectives import Comm
 from .errors import KeyMismatchError
 from .filesystem_storage import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
@@ -183,29 +183,30 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                                                   slow_storage=gathered[0]["slow"])
             batches = batch_ops(ops, options.batch_bytes)
 
-        def read() -> dict:
-            requests = []
+        def transfer() -> None:
+            batch_of = {op.key: i for i, b in enumerate(batches) for op in b.ops if b.src == comm.rank}
+            reads_by_batch: dict[int, list] = {}
+            local = []
             for it in own.items:
                 src = own.sources.get((it.fqn, it.dest_box.offsets))
                 if src is not None and src != comm.rank:
-                    continue
+                    continue  # another holder reads it and broadcasts it here
                 tm = md.tensors[it.fqn]
                 chunk = tm.chunks[it.chunk]
-                requests.append(ReadRequest(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes),
-                                            planner.acquire_tensor(it)))
-            reader.read_tensors(requests)
+                req = ReadRequest(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes),
+                                  planner.acquire_tensor(it))
+                b = batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes))
+                (reads_by_batch.setdefault(b, []) if b is not None else local).append(req)
+            run_load_transfers(batches, rank=comm.rank, group=comm.group, control=comm.control,
+                               timeout=comm.timeout, options=options, destination=planner.destination,
+                               counters=reader.counters, reads_by_batch=reads_by_batch, local_reads=local,
+                               read=reader.read_tensors)
             values = reader.read_objects({f: md.objects[f] for f in own.objects}, allow_pickle=allow_pickle)
             for fqn, value in values.items():
                 planner.apply_object(fqn, value)
-            return reader.counters.as_dict()
 
-        with timer.phase("read"):
-            comm.agree("load: read", read)  # no broadcast starts unless every reader succeeded
-        if batches:
-            with timer.phase("broadcast"):
-                comm.agree("load: broadcast", lambda: run_broadcasts(
-                    batches, rank=comm.rank, group=comm.group, timeout=comm.timeout, options=options,
-                    destination=planner.destination, counters=reader.counters))
+        with timer.phase("read"):  # storage reads overlap the replica broadcasts
+            comm.agree("load: read", transfer)
     finally:
         reader.close()
     return LoadResult(tuple(own.missing), tuple(unexpected), reader.counters.as_dict(), dict(timer.seconds))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -112,54 +113,122 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_broadcasts(batches: Sequence[Batch], *, rank: int, group: Any, timeout: Any, options: BroadcastOptions,
-                   destination: Callable[[tuple], torch.Tensor], counters: Any) -> None:
-    """Execute this rank's part of ``batches`` (global order; every member sees the same list)."""
-    mine = [b for b in batches if rank in b.ranks]
-    if not mine:
-        return
+class _Reads:
+    """Reads this rank's storage work in a background thread (one pass, sorted by file and
+    offset), so reading overlaps broadcasting; ``ready[i]`` is set once batch i's shards are in."""
+
+    def __init__(self, by_batch: Mapping[int, list], local: list, read: Callable[..., None]) -> None:
+        self.requests = [r for i in sorted(by_batch) for r in by_batch[i]] + list(local)
+        self.batch_of = [i for i in sorted(by_batch) for _ in by_batch[i]] + [None] * len(local)
+        self.left = {i: len(by_batch[i]) for i in by_batch}
+        self.read = read
+        self.ready = {i: threading.Event() for i in by_batch}
+        self.done: set[int] = set()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hpdcp-load-reads", daemon=True)
+        for i, n in self.left.items():
+            if n == 0:
+                self._complete(i)
+
+    def _complete(self, i: int) -> None:
+        self.done.add(i)
+        self.ready[i].set()
+
+    def _one_done(self, k: int) -> None:
+        i = self.batch_of[k]
+        if i is not None:
+            self.left[i] -= 1
+            if self.left[i] == 0:
+                self._complete(i)
+
+    def _run(self) -> None:
+        try:
+            self.read(self.requests, on_done=self._one_done, keep_order=True)
+        except BaseException as e:  # reported after the broadcasts, identically on every rank
+            self.error = e
+        finally:
+            for ev in self.ready.values():
+                ev.set()
+
+
+def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, control: Any, timeout: Any,
+                       options: BroadcastOptions, destination: Callable[[tuple], torch.Tensor], counters: Any,
+                       reads_by_batch: Mapping[int, list], local_reads: list, read: Callable[..., None]) -> None:
+    """Read this rank's shards (in a thread) and run its part of the replica broadcasts.
+
+    Before each batch the source broadcasts a one-element status: receivers post the data
+    broadcast only for a batch that was read successfully, so a failed read never fills a
+    destination and never leaves a rank waiting. A read failure is re-raised after all batches.
+    """
+    mine = [(i, b) for i, b in enumerate(batches) if rank in b.ranks]
+    size = dist.get_world_size(group) if group is not None else 1
     to_global = (lambda r: r) if group is None or group is dist.group.WORLD else \
         (lambda r: dist.get_global_rank(group, r))
     pgs: dict[tuple, Any] = {}
-    for b in mine:  # create every needed group first, in the global order
+    for _, b in mine:  # create every needed group first, in the global order
         backend = "nccl" if b.device == "cuda" else "gloo"
         k = (b.ranks, backend)
-        if k not in pgs:
-            given = (options.groups or {}).get(b.ranks)
-            if given is not None:
-                pgs[k] = given
-            else:
-                pgs[k] = GROUPS.get(tuple(to_global(r) for r in b.ranks), backend, timeout)
+        if k in pgs:
+            continue
+        given = (options.groups or {}).get(b.ranks)
+        if given is not None:
+            pgs[k] = given
+        elif len(b.ranks) == size and backend == "gloo" and control is not None:
+            pgs[k] = control  # the whole group already has a gloo communicator
+        else:
+            pgs[k] = GROUPS.get(tuple(to_global(r) for r in b.ranks), backend, timeout)
+    reads = _Reads(reads_by_batch, local_reads, read)
+    reads.thread.start()
     inflight: deque = deque()
+    statuses: list = []
 
-    def wait_oldest() -> None:
-        work, finish = inflight.popleft()
+    def wait(work: Any) -> None:
         try:
             work.wait()
         except Exception as e:
             raise CollectiveTimeoutError(f"a replica broadcast failed on rank {rank}: {e}") from e
-        finish()
 
-    for b in mine:
-        while len(inflight) >= options.max_in_flight:
-            wait_oldest()
-        pg = pgs[(b.ranks, "nccl" if b.device == "cuda" else "gloo")]
-        src = to_global(b.src)
-        is_src = rank == b.src
-        if b.packed:
-            tensor, finish = _packed(b, is_src, destination)
-            counters.extra["shards_packed"] = counters.extra.get("shards_packed", 0) + len(b.ops)
-        else:
-            tensor, finish = _direct(b, is_src, destination)
-        work = dist.broadcast(tensor, src=src, group=pg, async_op=True)
-        counters.extra["broadcasts"] = counters.extra.get("broadcasts", 0) + 1
-        if not is_src:
-            counters.extra["bytes_received"] = counters.extra.get("bytes_received", 0) + b.nbytes
-        inflight.append((work, finish))
-    while inflight:
-        wait_oldest()
-    _synchronize(mine[0].device)
+    try:
+        for i, b in mine:
+            pg = pgs[(b.ranks, "nccl" if b.device == "cuda" else "gloo")]
+            src, is_src = to_global(b.src), rank == b.src
+            status = torch.zeros(1, dtype=torch.int64, device="cuda" if b.device == "cuda" else "cpu")
+            if is_src:
+                reads.ready[i].wait()
+                status.fill_(1 if i in reads.done else 0)
+                statuses.append((dist.broadcast(status, src=src, group=pg, async_op=True), status))
+                ok = i in reads.done
+            else:
+                wait(dist.broadcast(status, src=src, group=pg, async_op=True))
+                ok = bool(status.item())
+            if not ok:
+                continue
+            while len(inflight) >= options.max_in_flight:
+                work, finish = inflight.popleft()
+                wait(work)
+                finish()
+            if b.packed:
+                tensor, finish = _packed(b, is_src, destination)
+                counters.extra["shards_packed"] = counters.extra.get("shards_packed", 0) + len(b.ops)
+            else:
+                tensor, finish = _direct(b, is_src, destination)
+            inflight.append((dist.broadcast(tensor, src=src, group=pg, async_op=True), finish))
+            counters.extra["broadcasts"] = counters.extra.get("broadcasts", 0) + 1
+            if not is_src:
+                counters.extra["bytes_received"] = counters.extra.get("bytes_received", 0) + b.nbytes
+        while inflight:
+            work, finish = inflight.popleft()
+            wait(work)
+            finish()
+        for work, _ in statuses:
+            wait(work)
+    finally:
+        reads.thread.join()
+    if mine:
+        _synchronize(mine[0][1].device)
     counters.extra["groups_created"] = GROUPS.created
+    if reads.error is not None:
+        raise reads.error
 
 
 def _packed(b: Batch, is_src: bool, destination: Callable[[tuple], torch.Tensor]):

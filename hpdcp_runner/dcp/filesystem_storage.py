@@ -22,7 +22,7 @@ import os
 import shutil
 import uuid
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -250,17 +250,23 @@ class FileSystemReader(StorageReader):
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes]
 
-    def read_tensors(self, requests: Sequence[ReadRequest]) -> None:
+    def read_tensors(self, requests: Sequence[ReadRequest], on_done: Callable[[int], None] | None = None,
+                     keep_order: bool = False) -> None:
+        """Reads are sorted by (file, offset); ``keep_order`` keeps the caller's order instead (the
+        order broadcasts need the data) when every file fits in the open-file LRU anyway."""
         plans = []
-        for r in requests:
+        for k, r in enumerate(requests):
             dt = dtype_from_name(r.dtype)
             esize = element_size(r.dtype)
             start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
-            plans.append((r.chunk.file, r.chunk.byte_offset + start * esize, (stop - start) * esize, r, dt, stop - start))
-        plans.sort(key=lambda p: (p[0], p[1]))
-        for name, offset, nbytes, r, dt, span in plans:
+            plans.append((r.chunk.file, r.chunk.byte_offset + start * esize, (stop - start) * esize, r, dt, stop - start, k))
+        if not (keep_order and len({p[0] for p in plans}) <= self.files_kept):
+            plans.sort(key=lambda p: (p[0], p[1]))
+        for name, offset, nbytes, r, dt, span, k in plans:
             if nbytes:
                 self._read_one(name, offset, nbytes, r, dt, span)
+            if on_done is not None:
+                on_done(k)
 
     def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype, span: int) -> None:
         fd = self._fd(name)

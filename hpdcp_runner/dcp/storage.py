@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -107,7 +107,10 @@ class StorageReader(ABC):
         """Every rank: the validated metadata, used to check files before reading them."""
 
     @abstractmethod
-    def read_tensors(self, requests: Sequence[ReadRequest]) -> None: ...
+    def read_tensors(self, requests: Sequence[ReadRequest], on_done: Callable[[int], None] | None = None,
+                     keep_order: bool = False) -> None:
+        """Fill every request's destination; ``on_done(k)`` after request k. The order is the
+        reader's choice unless ``keep_order`` asks for the given one (a hint)."""
 
     @abstractmethod
     def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]: ...
