@@ -73,7 +73,8 @@ def main() -> None:
     one_load(f"{base}/c", sd, cases[0][1], None)  # warm the page cache
     results = {}
     for rep in range(args.reps):
-        for name, opts in cases:  # interleaved, so drift on a noisy machine hits every case alike
+        # interleaved and rotated, so drift and position effects on a noisy machine hit every case alike
+        for name, opts in cases[rep % len(cases):] + cases[:rep % len(cases)]:
             t, counters = one_load(f"{base}/c", sd, opts, throttle)
             results.setdefault(name, []).append(t)
             if rep == 0:

@@ -6,11 +6,12 @@ travel over gloo, CUDA tensors over NCCL. Shards below ``batch_bytes`` are packe
 source, dtype) into one flat buffer; larger ones go straight from/to their destination buffer.
 At most ``max_in_flight`` async broadcasts are outstanding.
 
-Defaults (measured on this machine kind, 2 cores, gloo; see peer_baseline.md §3 and the note in
-``scripts/bench_broadcast.py``): a 1 MiB gloo broadcast reaches ~1.4 GB/s and 16 MiB ~2.2 GB/s,
-while 2000 x 4 KiB shards sent one by one reach 0.01 GB/s, so small shards must be packed; 4-16
-MiB batches and 4 in flight were the best region (1 in flight: 1.05 GB/s, 4: 2.01, unlimited:
-1.24). We use 8 MiB and 4.
+Defaults, measured here (2 cores, gloo, ws=2, 0.3 GiB of the peer tensor mix replicated,
+``scripts/bench_broadcast.py --sweep``, medians of 2): no packing (batch_bytes=0) 2.9-3.1 s;
+1 MiB 1.17-1.37 s; 4 MiB 1.19-1.42 s; 8 MiB 1.09-1.27 s; 16 MiB 1.01-1.22 s; 64 MiB 1.51-1.77 s,
+with max_in_flight 1/4/8 inside the noise at 4-16 MiB. This agrees with peer_baseline.md §3
+(4-16 MiB and 4 in flight best; 2000 x 4 KiB one by one 0.01 GB/s vs packed 0.28 GB/s). We use
+8 MiB and 4.
 """
 
 from __future__ import annotations
