@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
+from .dcp.utils import PhaseTimer
 from .runtime import peak_rss_mib
 
 
@@ -16,21 +15,13 @@ def config_digest(plain_cfg: dict) -> str:
     return hashlib.sha256(json.dumps(plain_cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class Metrics:
-    """What one rank measured. ``phase`` times wall-clock; ``add`` accumulates counters."""
+class Metrics(PhaseTimer):
+    """What one rank measured: ``phase`` (from PhaseTimer) times wall-clock; ``add`` accumulates counters."""
 
     def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
+        super().__init__()
         self.counters: dict[str, int] = {}
         self.values: dict[str, Any] = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
     def add(self, counters: dict[str, int], prefix: str = "") -> None:
         for k, v in counters.items():
@@ -38,7 +29,7 @@ class Metrics:
                 self.counters[prefix + k] = self.counters.get(prefix + k, 0) + v
 
     def rank_record(self, rank: int) -> dict:
-        return {"rank": rank, "phases_s": self.phases, "counters": self.counters, "values": self.values,
+        return {"rank": rank, "phases_s": self.seconds, "counters": self.counters, "values": self.values,
                 "peak_rss_mib": round(peak_rss_mib(), 1)}
 
 

@@ -56,6 +56,9 @@ def run(cfg: DictConfig) -> Any:
         result = ctx.comm.agree(f"job {c.job.name}", lambda: module.run(ctx))[ctx.info.rank]
     except HpdcpError as e:
         _record(e)
+        cause = e.__cause__
+        if cause is not None and not isinstance(cause, HpdcpError):  # a bug, not bad input: show where
+            sys.stderr.write("".join(traceback.format_exception(cause)))
         _fail(f"{type(e).__name__}: {e}", 1)
     doc = _report(ctx, result)
     return result.get("objective") if isinstance(result, dict) else None

@@ -53,7 +53,7 @@ def run(ctx: JobContext) -> dict:
         state = place_state(ref, placer)
         target = place_state(zeros_like_state(ref), placer)
     times = {"save": [], "load": [], "peer_save": [], "peer_load": []}
-    for i in range(job.warmup + job.repeats):
+    for i in ctx.progress(range(job.warmup + job.repeats), "bench"):
         path = ctx.checkpoint_path(f"bench_{i}")
         s = _timed(lambda: ctx.save(state, path, overwrite=True))
         l_ = _timed(lambda: ctx.load(target, path))

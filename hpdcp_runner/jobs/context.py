@@ -35,6 +35,16 @@ class JobContext:
             return self.abspath(self.cfg.checkpoint.path)
         return os.path.join(self.abspath(self.cfg.checkpoint.dir), name or self.cfg.checkpoint.name)
 
+    def progress(self, iterable: Any, desc: str, total: int | None = None) -> Any:
+        """A progress bar on rank 0 when attached to a terminal (``runtime.progress``)."""
+        import sys
+
+        if self.info.rank != 0 or not self.cfg.runtime.progress or not sys.stderr.isatty():
+            return iterable
+        from tqdm import tqdm
+
+        return tqdm(iterable, desc=desc, total=total, leave=False)
+
     def placer(self, layout: Any = None) -> Placer:
         return Placer(layout or self.cfg.layout, self.info.rank, self.info.world_size, self.info.device)
 
