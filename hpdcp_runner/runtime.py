@@ -99,4 +99,8 @@ def peak_rss_mib() -> float:
 def shutdown_distributed() -> None:
     """Tear the process group down before interpreter exit (gloo threads alive at exit can abort)."""
     if dist.is_available() and dist.is_initialized():
+        try:  # every rank done with every collective before any rank closes its connections
+            dist.barrier()
+        except Exception:  # a peer already failed; tearing down is all that is left
+            pass
         dist.destroy_process_group()
