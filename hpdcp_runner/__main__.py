@@ -23,6 +23,12 @@ def main() -> None:
     runtime.agree_run_stamp()
     runtime.register_resolvers()
     config.register()
+    # Register our launcher even where Hydra's plugin scan cannot see the namespace package
+    # (setuptools' editable installs hide it from pkgutil).
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.hpdcp_launcher.torchrun_launcher import TorchrunLauncher
+
+    Plugins.instance().register(TorchrunLauncher)
     try:
         hydra.main(version_base="1.3", config_path=find_conf_dir(), config_name="config")(_task)()
     finally:

@@ -117,6 +117,7 @@ class RuntimeConf:
     device: str = "cpu"  # cpu | cuda
     timeout_s: float = 300.0
     progress: bool = True
+    nproc_per_node: Optional[int] = None  # hydra/launcher=hpdcp_torchrun: workers per point (sweepable)
 
 
 @dataclass
@@ -135,6 +136,7 @@ class JobConf:
     repeats: int = 3
     peer: bool = False  # bench: run torch.distributed.checkpoint side by side
     verify: bool = True
+    fail_on_rank: Optional[int] = None  # fault injection for tests and drills: this rank raises
 
 
 @dataclass

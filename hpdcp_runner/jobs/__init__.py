@@ -32,8 +32,9 @@ def _fail(message: str, code: int) -> None:
     raise SystemExit(code)
 
 
-def run(cfg: DictConfig) -> Any:
-    """The Hydra task function's body. Returns the job's objective (for sweepers)."""
+def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
+    """The Hydra task function's body (or a launcher worker's, with ``run_dir``). Returns the
+    job's objective (for sweepers)."""
     if cfg.get("job") is None:
         _fail("no job given. Run one with +job=<name>, one of: " + ", ".join(JOBS)
               + "\n  e.g. python -m hpdcp_runner +job=reshard", 2)
@@ -42,9 +43,10 @@ def run(cfg: DictConfig) -> Any:
         c = validate(cfg, world_size)
     except ConfigError as e:
         _fail(f"ConfigError: {e}", 2)
-    from hydra.core.hydra_config import HydraConfig
+    if run_dir is None:
+        from hydra.core.hydra_config import HydraConfig
 
-    run_dir = HydraConfig.get().runtime.output_dir
+        run_dir = HydraConfig.get().runtime.output_dir
     info = runtime.init_distributed(c.runtime.backend, c.runtime.device, c.runtime.timeout_s)
     ctx = JobContext(c, to_plain(cfg), info, run_dir)
     digests = ctx.comm.all_gather_json(config_digest(ctx.plain), "config digest")
@@ -52,8 +54,14 @@ def run(cfg: DictConfig) -> Any:
         _fail(f"ConfigError: the resolved config differs across ranks (digests {digests}); "
               f"a rank-dependent interpolation or override is in use", 2)
     module = importlib.import_module(f"{__name__}.{c.job.name}")
+
+    def body() -> Any:
+        if c.job.fail_on_rank == ctx.info.rank:
+            raise RuntimeError(f"injected failure on rank {ctx.info.rank} (job.fail_on_rank)")
+        return module.run(ctx)
+
     try:
-        result = ctx.comm.agree(f"job {c.job.name}", lambda: module.run(ctx))[ctx.info.rank]
+        result = ctx.comm.agree(f"job {c.job.name}", body)[ctx.info.rank]
     except HpdcpError as e:
         _record(e)
         cause = e.__cause__

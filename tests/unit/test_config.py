@@ -49,7 +49,7 @@ def test_every_option_composes_and_validates(group):
 @pytest.mark.parametrize("name", _options("experiment"))
 def test_experiments_compose_and_open_with_their_launch_command(name):
     lines = open(os.path.join(CONF, "experiment", f"{name}.yaml")).read().splitlines()
-    assert lines[0] == "# @package _global_" and "-m hpdcp_runner +experiment=" + name in lines[1]
+    assert lines[0] == "# @package _global_" and "-m hpdcp_runner" in lines[1] and f"+experiment={name}" in lines[1]
     ws = int(lines[1].split("--nproc-per-node=")[1].split()[0]) if "--nproc-per-node=" in lines[1] else 1
     c = validate(_compose([f"+experiment={name}"]), ws)
     assert c.job is not None
@@ -61,10 +61,10 @@ dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode
 dcp.storage.max_read_bytes_per_s dcp.storage.shared
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
 dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas
-job.format job.name job.output job.peer job.repeats job.source.layout job.source.path job.verify job.warmup
+job.fail_on_rank job.format job.name job.output job.peer job.repeats job.source.layout job.source.path job.verify job.warmup
 layout.flat_units layout.kind layout.mesh layout.name layout.rules
 model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab
-runtime.backend runtime.device runtime.progress runtime.timeout_s
+runtime.backend runtime.device runtime.nproc_per_node runtime.progress runtime.timeout_s
 """.split())
 
 

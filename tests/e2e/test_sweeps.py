@@ -1,0 +1,93 @@
+"""Sweeps: our launcher (N torch workers per point), multirun inside torchrun, the report."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.conftest import ROOT, metrics
+
+
+def _tail(r):
+    return f"rc={r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-4000:]}"
+
+
+BENCH = ["+job=bench", "job.repeats=1", "job.warmup=0"]
+
+
+def test_launcher_sweep_2x2_with_two_workers_per_point_and_report(cli, tmp_path):
+    sweep = tmp_path / "sweep"
+    r = cli(["-m", "hydra/launcher=hpdcp_torchrun", "hydra.launcher.nproc_per_node=2", *BENCH,
+             "layout=dp", "dcp.broadcast.mode=always", "dcp.broadcast.batch_bytes=1KiB,64MiB",
+             "dcp.broadcast.max_in_flight=1,4", f"hydra.sweep.dir={sweep}"], timeout=400)
+    assert r.returncode == 0, _tail(r)
+    points = sorted(p for p in os.listdir(sweep) if p.isdigit())
+    assert points == ["0", "1", "2", "3"]
+    for p in points:
+        names = set(os.listdir(sweep / p))
+        assert {".hydra", "hpdcp_rank0.log", "hpdcp_rank1.log", "metrics.json"} <= names, names
+        m = metrics(sweep / p)
+        assert m["world_size"] == 2 and m["result"]["objective"] > 0
+    batch = {metrics(sweep / p)["engine"]["dcp.broadcast.batch_bytes"] for p in points}
+    assert batch == {1024, 64 << 20}
+    rep = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sweep_report.py"), str(sweep)],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    with open(sweep / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
+    objectives = [float(r["objective"]) for r in rows]
+    assert objectives == sorted(objectives)
+    png = (sweep / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+    assert "best: " in rep.stdout and "dcp.broadcast.batch_bytes=" in rep.stdout.split("best: ")[1]
+
+
+def test_world_size_sweep_and_a_failing_point_does_not_stop_the_sweep(cli, tmp_path):
+    sweep = tmp_path / "sweep"
+    r = cli(["-m", "hydra/launcher=hpdcp_torchrun", "runtime.nproc_per_node=1,2", "job.fail_on_rank=null,1",
+             *BENCH, f"hydra.sweep.dir={sweep}"], timeout=400)
+    assert r.returncode == 0, _tail(r)
+    status = {}
+    for p in sorted(q for q in os.listdir(sweep) if q.isdigit()):
+        failed = (sweep / p / "FAILED").exists()
+        ws = None if failed else metrics(sweep / p)["world_size"]
+        status[p] = (failed, ws)
+    # points: (1 worker, no fault) (1, fault on rank 1: there is none) (2, none) (2, fault on rank 1)
+    assert status == {"0": (False, 1), "1": (False, 1), "2": (False, 2), "3": (True, None)}, status
+    assert "failed" in r.stderr.lower()
+
+
+def test_multirun_inside_torchrun(cli, tmp_path):
+    sweep = tmp_path / "in"
+    r = cli(["-m", *BENCH, "dcp.broadcast.max_in_flight=1,4,8", f"hydra.sweep.dir={sweep}"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    vals = [metrics(sweep / p)["engine"]["dcp.broadcast.max_in_flight"] for p in ("0", "1", "2")]
+    assert vals == [1, 4, 8]
+    for p in ("0", "1", "2"):
+        assert (sweep / p / ".hydra").is_dir() and (sweep / p / "hpdcp_rank1.log").is_file()
+
+
+def test_point_failing_on_one_rank_fails_on_both_within_the_timeout(cli, tmp_path):
+    t0 = time.monotonic()
+    r = cli(["-m", *BENCH, "job.fail_on_rank=1", "dcp.timeout_s=15", f"hydra.sweep.dir={tmp_path}/f"], nproc=2)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0, _tail(r)
+    assert "[rank0]" in r.stderr and "[rank1]" in r.stderr, _tail(r)
+    assert elapsed < 15 + 45, elapsed
+
+
+def test_optuna_study_if_installed(cli, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "opt"
+    r = cli(["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.sampler.seed=7",
+             "hydra/launcher=hpdcp_torchrun", "hydra.launcher.nproc_per_node=2", *BENCH,
+             "dcp.broadcast.max_in_flight=range(1,9)", f"hydra.sweep.dir={sweep}"], timeout=600)
+    assert r.returncode == 0, _tail(r)
+    assert len([p for p in os.listdir(sweep) if p.isdigit()]) == 4
+    assert (sweep / "optimization_results.yaml").is_file()
