@@ -9,8 +9,8 @@ and run the job; the point's return value (for optimizing sweepers) is read from
 agent stops every worker of a point as soon as one fails, so none is left hanging.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Hydra's plugin scan loads this module outside
+# sys.modules, where dataclasses cannot resolve string annotations.
 import logging
 import math
 import os
@@ -69,9 +69,9 @@ class TorchrunLauncher(Launcher):
             raise ValueError(f"hydra.launcher.on_failure must be continue or stop, got {self.conf.on_failure!r}")
         if self.conf.nproc_per_node < 1:
             raise ValueError(f"hydra.launcher.nproc_per_node must be >= 1, got {self.conf.nproc_per_node}")
-        self.config: DictConfig | None = None
-        self.hydra_context: HydraContext | None = None
-        self.task_function: TaskFunction | None = None
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+        self.task_function: Optional[TaskFunction] = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function

@@ -51,7 +51,7 @@ def test_launcher_sweep_2x2_with_two_workers_per_point_and_report(cli, tmp_path)
 def test_world_size_sweep_and_a_failing_point_does_not_stop_the_sweep(cli, tmp_path):
     sweep = tmp_path / "sweep"
     r = cli(["-m", "hydra/launcher=hpdcp_torchrun", "runtime.nproc_per_node=1,2", "job.fail_on_rank=null,1",
-             *BENCH, f"hydra.sweep.dir={sweep}"], timeout=400)
+             *BENCH, "dcp.timeout_s=15", "runtime.timeout_s=15", f"hydra.sweep.dir={sweep}"], timeout=400)
     assert r.returncode == 0, _tail(r)
     status = {}
     for p in sorted(q for q in os.listdir(sweep) if q.isdigit()):
@@ -75,7 +75,8 @@ def test_multirun_inside_torchrun(cli, tmp_path):
 
 def test_point_failing_on_one_rank_fails_on_both_within_the_timeout(cli, tmp_path):
     t0 = time.monotonic()
-    r = cli(["-m", *BENCH, "job.fail_on_rank=1", "dcp.timeout_s=15", f"hydra.sweep.dir={tmp_path}/f"], nproc=2)
+    r = cli(["-m", *BENCH, "job.fail_on_rank=1", "dcp.timeout_s=15", "runtime.timeout_s=15",
+             f"hydra.sweep.dir={tmp_path}/f"], nproc=2)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0, _tail(r)
     assert "[rank0]" in r.stderr and "[rank1]" in r.stderr, _tail(r)
