@@ -71,7 +71,7 @@ class RankInfo:
 def init_distributed(backend: str, device: str, timeout_s: float) -> RankInfo:
     """Create the process group once (reused across multirun jobs inside one torchrun)."""
     ws = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     if device == "cuda":
         if not torch.cuda.is_available():

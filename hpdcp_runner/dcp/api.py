@@ -22,7 +22,7 @@ from .metadata import METADATA_FILE, Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .replica_plan import ShardSummary, batch_ops
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
-from .storage import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
+from .storage import ReadRequest, StorageReader, StorageWriter, WriteResult
 from .utils import PhaseTimer, get_logger
 
 log = get_logger(__name__)

@@ -6,10 +6,7 @@ Every job module has the same shape: ``run(ctx: JobContext) -> dict`` (a result 
 from __future__ import annotations
 
 import importlib
-import json
-import logging
 import os
-import re
 import sys
 import traceback
 from typing import Any
@@ -68,7 +65,7 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
         if cause is not None and not isinstance(cause, HpdcpError):  # a bug, not bad input: show where
             sys.stderr.write("".join(traceback.format_exception(cause)))
         _fail(f"{type(e).__name__}: {e}", 1)
-    doc = _report(ctx, result)
+    _report(ctx, result)
     return result.get("objective") if isinstance(result, dict) else None
 
 

@@ -6,7 +6,6 @@ With no ``job.source.path`` the source is first written from the default workloa
 
 from __future__ import annotations
 
-import os
 
 from ..dcp.errors import HpdcpError
 from ..dcp.inspection import full_tensor_digests

@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from tests.multiproc.harness import run_ranks
 
 from hpdcp_runner.dcp import (CheckpointNotFoundError, CollectiveTimeoutError, FileSystemWriter, HpdcpError,
-                              MinimumRankSavePlanner, ReplicaMismatchError, ShapeMismatchError, load, read_metadata,
-                              save)
+                              MinimumRankSavePlanner, ReplicaMismatchError, ShapeMismatchError, load, save)
 
 
 def _raises(fn, exc_type):
@@ -55,7 +53,6 @@ def _failures(rank: int, ws: int, root: str) -> dict:
     out["replica"] = _raises(lambda: save(per_rank, checkpoint_id=f"{root}/rng", verify_replicas=True, timeout=30),
                              ReplicaMismatchError)
     # Missing rank file on load: all ranks raise naming the file.
-    sharded = {"s": torch.full((8,), float(rank))}
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -69,7 +66,6 @@ def _failures(rank: int, ws: int, root: str) -> dict:
     tgt = {"s": torch.zeros(16)}
     out["missing_file"] = _raises(lambda: load(tgt, checkpoint_id=f"{root}/shard", timeout=30),
                                   CheckpointNotFoundError)
-    del sharded
     out["listing"] = sorted(n for n in os.listdir(root))
     return out
 
@@ -110,7 +106,7 @@ def test_hung_rank_is_a_timeout_error_not_a_hang(tmp_path):
 
 def _submesh(rank: int, ws: int, root: str) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     full = torch.arange(35, dtype=torch.float32).reshape(7, 5)
     mesh4 = DeviceMesh("cpu", list(range(ws)))
