@@ -64,6 +64,17 @@ def test_bench_job(cli, tmp_path):
     assert res["save"]["n"] == 2 and res["load"]["n"] == 2 and res["objective"] == res["load"]["median_s"]
 
 
+def test_bench_side_by_side_with_torch_dcp(cli, tmp_path):
+    import pytest
+
+    pytest.importorskip("numpy")  # torch.distributed.checkpoint needs it
+    r = cli(["+job=bench", "job.peer=true", "job.repeats=1", "job.warmup=0", f"hydra.run.dir={tmp_path}/p"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    res = metrics(tmp_path / "p")["result"]
+    assert res["peer_save"]["n"] == 1 and res["peer_load"]["n"] == 1
+    assert res["speedup_load_vs_torch_dcp"] == round(res["peer_load"]["median_s"] / res["load"]["median_s"], 3)
+
+
 def test_config_errors_name_the_key_and_exit_nonzero(cli, tmp_path):
     r = cli(["+job=save", "dcp.storage.files_kep=3"])
     assert r.returncode != 0 and "dcp.storage.files_kep" in r.stderr, _tail(r)
