@@ -78,8 +78,8 @@ class GroupCache:
         self.owned: dict[tuple, Any] = {}
         self.created = 0
 
-    def get(self, global_ranks: tuple[int, ...], backend: str, timeout: Any) -> Any:
-        key = (id(dist.group.WORLD), global_ranks, backend)
+    def get(self, global_ranks: tuple[int, ...], backend: str, timeout: Any, purpose: str = "data") -> Any:
+        key = (id(dist.group.WORLD), global_ranks, backend, purpose)
         pg = self.owned.get(key)
         if pg is None:
             kwargs = {"timeout": timeout} if timeout is not None else {}
@@ -165,19 +165,19 @@ def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, contr
     size = dist.get_world_size(group) if group is not None else 1
     to_global = (lambda r: r) if group is None or group is dist.group.WORLD else \
         (lambda r: dist.get_global_rank(group, r))
-    pgs: dict[tuple, Any] = {}
+    # Data and per-batch statuses travel on different communicators: gloo runs one group's ops in
+    # order, so a status queued behind the data in flight would serialise the pipeline.
+    data_pgs: dict[tuple, Any] = {}
+    status_pgs: dict[tuple, Any] = {}
     for _, b in mine:  # create every needed group first, in the global order
         backend = "nccl" if b.device == "cuda" else "gloo"
-        k = (b.ranks, backend)
-        if k in pgs:
-            continue
-        given = (options.groups or {}).get(b.ranks)
-        if given is not None:
-            pgs[k] = given
-        elif len(b.ranks) == size and backend == "gloo" and control is not None:
-            pgs[k] = control  # the whole group already has a gloo communicator
-        else:
-            pgs[k] = GROUPS.get(tuple(to_global(r) for r in b.ranks), backend, timeout)
+        granks = tuple(to_global(r) for r in b.ranks)
+        if (b.ranks, backend) not in data_pgs:
+            given = (options.groups or {}).get(b.ranks)
+            data_pgs[(b.ranks, backend)] = given if given is not None else GROUPS.get(granks, backend, timeout)
+        if b.ranks not in status_pgs:
+            whole = len(b.ranks) == size and control is not None
+            status_pgs[b.ranks] = control if whole else GROUPS.get(granks, "gloo", timeout, "status")
     reads = _Reads(reads_by_batch, local_reads, read)
     reads.thread.start()
     inflight: deque = deque()
@@ -191,16 +191,16 @@ def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, contr
 
     try:
         for i, b in mine:
-            pg = pgs[(b.ranks, "nccl" if b.device == "cuda" else "gloo")]
+            pg, spg = data_pgs[(b.ranks, "nccl" if b.device == "cuda" else "gloo")], status_pgs[b.ranks]
             src, is_src = to_global(b.src), rank == b.src
-            status = torch.zeros(1, dtype=torch.int64, device="cuda" if b.device == "cuda" else "cpu")
+            status = torch.zeros(1, dtype=torch.int64)
             if is_src:
                 reads.ready[i].wait()
                 status.fill_(1 if i in reads.done else 0)
-                statuses.append((dist.broadcast(status, src=src, group=pg, async_op=True), status))
+                statuses.append((dist.broadcast(status, src=src, group=spg, async_op=True), status))
                 ok = i in reads.done
             else:
-                wait(dist.broadcast(status, src=src, group=pg, async_op=True))
+                wait(dist.broadcast(status, src=src, group=spg, async_op=True))
                 ok = bool(status.item())
             if not ok:
                 continue
