@@ -4,7 +4,6 @@ with the configured knobs."""
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import torch
@@ -12,8 +11,8 @@ import torch
 from .. import dcp
 from ..config import Config, parse_size
 from ..dcp.collectives import Comm
-from ..dcp.filesystem_storage import FileSystemReader, FileSystemWriter, remove_tree_safely
-from ..dcp.inspection import commit_state
+from ..dcp.filesystem_storage import FileSystemReader, FileSystemWriter
+from ..dcp.retention import apply_retention
 from ..dcp.standard_planner import local_pieces
 from ..layouts import Placer
 from ..metrics import Metrics
@@ -88,21 +87,9 @@ class JobContext:
 
     def apply_retention(self, directory: str) -> list[str]:
         """Keep the newest ``checkpoint.keep_last`` committed checkpoints of ``directory`` (rank 0)."""
-        k = self.cfg.checkpoint.keep_last
-        if k <= 0 or self.info.rank != 0 or not os.path.isdir(directory):
+        if self.cfg.checkpoint.keep_last <= 0 or self.info.rank != 0:
             return []
-        found = [n for n in os.listdir(directory) if not n.startswith(".")
-                 and commit_state(os.path.join(directory, n)) == "committed"]
-        found.sort(key=_step_key)
-        removed = found[:-k] if len(found) > k else []
-        for n in removed:
-            remove_tree_safely(os.path.join(directory, n))
-        return removed
-
-
-def _step_key(name: str) -> tuple:
-    m = re.search(r"(\d+)$", name)
-    return (int(m.group(1)) if m else -1, name)
+        return apply_retention(directory, self.cfg.checkpoint.keep_last)
 
 
 def compare_state(got: Any, expect: Any, prefix: str = "") -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -106,3 +107,13 @@ def test_two_launches_in_the_same_second_get_distinct_run_dirs(tmp_path):
     assert len(runs) == 2
     for run in runs:
         assert (run / ".hydra").is_dir() and (run / "metrics.json").is_file()
+
+
+def test_save_retention_keeps_the_newest(cli, tmp_path):
+    ck = tmp_path / "ck"
+    for step in (9, 10):
+        r = cli(["+job=save", f"checkpoint.dir={ck}", f"checkpoint.name=step_{step}", "checkpoint.keep_last=1",
+                 f"hydra.run.dir={tmp_path}/r{step}"])
+        assert r.returncode == 0, _tail(r)
+    assert sorted(os.listdir(ck)) == ["step_10"]
+    assert metrics(tmp_path / "r10")["result"]["removed_by_retention"] == ["step_9"]
