@@ -226,9 +226,9 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
             problems.append(f"checkpoint.path: the {c.job.name} job needs checkpoint.path=<checkpoint dir>")
         if c.job.format not in ("table", "json"):
             problems.append(f"job.format: {c.job.format!r} is not table or json")
-        if c.job.name == "reshard" and not c.job.source.path and c.job.source.layout not in layouts.PRESETS:
+        if c.job.name == "reshard" and not c.job.source.path and c.job.source.layout not in layouts.preset_names():
             problems.append(f"job.source.layout: unknown layout {c.job.source.layout!r} "
-                            f"(choose {', '.join(sorted(layouts.PRESETS))})")
+                            f"(choose {', '.join(layouts.preset_names())})")
         if c.job.repeats < 1 or c.job.warmup < 0:
             problems.append("job.repeats/job.warmup: repeats must be >= 1 and warmup >= 0")
     if problems:

@@ -16,37 +16,22 @@ from omegaconf import OmegaConf
 
 from .dcp import FlatShard
 from .dcp.geometry import split_piece
+from .paths import find_conf_dir
 
 PLACEMENT = re.compile(r"^(R|S-?\d+)$")
 
 
-def conf_dir() -> str:
-    from .paths import find_conf_dir
-
-    return find_conf_dir()
-
-
-def _preset_names() -> list[str]:
-    d = os.path.join(conf_dir(), "layout")
+def preset_names() -> list[str]:
+    """The layouts under ``conf/layout/`` (what ``job.source.layout`` may name)."""
+    d = os.path.join(find_conf_dir(), "layout")
     return sorted(n[:-5] for n in os.listdir(d) if n.endswith(".yaml")) if os.path.isdir(d) else []
-
-
-class _Presets:
-    def __contains__(self, name: object) -> bool:
-        return name in _preset_names()
-
-    def __iter__(self):
-        return iter(_preset_names())
-
-
-PRESETS = _Presets()
 
 
 def load_preset(name: str):
     """A layout from ``conf/layout/<name>.yaml`` as a LayoutConf (used by reshard's source layout)."""
     from .config import LayoutConf
 
-    raw = OmegaConf.load(os.path.join(conf_dir(), "layout", f"{name}.yaml"))
+    raw = OmegaConf.load(os.path.join(find_conf_dir(), "layout", f"{name}.yaml"))
     raw.pop("defaults", None)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConf), raw))
 

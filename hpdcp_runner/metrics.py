@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
 
 from .dcp.utils import PhaseTimer
 from .runtime import peak_rss_mib
@@ -21,7 +20,6 @@ class Metrics(PhaseTimer):
     def __init__(self) -> None:
         super().__init__()
         self.counters: dict[str, int] = {}
-        self.values: dict[str, Any] = {}
 
     def add(self, counters: dict[str, int], prefix: str = "") -> None:
         for k, v in counters.items():
@@ -29,7 +27,7 @@ class Metrics(PhaseTimer):
                 self.counters[prefix + k] = self.counters.get(prefix + k, 0) + v
 
     def rank_record(self, rank: int) -> dict:
-        return {"rank": rank, "phases_s": self.seconds, "counters": self.counters, "values": self.values,
+        return {"rank": rank, "phases_s": self.seconds, "counters": self.counters,
                 "peak_rss_mib": round(peak_rss_mib(), 1)}
 
 

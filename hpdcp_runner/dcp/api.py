@@ -185,8 +185,7 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
 
         def transfer() -> None:
             batch_of = {op.key: i for i, b in enumerate(batches) for op in b.ops if b.src == comm.rank}
-            reads_by_batch: dict[int, list] = {}
-            local = []
+            reads: list[tuple[int | None, ReadRequest]] = []  # (batch this rank sources, request)
             for it in own.items:
                 src = own.sources.get((it.fqn, it.dest_box.offsets))
                 if src is not None and src != comm.rank:
@@ -195,12 +194,10 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                 chunk = tm.chunks[it.chunk]
                 req = ReadRequest(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes),
                                   planner.acquire_tensor(it))
-                b = batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes))
-                (reads_by_batch.setdefault(b, []) if b is not None else local).append(req)
+                reads.append((batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes)), req))
             run_load_transfers(batches, rank=comm.rank, group=comm.group, control=comm.control,
                                timeout=comm.timeout, options=options, destination=planner.destination,
-                               counters=reader.counters, reads_by_batch=reads_by_batch, local_reads=local,
-                               read=reader.read_tensors)
+                               counters=reader.counters, reads=reads, read=reader.read_tensors)
             values = reader.read_objects({f: md.objects[f] for f in own.objects}, allow_pickle=allow_pickle)
             for fqn, value in values.items():
                 planner.apply_object(fqn, value)

@@ -1,7 +1,7 @@
 """Replica-shard broadcast: subgroups, batching of small shards, a cap on broadcasts in flight.
 
-After every reader has read (and all ranks agreed the reads succeeded), each replicated shard
-goes from its reader to the other holders over a subgroup of exactly those ranks. CPU tensors
+While the readers read (in a thread), each replicated shard goes from its reader to the other
+holders, batch by batch once the batch is read, over a subgroup of exactly those ranks. CPU tensors
 travel over gloo, CUDA tensors over NCCL. Shards below ``batch_bytes`` are packed per (group,
 source, dtype) into one flat buffer; larger ones go straight from/to their destination buffer.
 At most ``max_in_flight`` async broadcasts are outstanding.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -115,21 +115,20 @@ def _synchronize(device: str) -> None:
 
 
 class _Reads:
-    """Reads this rank's storage work in a background thread (one pass, sorted by file and
-    offset), so reading overlaps broadcasting; ``ready[i]`` is set once batch i's shards are in."""
+    """Reads this rank's storage work in a background thread (one pass: in broadcast order where the
+    reader allows, else by file and offset), so reading overlaps broadcasting; ``ready[i]`` is set
+    once batch i's shards are in."""
 
-    def __init__(self, by_batch: Mapping[int, list], local: list, read: Callable[..., None]) -> None:
-        self.requests = [r for i in sorted(by_batch) for r in by_batch[i]] + list(local)
-        self.batch_of = [i for i in sorted(by_batch) for _ in by_batch[i]] + [None] * len(local)
-        self.left = {i: len(by_batch[i]) for i in by_batch}
+    def __init__(self, reads: Sequence[tuple[int | None, Any]], read: Callable[..., None]) -> None:
+        ordered = sorted(reads, key=lambda br: (br[0] is None, br[0] or 0))  # broadcast order, local last
+        self.requests = [r for _, r in ordered]
+        self.batch_of = [b for b, _ in ordered]
+        self.left = Counter(b for b in self.batch_of if b is not None)
         self.read = read
-        self.ready = {i: threading.Event() for i in by_batch}
+        self.ready = {i: threading.Event() for i in self.left}
         self.done: set[int] = set()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="hpdcp-load-reads", daemon=True)
-        for i, n in self.left.items():
-            if n == 0:
-                self._complete(i)
 
     def _complete(self, i: int) -> None:
         self.done.add(i)
@@ -154,7 +153,7 @@ class _Reads:
 
 def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, control: Any, timeout: Any,
                        options: BroadcastOptions, destination: Callable[[tuple], torch.Tensor], counters: Any,
-                       reads_by_batch: Mapping[int, list], local_reads: list, read: Callable[..., None]) -> None:
+                       reads: Sequence[tuple[int | None, Any]], read: Callable[..., None]) -> None:
     """Read this rank's shards (in a thread) and run its part of the replica broadcasts.
 
     Before each batch the source broadcasts a one-element status: receivers post the data
@@ -178,7 +177,7 @@ def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, contr
         if b.ranks not in status_pgs:
             whole = len(b.ranks) == size and control is not None
             status_pgs[b.ranks] = control if whole else GROUPS.get(granks, "gloo", timeout, "status")
-    reads = _Reads(reads_by_batch, local_reads, read)
+    reads = _Reads(reads, read)
     reads.thread.start()
     inflight: deque = deque()
     statuses: list = []
@@ -210,13 +209,13 @@ def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, contr
                 finish()
             if b.packed:
                 tensor, finish = _packed(b, is_src, destination)
-                counters.extra["shards_packed"] = counters.extra.get("shards_packed", 0) + len(b.ops)
+                counters.bump("shards_packed", len(b.ops))
             else:
                 tensor, finish = _direct(b, is_src, destination)
             inflight.append((dist.broadcast(tensor, src=src, group=pg, async_op=True), finish))
-            counters.extra["broadcasts"] = counters.extra.get("broadcasts", 0) + 1
+            counters.bump("broadcasts")
             if not is_src:
-                counters.extra["bytes_received"] = counters.extra.get("bytes_received", 0) + b.nbytes
+                counters.bump("bytes_received", b.nbytes)
         while inflight:
             work, finish = inflight.popleft()
             wait(work)

@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import shutil
+import time
 import uuid
 from collections import OrderedDict
 from typing import Any, Callable, Mapping, Sequence
@@ -157,15 +158,11 @@ class _TokenBucket:
     """Caps throughput at ``rate`` bytes/s with a one-second burst."""
 
     def __init__(self, rate: int) -> None:
-        import time
-
-        self.rate, self._clock = float(rate), time.monotonic
-        self.tokens, self.last = float(rate), self._clock()
+        self.rate = float(rate)
+        self.tokens, self.last = self.rate, time.monotonic()
 
     def take(self, n: int) -> None:
-        import time
-
-        now = self._clock()
+        now = time.monotonic()
         self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate) - n
         self.last = now
         if self.tokens < 0:
@@ -305,7 +302,7 @@ class FileSystemReader(StorageReader):
             body = bytearray(size)
             pread_into(fd, 0, memoryview(body), name=name)
             self.counters.bytes_read += size
-            self.counters.extra["object_bytes_read"] = self.counters.extra.get("object_bytes_read", 0) + size
+            self.counters.bump("object_bytes_read", size)
             full = os.path.join(self.path, name)
             if self.metadata and digest(body) != self.metadata.files[name].checksum:
                 raise CorruptCheckpointError(f"checkpoint file {full} fails its checksum (corrupted data)")

@@ -63,6 +63,10 @@ class IOCounters:
     files_written: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
+    def bump(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the named extra counter (broadcasts, bytes_received, ...)."""
+        self.extra[name] = self.extra.get(name, 0) + n
+
     def as_dict(self) -> dict[str, int]:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
         d.update(self.extra)

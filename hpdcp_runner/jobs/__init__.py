@@ -65,7 +65,7 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
         if cause is not None and not isinstance(cause, HpdcpError):  # a bug, not bad input: show where
             sys.stderr.write("".join(traceback.format_exception(cause)))
         _fail(f"{type(e).__name__}: {e}", 1)
-    _report(ctx, result)
+    _report(ctx, result, digests[0])
     return result.get("objective") if isinstance(result, dict) else None
 
 
@@ -78,15 +78,14 @@ def _record(e: BaseException) -> None:
         ErrorHandler().record_exception(e)
 
 
-def _report(ctx: JobContext, result: dict) -> dict | None:
+def _report(ctx: JobContext, result: dict, digest: str) -> None:
     records = ctx.comm.all_gather_json(ctx.metrics.rank_record(ctx.info.rank), "metrics")
     if ctx.info.rank != 0:
-        return None
+        return
     doc = {"job": ctx.cfg.job.name, "world_size": ctx.info.world_size, "layout": ctx.cfg.layout.name,
            "model": ctx.cfg.model.name, "run_dir": ctx.run_dir, "config": ctx.plain,
-           "config_digest": config_digest(ctx.plain), "ranks": records,
+           "config_digest": digest, "ranks": records,
            "summary": summarize(records), "result": result,
            "engine": ctx.engine_knobs()}
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
     print(summary_table(doc), flush=True)
-    return doc
