@@ -8,6 +8,7 @@ No Hydra, no OmegaConf: usable from any training script.
 """
 
 from .api import LoadResult, load, read_metadata, save
+from .async_persist import AsyncSaveResponse, async_save, release_staging_buffers, wait_for_async_saves
 from .broadcast import BroadcastOptions, release_broadcast_groups
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CollectiveTimeoutError, ConfigError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, KeyMismatchError,
@@ -18,13 +19,15 @@ from .planner import LoadPlanner, SavePlanner
 from .ragged import FlatShard, LocalShard
 from .standard_planner import (MinimumRankLoadPlanner, MinimumRankSavePlanner, StandardLoadPlanner,
                                StandardSavePlanner)
+from .state_dict import get_optim_state_dict, set_optim_state_dict
 from .storage import StorageReader, StorageWriter
 
 SAVE_PLANNERS = {"standard": StandardSavePlanner, "minimum_rank": MinimumRankSavePlanner}
 LOAD_PLANNERS = {"standard": StandardLoadPlanner, "minimum_rank": MinimumRankLoadPlanner}
 
 __all__ = [
-    "save", "load", "read_metadata", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
+    "save", "load", "read_metadata", "async_save", "AsyncSaveResponse", "wait_for_async_saves",
+    "release_staging_buffers", "get_optim_state_dict", "set_optim_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
     "LOAD_PLANNERS", "LoadResult", "Metadata",
     "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
     "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "FlatShard", "LocalShard",

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from . import faults
 from .broadcast import BroadcastOptions, node_id, run_load_transfers
 from .collectives import Comm
 from .errors import KeyMismatchError
@@ -66,6 +67,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
 
     def local_plan() -> dict:
         nonlocal token
+        faults.point("save.plan", rank=comm.rank, path=path)
         if comm.rank == 0:
             token = writer.begin(overwrite=overwrite)
         planner.configure(state_dict, rank=comm.rank, world_size=comm.world_size,
@@ -80,6 +82,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
 
         def write() -> dict:
             writer.attach(token, rank=comm.rank, world_size=comm.world_size)
+            faults.point("save.write", rank=comm.rank, path=path)
             own = gplan.plans[comm.rank]
             tensors, objs = [], {}
             for i in gplan.writes[comm.rank]:
@@ -88,13 +91,19 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                     objs[it.fqn] = planner.resolve_data(it)
                 elif it.box.numel:
                     tensors.append((chunk_key(it.fqn, it.box.offsets), planner.resolve_data(it)))
-            return writer.write(tensors, objs).to_wire()
+            result = writer.write(tensors, objs)
+            faults.point("save.written", rank=comm.rank, path=path)
+            return result.to_wire()
 
         with timer.phase("write"):
             results = [WriteResult.from_wire(w) for w in comm.agree("save: write", write)]
         metadata = build_metadata(gplan, results, comm.world_size, extra)
         with timer.phase("commit"):
-            comm.agree_root("save: commit", lambda: writer.commit(metadata))
+            def commit() -> None:
+                faults.point("save.commit", rank=comm.rank, path=path)
+                writer.commit(metadata)
+
+            comm.agree_root("save: commit", commit)
     except BaseException:
         if comm.rank == 0 and token is not None:
             writer.abort()

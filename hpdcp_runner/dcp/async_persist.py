@@ -1,0 +1,224 @@
+"""async_save: stage a host copy synchronously, persist it in a background thread.
+
+Why a thread and not a child process: the staged tensors stay in this process (no pickling of
+the state, no second CUDA context, no re-rendezvous), and file writes and fsync release the GIL.
+The background save runs the ordinary ``save`` protocol on a dedicated gloo group (created once
+per set of ranks), never on the training group, so its collectives cannot interleave with the
+training loop's and deadlock.
+
+Rules a caller can rely on:
+
+* ``async_save`` returns once the state is copied: tensors mutated afterwards do not change the
+  checkpoint. Staging buffers are reused between saves (pinned host memory for CUDA sources), so
+  steady-state extra memory is one copy of the rank's local shards (``release_staging_buffers``
+  frees it).
+* At most one async save is in flight per process: a second ``async_save`` first waits for the
+  previous one to finish (its outcome stays with its own response). Every rank must issue the
+  same sequence of async saves, as with ``save``.
+* The checkpoint commits only after every rank wrote; a failure anywhere commits nothing and is
+  raised by ``response.result()`` on every rank (naming rank and file). A failure nobody
+  retrieves is also logged.
+* The background thread is not a daemon: interpreter exit waits for an in-flight checkpoint.
+  Call ``wait_for_async_saves()`` before destroying the process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveTimeoutError, ConfigError
+from .metadata import Metadata
+from .ragged import FlatShard, LocalShard
+from .standard_planner import local_pieces
+from .utils import TENSOR_LEAVES, get_logger
+
+log = get_logger(__name__)
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = ()  # type: ignore[assignment,misc]
+
+_LOCK = threading.Lock()
+_IN_FLIGHT: "AsyncSaveResponse | None" = None
+_GROUPS: dict[tuple, Any] = {}
+
+
+class StagingBuffers:
+    """Host buffers reused across saves, keyed by the leaf's path; pinned when the source is CUDA."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            if buf is not None:
+                self.nbytes -= buf.numel() * buf.element_size()
+            pin = src.device.type == "cuda"
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            self._bufs[key] = buf
+            self.nbytes += buf.numel() * buf.element_size()
+        buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+        return buf
+
+    def clear(self) -> None:
+        self._bufs.clear()
+        self.nbytes = 0
+
+
+_BUFFERS = StagingBuffers()
+
+
+def _stage_leaf(v: Any, key: tuple, bufs: StagingBuffers) -> Any:
+    """A host copy of one tensor leaf, in a form the save planner understands without a mesh."""
+    if isinstance(v, FlatShard):
+        return FlatShard(bufs.copy(key, v.local), v.global_shape, v.start)
+    if isinstance(v, (DTensor, LocalShard)):
+        pieces = local_pieces(v)
+        shape = tuple(int(d) for d in (v.global_shape if isinstance(v, LocalShard) else v.shape))
+        if not pieces:  # this rank holds nothing of it (e.g. outside the mesh): an empty flat shard
+            return FlatShard(torch.empty(0, dtype=v.dtype), shape, 0)
+        box, t = pieces[0]
+        return LocalShard(bufs.copy(key, t), box.offsets, shape)
+    return bufs.copy(key, v)
+
+
+def stage_state_dict(state_dict: Any, bufs: StagingBuffers | None = None, _path: tuple = ()) -> Any:
+    """Copy every tensor leaf into host staging buffers and every other leaf by ``deepcopy``,
+    keeping the nesting (so keys and paths in the checkpoint are the same as a direct save)."""
+    bufs = _BUFFERS if bufs is None else bufs
+    if isinstance(state_dict, Mapping):
+        return {k: stage_state_dict(v, bufs, _path + (k,)) for k, v in state_dict.items()}
+    if isinstance(state_dict, (list, tuple)) and any(isinstance(x, (Mapping, list, tuple, *TENSOR_LEAVES))
+                                                     for x in state_dict):
+        out = [stage_state_dict(v, bufs, _path + (i,)) for i, v in enumerate(state_dict)]
+        return out if isinstance(state_dict, list) else tuple(out)
+    if isinstance(state_dict, TENSOR_LEAVES):
+        return _stage_leaf(state_dict, _path, bufs)
+    return copy.deepcopy(state_dict)
+
+
+def release_staging_buffers() -> None:
+    """Free the reused staging buffers (after waiting for any in-flight save)."""
+    wait_for_async_saves()
+    _BUFFERS.clear()
+
+
+class AsyncSaveResponse:
+    """The handle ``async_save`` returns: ``result()`` gives the committed metadata or raises."""
+
+    def __init__(self, checkpoint_id: str | None, staging_seconds: float) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.staging_seconds = staging_seconds
+        self.persist_seconds: float | None = None
+        self._future: Future = Future()
+        self._thread: threading.Thread | None = None
+        self._retrieved = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until persisted (or failed) without raising; True when finished."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Metadata:
+        """The committed checkpoint's metadata; raises the save's failure (an ``HpdcpError``
+        naming the failing rank and file) or ``CollectiveTimeoutError`` after ``timeout`` s."""
+        if not self.wait(timeout):
+            raise CollectiveTimeoutError(f"async save of {self.checkpoint_id} still running after {timeout} s")
+        self._retrieved = True
+        return self._future.result()
+
+    def exception(self) -> BaseException | None:
+        self.wait()
+        self._retrieved = True
+        return self._future.exception()
+
+
+def _persist_group(process_group: Any, timeout: float | _dt.timedelta | None) -> Any:
+    """The dedicated gloo group for background saves over the same ranks (created once)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = process_group or dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (id(dist.group.WORLD), ranks)
+    g = _GROUPS.get(key)
+    if g is None:
+        kwargs = {}
+        if timeout is not None:
+            kwargs["timeout"] = timeout if isinstance(timeout, _dt.timedelta) else _dt.timedelta(seconds=float(timeout))
+        try:
+            g = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
+        except Exception as e:
+            raise CollectiveTimeoutError(f"creating the async-save gloo group of ranks {list(ranks)} failed on rank "
+                                         f"{dist.get_rank()}: {e}. Every rank must call async_save") from e
+        _GROUPS[key] = g
+    return g
+
+
+def wait_for_async_saves(timeout: float | None = None) -> None:
+    """Block until this process's in-flight async save (if any) finished; never raises its error."""
+    with _LOCK:
+        pending = _IN_FLIGHT
+    if pending is not None:
+        pending.wait(timeout)
+
+
+def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, process_group: Any = None,
+               timeout: float | _dt.timedelta | None = None,
+               callback: Callable[[Metadata], None] | None = None, **save_kwargs: Any) -> AsyncSaveResponse:
+    """Stage ``state_dict`` to host memory now, save it in the background; every rank calls it.
+
+    Takes the same keyword arguments as ``save`` (storage_writer, planner, overwrite,
+    allow_pickle, verify_replicas, extra). ``callback(metadata)`` runs in the background thread
+    after the commit. Returns an ``AsyncSaveResponse``.
+    """
+    global _IN_FLIGHT
+    from .api import save  # api imports this module's names lazily; avoid a cycle at import time
+
+    if "timer" in save_kwargs:
+        raise ConfigError("async_save takes no timer (the save runs in another thread)")
+    wait_for_async_saves()  # one in flight at a time: the staging buffers are reused
+    t0 = time.perf_counter()
+    group = _persist_group(process_group, timeout)
+    staged = stage_state_dict(state_dict)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # non-blocking device-to-pinned copies done before we return
+    path = None if checkpoint_id is None else str(checkpoint_id)
+    response = AsyncSaveResponse(path, time.perf_counter() - t0)
+
+    def persist() -> None:
+        t1 = time.perf_counter()
+        try:
+            # The group carries the timeout; passing it again would make save create yet another
+            # group from this thread, racing the training thread's group creation.
+            md = save(staged, checkpoint_id=checkpoint_id, process_group=group,
+                      timeout=None if group is not None else timeout, **save_kwargs)
+            response.persist_seconds = time.perf_counter() - t1
+            if callback is not None:
+                callback(md)
+            response._future.set_result(md)
+        except BaseException as e:  # delivered to result(); logged in case nobody asks
+            response.persist_seconds = time.perf_counter() - t1
+            response._future.set_exception(e)
+            log.error("async save of %s failed: %s: %s (response.result() raises it)", path, type(e).__name__, e)
+
+    thread = threading.Thread(target=persist, name="hpdcp-async-save", daemon=False)
+    response._thread = thread
+    with _LOCK:
+        _IN_FLIGHT = response
+    thread.start()
+    return response
