@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .dcp.errors import ConfigError
 
-JOBS = ("save", "load", "reshard", "inspect", "verify", "bench")
+JOBS = ("save", "load", "reshard", "inspect", "verify", "bench", "train")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -100,6 +100,9 @@ class ModelConf:
     dtype: str = "float32"
     big_rows: int = 4096  # peer workload: rows of the 15 big tensors
     seed: int = 0
+    heads: int = 4  # train: attention heads (hidden must divide)
+    seq_len: int = 16  # train: tokens per sequence
+    dropout: float = 0.0  # train: dropout probability (seeded from the global training RNG)
 
 
 @dataclass
@@ -109,6 +112,8 @@ class CheckpointConf:
     path: Optional[str] = None  # explicit checkpoint to read (load/inspect/verify); default dir/name
     keep_last: int = 0  # 0 keeps every checkpoint
     overwrite: bool = False
+    resume: Optional[str] = None  # train: null | latest | <checkpoint path>
+    rank_state: str = "reseed"  # train: per-rank RNG when the world size changed: reseed | error
 
 
 @dataclass
@@ -137,6 +142,17 @@ class JobConf:
     peer: bool = False  # bench: run torch.distributed.checkpoint side by side
     verify: bool = True
     fail_on_rank: Optional[int] = None  # fault injection for tests and drills: this rank raises
+    # train
+    steps: int = 20  # train up to this global step
+    save_every: int = 5  # checkpoint every K steps (0: never)
+    async_save: bool = True  # async_save (stage, persist in the background) or a blocking save
+    units: int = 8  # micro-batches per global batch (fixed: the gradient does not depend on the world size)
+    micro_batch: int = 4  # sequences per micro-batch
+    lr: float = 0.01
+    compare_losses: Optional[str] = None  # losses.json of a reference run: report (and require) a match
+    loss_rtol: float = 0.0  # tolerance of that match, relative per step; 0 = bitwise
+    kill_after_step: Optional[int] = None  # drill: SIGKILL one rank after this step
+    kill_rank: Optional[int] = None  # the rank killed (default: the last)
 
 
 @dataclass
@@ -164,6 +180,30 @@ def to_plain(cfg: DictConfig) -> dict:
     d = OmegaConf.to_container(cfg, resolve=True)
     d.pop("hydra", None)
     return d
+
+
+def _train_problems(c: Config) -> list[str]:
+    out = []
+    if c.layout.kind == "flat":
+        out.append("layout.kind: the train job needs a plain or dtensor layout (flat shards are not trainable parameters)")
+    if c.model.kind != "transformer":
+        out.append(f"model.kind: the train job trains model.kind=transformer (e.g. model=tiny), not {c.model.kind!r}")
+    elif c.model.heads < 1 or c.model.hidden % c.model.heads:
+        out.append(f"model.heads: {c.model.heads} must divide model.hidden={c.model.hidden}")
+    if not 0.0 <= c.model.dropout < 1.0:
+        out.append(f"model.dropout: must be in [0, 1), got {c.model.dropout}")
+    if c.model.seq_len < 1:
+        out.append(f"model.seq_len: must be >= 1, got {c.model.seq_len}")
+    for key in ("steps", "units", "micro_batch"):
+        if getattr(c.job, key) < 1:
+            out.append(f"job.{key}: must be >= 1, got {getattr(c.job, key)}")
+    if c.job.save_every < 0:
+        out.append(f"job.save_every: must be >= 0 (0: never), got {c.job.save_every}")
+    if c.job.loss_rtol < 0:
+        out.append(f"job.loss_rtol: must be >= 0, got {c.job.loss_rtol}")
+    if c.checkpoint.rank_state not in ("reseed", "error"):
+        out.append(f"checkpoint.rank_state: {c.checkpoint.rank_state!r} is not reseed or error")
+    return out
 
 
 def validate(cfg: DictConfig, world_size: int) -> Config:
@@ -229,6 +269,8 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
         if c.job.name == "reshard" and not c.job.source.path and c.job.source.layout not in layouts.preset_names():
             problems.append(f"job.source.layout: unknown layout {c.job.source.layout!r} "
                             f"(choose {', '.join(layouts.preset_names())})")
+        if c.job.name == "train":
+            problems += _train_problems(c)
         if c.job.repeats < 1 or c.job.warmup < 0:
             problems.append("job.repeats/job.warmup: repeats must be >= 1 and warmup >= 0")
     if problems:

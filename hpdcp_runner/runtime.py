@@ -97,7 +97,11 @@ def peak_rss_mib() -> float:
 
 
 def shutdown_distributed() -> None:
-    """Tear the process group down before interpreter exit (gloo threads alive at exit can abort)."""
+    """Tear the process group down before interpreter exit (gloo threads alive at exit can abort).
+    An in-flight async save finishes first: it needs the group, and losing it silently is worse."""
+    from .dcp.async_persist import wait_for_async_saves
+
+    wait_for_async_saves()
     if dist.is_available() and dist.is_initialized():
         try:  # every rank done with every collective before any rank closes its connections
             dist.barrier()

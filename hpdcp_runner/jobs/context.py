@@ -58,6 +58,25 @@ class JobContext:
         self.metrics.add(writer.counters.as_dict(), f"{phase}.")
         return md
 
+    def async_save(self, state: Any, path: str, phase: str = "async_save", callback: Any = None,
+                   overwrite: bool | None = None) -> dcp.AsyncSaveResponse:
+        """``dcp.async_save`` with the configured knobs; ``phase`` times only the blocking part.
+        ``callback(metadata)`` runs in the background after the commit (never after a failure)."""
+        d = self.cfg.dcp
+        writer = FileSystemWriter(path, fsync=d.storage.fsync)
+
+        def done(md: dcp.Metadata) -> None:
+            self.metrics.add(writer.counters.as_dict(), f"{phase}.")
+            if callback is not None:
+                callback(md)
+
+        with self.metrics.phase(phase):
+            return dcp.async_save(state, storage_writer=writer, checkpoint_id=path,
+                                  planner=dcp.SAVE_PLANNERS[d.planner.name](),
+                                  overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
+                                  allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s,
+                                  callback=done)
+
     def load(self, state: Any, path: str, phase: str = "load", strict: bool = True) -> dcp.LoadResult:
         d = self.cfg.dcp
         cap = d.storage.max_read_bytes_per_s

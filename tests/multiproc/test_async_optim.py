@@ -66,13 +66,16 @@ def _async_cases(rank: int, ws: int, root: str) -> dict:
             raise OSError(errno.ENOSPC, "No space left on device", os.path.join(path, "rank00001.safetensors"))
 
     save({"v": torch.full((4,), 5.0)}, checkpoint_id=f"{root}/c", timeout=60)
+    called = []
     with faults.armed("save.write", disk_full):
-        resp = async_save({"v": torch.full((4,), 6.0)}, checkpoint_id=f"{root}/c", overwrite=True, timeout=60)
+        resp = async_save({"v": torch.full((4,), 6.0)}, checkpoint_id=f"{root}/c", overwrite=True, timeout=60,
+                          callback=called.append)
         try:
             resp.result(timeout=60)
             out["failure"] = None
         except HpdcpError as e:
             out["failure"] = f"{type(e).__name__}: {e}"
+    out["callback_after_failure"] = bool(called)  # the retention hook must not run after a failed save
     load(v, checkpoint_id=f"{root}/c", timeout=60)
     out["old_c"] = v["v"].tolist()
     async_save({"v": torch.full((4,), 7.0)}, checkpoint_id=f"{root}/d", timeout=60).result(timeout=60)
@@ -100,7 +103,7 @@ def test_async_save_stages_then_persists_and_reports_failures(tmp_path):
         assert r["b1"] == [1.0] * 4 and r["b2"] == [2.0] * 4
         assert r["failure"] is not None and "rank 1" in r["failure"] and "rank00001.safetensors" in r["failure"]
         assert "No space left on device" in r["failure"]
-        assert r["old_c"] == [5.0] * 4
+        assert r["old_c"] == [5.0] * 4 and not r["callback_after_failure"]
         assert r["persist_fail"].startswith("DistributedError") and "rank 0: RuntimeError: boom" in r["persist_fail"]
         assert r["persist_fail_s"] < 30  # agreed at once, not discovered by a timeout
     # committed: a1 b1 b2 c d; e failed; no staging or trash directory is left behind

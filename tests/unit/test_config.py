@@ -57,13 +57,17 @@ def test_experiments_compose_and_open_with_their_launch_command(name):
 
 GOLDEN_KEYS = sorted("""
 checkpoint.dir checkpoint.keep_last checkpoint.name checkpoint.overwrite checkpoint.path
+checkpoint.rank_state checkpoint.resume
 dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode
 dcp.storage.max_read_bytes_per_s dcp.storage.shared
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
 dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas
 job.fail_on_rank job.format job.name job.output job.peer job.repeats job.source.layout job.source.path job.verify job.warmup
+job.async_save job.compare_losses job.kill_after_step job.kill_rank job.loss_rtol job.lr job.micro_batch job.save_every
+job.steps job.units
 layout.flat_units layout.kind layout.mesh layout.name layout.rules
 model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab
+model.dropout model.heads model.seq_len
 runtime.backend runtime.device runtime.nproc_per_node runtime.progress runtime.timeout_s
 """.split())
 

@@ -1,0 +1,172 @@
+"""train: a small GPT-like model trained deterministically, checkpointed every K steps, resumable.
+
+Checkpoints hold the model, the FQN-keyed optimizer state, the step, the data position, the
+global RNG and the loss history, plus each rank's own torch RNG under ``rank_state.rank<N>``.
+``checkpoint.resume=latest`` continues from the newest *committed* checkpoint in
+``checkpoint.dir`` (staging, trash and unfinished directories are never used), under any layout
+and world size.
+
+State that cannot be resharded, and the rule for it when the world size changes:
+* the data position is global (samples consumed); each rank's share is recomputed from it and
+  the new world size, so it remaps exactly;
+* the global RNG (data order, dropout seeds) is one replicated stream: restored as is;
+* the per-rank torch RNG states: restored rank by rank at the same world size; otherwise
+  ``checkpoint.rank_state=reseed`` (default) reseeds rank r from (model.seed, step, r) and says
+  so in a warning and in the result, and ``checkpoint.rank_state=error`` refuses to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+import torch
+
+from .. import dcp
+from ..dcp.errors import ConfigError, HpdcpError, KeyMismatchError
+from ..dcp.retention import latest_checkpoint, list_checkpoints
+from ..dcp.utils import get_logger
+from ..training import Trainer, build_model
+from .context import JobContext
+
+log = get_logger(__name__)
+
+
+def _state(tr: Trainer, rank: int, losses: dict[int, float], with_rank_state: bool = True) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "model": tr.model.state_dict(),
+        "optim": dcp.get_optim_state_dict(tr.model, tr.opt),
+        "train": {"step": tr.step, "data_position": tr.data_position, "rng": tr.rng.get_state(),
+                  "losses": [[s, v] for s, v in sorted(losses.items())]},
+    }
+    if with_rank_state:
+        state["rank_state"] = {f"rank{rank}": {"torch_rng": torch.get_rng_state()}}
+    return state
+
+
+def _resume_path(ctx: JobContext) -> str | None:
+    resume = ctx.cfg.checkpoint.resume
+    if not resume:
+        return None
+    if resume == "latest":
+        path = latest_checkpoint(ctx.abspath(ctx.cfg.checkpoint.dir))
+        if path is None:
+            log.info("checkpoint.resume=latest: no committed checkpoint in %s; starting at step 0",
+                     ctx.abspath(ctx.cfg.checkpoint.dir))
+        return path
+    return ctx.abspath(resume)
+
+
+def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float]) -> str:
+    """Load ``path`` into the trainer; returns what happened to the per-rank state."""
+    rank, ws = ctx.info.rank, ctx.info.world_size
+    saved_ws = dcp.read_metadata(path).world_size
+    same = saved_ws == ws
+    if not same and ctx.cfg.checkpoint.rank_state == "error":
+        raise HpdcpError(f"{path} was saved by {saved_ws} ranks and this run has {ws}: per-rank RNG states cannot be "
+                         f"resharded (checkpoint.rank_state=error); resume with {saved_ws} ranks or set "
+                         f"checkpoint.rank_state=reseed")
+    target = _state(tr, rank, {}, with_rank_state=same)
+    res = ctx.load(target, path, phase="train.resume", strict=same)
+    if not same:
+        stray = [k for k in res.unexpected_keys if not k.startswith("rank_state.")]
+        if res.missing_keys or stray:
+            raise KeyMismatchError(f"{path}: missing {list(res.missing_keys)[:10]}, unexpected {stray[:10]}",
+                                   list(res.missing_keys), stray)
+    dcp.set_optim_state_dict(tr.model, tr.opt, target["optim"])
+    t = target["train"]
+    tr.step, tr.data_position = int(t["step"]), int(t["data_position"])
+    tr.rng.set_state(t["rng"])
+    losses.update({int(s): float(v) for s, v in t["losses"]})
+    if same:
+        torch.set_rng_state(target["rank_state"][f"rank{rank}"]["torch_rng"])
+        return "restored"
+    torch.manual_seed(ctx.cfg.model.seed * 1_000_003 + tr.step * 4099 + rank)
+    log.warning("per-rank RNG states of %s (saved by %d ranks) cannot be resharded to %d ranks: reseeded rank %d "
+                "from (model.seed, step, rank)", path, saved_ws, ws, rank)
+    return f"reseeded (saved by {saved_ws} ranks, resumed on {ws})"
+
+
+def _compare(reference: str, losses: dict[int, float], rtol: float) -> dict[str, Any]:
+    """Compare the losses this run computed with a reference run's, step by step."""
+    try:
+        with open(reference) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"job.compare_losses: cannot read {reference}: {e}") from None
+    ref = {int(s): float(v) for s, v in (doc.get("losses") or doc.get("result", {}).get("losses") or {}).items()}
+    common = sorted(set(ref) & set(losses))
+    if not common:
+        raise ConfigError(f"job.compare_losses: {reference} has no steps in common with this run")
+    diffs = {s: abs(losses[s] - ref[s]) for s in common}
+    worst = max(diffs.values())
+    ok = all(d <= rtol * abs(ref[s]) for s, d in diffs.items())
+    return {"compared_steps": f"{common[0]}..{common[-1]}", "bitwise": worst == 0.0, "loss_max_abs_diff": worst,
+            "reproduced": ok, "loss_rtol": rtol}
+
+
+def run(ctx: JobContext) -> dict:
+    c, job = ctx.cfg, ctx.cfg.job
+    rank, ws = ctx.info.rank, ctx.info.world_size
+    model = build_model(c.model, ctx.placer())
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=0.01, foreach=False)
+    tr = Trainer(model, opt, c.model, units=job.units, micro_batch=job.micro_batch, heads=c.model.heads,
+                 seq_len=c.model.seq_len, dropout=c.model.dropout, rank=rank, world_size=ws, seed=c.model.seed)
+    torch.manual_seed(c.model.seed * 1_000_003 + rank)
+    ckdir = ctx.abspath(c.checkpoint.dir)
+    losses: dict[int, float] = {}
+    resumed_from = _resume_path(ctx)
+    rank_state = None
+    if resumed_from:
+        rank_state = _restore(ctx, tr, resumed_from, losses)
+    start = tr.step
+    pending: dcp.AsyncSaveResponse | None = None
+    kill_rank = job.kill_rank if job.kill_rank is not None else ws - 1
+    for _ in ctx.progress(range(start, job.steps), "train", total=job.steps - start):
+        with ctx.metrics.phase("train.step"):
+            loss = tr.train_step()
+        losses[tr.step] = loss
+        log.info("step %d loss %.6f", tr.step, loss)
+        if job.save_every and tr.step % job.save_every == 0:
+            pending = _checkpoint(ctx, tr, losses, ckdir, pending)
+        if job.kill_after_step == tr.step and rank == kill_rank:
+            log.warning("job.kill_after_step=%d: SIGKILL to rank %d", tr.step, rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+    if pending is not None:
+        with ctx.metrics.phase("train.save_wait"):
+            pending.result()
+    result: dict[str, Any] = {"start_step": start, "final_step": tr.step, "resumed_from": resumed_from,
+                              "rank_state": rank_state, "save_mode": "async" if job.async_save else "sync",
+                              "final_loss": losses.get(tr.step), "checkpoints": list_checkpoints(ckdir)}
+    if rank == 0:
+        path = os.path.join(ctx.run_dir, "losses.json")
+        with open(path, "w") as f:
+            json.dump({"losses": {str(s): v for s, v in sorted(losses.items())}, "layout": c.layout.name,
+                       "world_size": ws}, f, indent=1)
+        result["losses_file"] = path
+    if job.compare_losses:
+        cmp = _compare(ctx.abspath(job.compare_losses), {s: v for s, v in losses.items() if s > start}, job.loss_rtol)
+        result.update(cmp)
+        if not cmp["reproduced"]:
+            raise HpdcpError(f"the losses differ from {job.compare_losses} by up to {cmp['loss_max_abs_diff']:.3g} "
+                             f"(tolerance: relative {job.loss_rtol})")
+    return result
+
+
+def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str,
+                pending: dcp.AsyncSaveResponse | None) -> dcp.AsyncSaveResponse | None:
+    """Save ``step_<n>``; async saves first collect the previous one's outcome (raising its
+    failure). Retention runs only after a commit, never after a failed save."""
+    if pending is not None:
+        with ctx.metrics.phase("train.save_wait"):
+            pending.result()
+    path = os.path.join(ckdir, f"step_{tr.step}")
+    state = _state(tr, ctx.info.rank, losses)
+    if ctx.cfg.job.async_save:
+        return ctx.async_save(state, path, phase="train.save_blocking",
+                              callback=lambda md: ctx.apply_retention(ckdir))
+    ctx.save(state, path, phase="train.save")
+    ctx.apply_retention(ckdir)
+    return None
