@@ -98,8 +98,11 @@ def _compare(reference: str, losses: dict[int, float], rtol: float) -> dict[str,
         raise ConfigError(f"job.compare_losses: cannot read {reference}: {e}") from None
     ref = {int(s): float(v) for s, v in (doc.get("losses") or doc.get("result", {}).get("losses") or {}).items()}
     common = sorted(set(ref) & set(losses))
+    if not losses:
+        raise ConfigError("job.compare_losses: this run computed no steps (it resumed at or past job.steps)")
     if not common:
-        raise ConfigError(f"job.compare_losses: {reference} has no steps in common with this run")
+        raise ConfigError(f"job.compare_losses: {reference} has none of the steps this run computed "
+                          f"({min(losses)}..{max(losses)})")
     diffs = {s: abs(losses[s] - ref[s]) for s in common}
     worst = max(diffs.values())
     ok = all(d <= rtol * abs(ref[s]) for s, d in diffs.items())
