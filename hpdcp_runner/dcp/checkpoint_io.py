@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 import xxhash
 
 from .errors import CorruptCheckpointError
-from .metadata import DTYPES, dtype_name
+from .metadata import DTYPES, dtype_name, element_size
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _WRITE_BUFFER = 1 << 20
@@ -72,17 +73,19 @@ def file_checksum(header: bytes, entry_digests: Iterable[str]) -> str:
     return h.hexdigest()
 
 
-def _header(entries: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]) -> tuple[bytes, list[int]]:
+def _header(specs: Sequence[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> tuple[bytes, list[int], list[int]]:
+    """The header for ``(key, dtype name, shape)`` specs, with each entry's start and byte size."""
     doc: dict[str, object] = {"__metadata__": meta} if meta else {}
-    pos, starts = 0, []
-    for key, t in entries:
-        n = t.numel() * t.element_size()
-        doc[key] = {"dtype": _SAFETENSORS_CODES[dtype_name(t.dtype)], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+    pos, starts, sizes = 0, [], []
+    for key, dtype, shape in specs:
+        n = math.prod(shape) * element_size(dtype)
+        doc[key] = {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
         starts.append(pos)
+        sizes.append(n)
         pos += n
     raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned
-    return raw, starts
+    return raw, starts, sizes
 
 
 def _libc_sync_file_range():
@@ -115,27 +118,78 @@ class _Writeback:
         self.done, self.pending = end, 0
 
 
+class SafetensorsStreamWriter:
+    """Writes one safetensors file whose entries are declared up front and appended one at a
+    time, so a file of any size is written holding one tensor at a time (offline transforms)."""
+
+    def __init__(self, path: str, specs: Sequence[tuple[str, str, tuple[int, ...]]], *,
+                 meta: dict[str, str] | None = None, fsync: bool = True) -> None:
+        self.path, self.fsync = path, fsync
+        self.specs = [(k, d, tuple(int(x) for x in s)) for k, d, s in specs]
+        self.header, starts, self._sizes = _header(self.specs, meta or {})
+        self._base = 8 + len(self.header)
+        self._starts = starts
+        self._next = 0
+        self.entries: list[WrittenEntry] = []
+        self._f = open(path, "xb", buffering=_WRITE_BUFFER)
+        try:
+            self._f.write(struct.pack("<Q", len(self.header)))
+            self._f.write(self.header)
+        except BaseException:
+            self._f.close()
+            raise
+        self._wb = _Writeback(self._f) if fsync else None
+
+    def append(self, key: str, t: torch.Tensor) -> WrittenEntry:
+        """Write the next declared entry; ``t`` must match its declared dtype and shape."""
+        i = self._next
+        if i >= len(self.specs) or self.specs[i][0] != key:
+            expected = self.specs[i][0] if i < len(self.specs) else "nothing"
+            raise ValueError(f"{self.path}: appended {key!r} but the header declares {expected!r} next")
+        _, dtype, shape = self.specs[i]
+        if dtype_name(t.dtype) != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{self.path}: {key!r} is {dtype_name(t.dtype)} {list(t.shape)}, "
+                             f"declared {dtype} {list(shape)}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.to("cpu").contiguous()
+        view = byte_view(t)
+        self._f.write(view)
+        e = WrittenEntry(key, self._base + self._starts[i], len(view), digest(view))
+        self.entries.append(e)
+        self._next += 1
+        if self._wb:
+            self._wb.wrote(len(view))
+        return e
+
+    def close(self) -> WrittenFile:
+        """Flush (and fsync) once every declared entry was appended."""
+        try:
+            if self._next != len(self.specs):
+                raise ValueError(f"{self.path}: {len(self.specs) - self._next} declared entries were never written")
+            self._f.flush()
+            if self.fsync:
+                os.fdatasync(self._f.fileno())
+            size = self._f.tell()
+        finally:
+            self._f.close()
+        return WrittenFile(size, file_checksum(self.header, (e.checksum for e in self.entries)), tuple(self.entries))
+
+    def abort(self) -> None:
+        self._f.close()
+
+
 def write_file(path: str, entries: Sequence[tuple[str, torch.Tensor]], *, meta: dict[str, str] | None = None,
                fsync: bool = True) -> WrittenFile:
     """Write contiguous CPU tensors as one safetensors file; returns offsets and checksums."""
-    header, starts = _header(entries, meta or {})
-    base = 8 + len(header)
-    out: list[WrittenEntry] = []
-    with open(path, "xb", buffering=_WRITE_BUFFER) as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        wb = _Writeback(f) if fsync else None
-        for (key, t), start in zip(entries, starts):
-            view = byte_view(t)
-            f.write(view)
-            out.append(WrittenEntry(key, base + start, len(view), digest(view)))
-            if wb:
-                wb.wrote(len(view))
-        f.flush()
-        if fsync:
-            os.fdatasync(f.fileno())
-        size = f.tell()
-    return WrittenFile(size, file_checksum(header, (e.checksum for e in out)), tuple(out))
+    w = SafetensorsStreamWriter(path, [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in entries],
+                                meta=meta, fsync=fsync)
+    try:
+        for key, t in entries:
+            w.append(key, t)
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()
 
 
 def pread_into(fd: int, offset: int, view: memoryview, *, name: str) -> None:
