@@ -13,7 +13,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .dcp.errors import ConfigError
 
-JOBS = ("save", "load", "reshard", "inspect", "verify", "bench", "train")
+JOBS = ("save", "load", "reshard", "inspect", "verify", "bench", "train", "transform")
+TRANSFORMS = ("merge_hf", "import", "to_torch_dcp")
+SOURCE_FORMATS = ("auto", "hf", "safetensors", "pt", "torch_dcp", "hyper_parallel")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -156,6 +158,25 @@ class JobConf:
 
 
 @dataclass
+class TransformConf:
+    kind: str = "merge_hf"  # merge_hf | import | to_torch_dcp
+    src: Optional[str] = None  # merge_hf/to_torch_dcp: our checkpoint; import: the foreign checkpoint
+    dst: Optional[str] = None  # the output directory (created atomically)
+    source_format: str = "auto"  # import: auto | hf | safetensors | pt | torch_dcp | hyper_parallel
+    max_shard_size: Size = "5GB"  # merge_hf: cap per model-*.safetensors file
+    dtype: Optional[str] = None  # merge_hf: cast floating tensors (e.g. bfloat16)
+    single_file: bool = False  # merge_hf: one model.safetensors whatever the size
+    include: Optional[str] = None  # regex (re.search) a tensor name must match
+    exclude: Optional[str] = None  # regex that drops a tensor name (e.g. ^optim\.)
+    # [{pattern: <re.sub pattern>, replace: <replacement>}, ...] applied in order to kept names
+    rename: list[Any] = field(default_factory=list)
+    world_size: int = 1  # import: number of rank files
+    layout: str = "fsdp"  # import: the layout preset (conf/layout) the rank files follow
+    allow_pickle: bool = False  # torch_dcp / hyper_parallel sources: their metadata is a pickle
+    overwrite: bool = False
+
+
+@dataclass
 class Config:
     dcp: DcpConf = field(default_factory=DcpConf)
     layout: LayoutConf = field(default_factory=LayoutConf)
@@ -163,6 +184,7 @@ class Config:
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     runtime: RuntimeConf = field(default_factory=RuntimeConf)
     job: Optional[JobConf] = None
+    transform: TransformConf = field(default_factory=TransformConf)
 
 
 def register() -> None:
@@ -171,6 +193,7 @@ def register() -> None:
     cs.store(group="job", name="job_schema", node=JobConf)
     cs.store(group="layout", name="layout_schema", node=LayoutConf)
     cs.store(group="model", name="model_schema", node=ModelConf)
+    cs.store(group="transform", name="transform_schema", node=TransformConf)
     cs.store(group="planner", name="planner_schema", node=PlannerConf, package="dcp.planner")
     cs.store(group="storage", name="storage_schema", node=StorageConf, package="dcp.storage")
 
@@ -180,6 +203,54 @@ def to_plain(cfg: DictConfig) -> dict:
     d = OmegaConf.to_container(cfg, resolve=True)
     d.pop("hydra", None)
     return d
+
+
+def _transform_problems(c: Config, world_size: int) -> list[str]:
+    from .dcp.metadata import DTYPES
+    from . import layouts
+
+    t, out = c.transform, []
+    if world_size != 1:
+        out.append(f"job.name: transform runs as one process (python -m hpdcp_runner +job=transform), "
+                   f"not under {world_size} ranks")
+    if t.kind not in TRANSFORMS:
+        out.append(f"transform.kind: {t.kind!r} is not one of {', '.join(TRANSFORMS)}")
+    for key in ("src", "dst"):
+        if not getattr(t, key):
+            out.append(f"transform.{key}: required (a path)")
+    if t.source_format not in SOURCE_FORMATS:
+        out.append(f"transform.source_format: {t.source_format!r} is not one of {', '.join(SOURCE_FORMATS)}")
+    try:
+        if parse_size(t.max_shard_size, "transform.max_shard_size") == 0:
+            out.append("transform.max_shard_size: must be positive")
+    except ConfigError as e:
+        out.append(str(e))
+    if t.dtype is not None and t.dtype not in DTYPES:
+        out.append(f"transform.dtype: {t.dtype!r} is not a dtype ({', '.join(sorted(DTYPES))})")
+    for key in ("include", "exclude"):
+        pat = getattr(t, key)
+        if pat is not None:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                out.append(f"transform.{key}: bad regex {pat!r} ({e})")
+    for i, r in enumerate(t.rename):
+        if not isinstance(r, dict) or set(r) != {"pattern", "replace"} or not all(isinstance(v, str) for v in r.values()):
+            out.append(f"transform.rename[{i}]: must be {{pattern: <regex>, replace: <text>}}, got {r!r}")
+            continue
+        try:
+            re.compile(r["pattern"])
+        except re.error as e:
+            out.append(f"transform.rename[{i}].pattern: bad regex {r['pattern']!r} ({e})")
+    if t.world_size < 1:
+        out.append(f"transform.world_size: must be >= 1, got {t.world_size}")
+    elif t.kind == "import":
+        if t.layout not in layouts.preset_names():
+            out.append(f"transform.layout: unknown layout {t.layout!r} (choose {', '.join(layouts.preset_names())})")
+        else:
+            out += [f"transform.layout ({t.layout}).{p}" for p in layouts.problems(layouts.load_preset(t.layout),
+                                                                                   t.world_size)]
+    return out
 
 
 def _train_problems(c: Config) -> list[str]:
@@ -271,6 +342,8 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
                             f"(choose {', '.join(layouts.preset_names())})")
         if c.job.name == "train":
             problems += _train_problems(c)
+        if c.job.name == "transform":
+            problems += _transform_problems(c, world_size)
         if c.job.repeats < 1 or c.job.warmup < 0:
             problems.append("job.repeats/job.warmup: repeats must be >= 1 and warmup >= 0")
     if problems:

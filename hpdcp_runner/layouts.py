@@ -15,7 +15,8 @@ import torch
 from omegaconf import OmegaConf
 
 from .dcp import FlatShard
-from .dcp.geometry import split_piece
+from .dcp.geometry import Box, split_piece, whole
+from .dcp.ragged import decompose_flat_interval
 from .paths import find_conf_dir
 
 PLACEMENT = re.compile(r"^(R|S-?\d+)$")
@@ -97,6 +98,34 @@ class Placer:
                 return [p if p == "R" or _dim(p, ndim) is not None else "R" for p in pl]
         return ["R"] * len(self.shape)
 
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinate of ``rank`` (row-major over the mesh shape), no mesh needed."""
+        coord = []
+        for size in reversed(self.shape):
+            coord.append(rank % size)
+            rank //= size
+        return tuple(reversed(coord))
+
+    def boxes(self, fqn: str, shape: tuple[int, ...], rank: int) -> list[Box]:
+        """The boxes of a tensor of ``shape`` that ``rank`` holds under this layout (pure: the
+        same geometry ``place`` uses, for offline imports that write rank files directly)."""
+        shape = tuple(int(d) for d in shape)
+        if self.layout.kind == "plain" or not shape:
+            return [whole(shape)]
+        if self.layout.kind == "flat":
+            a, b = self._flat_cuts(math.prod(shape), rank)
+            return decompose_flat_interval(shape, a, b)
+        coord = self.coordinate(rank)
+        offs, sizes = [0] * len(shape), list(shape)
+        for mesh_dim, p in enumerate(self.placements_for(fqn, len(shape))):
+            if p == "R":
+                continue
+            d = _dim(p, len(shape))
+            start, size = split_piece(sizes[d], self.shape[mesh_dim], coord[mesh_dim])
+            offs[d] += start
+            sizes[d] = size
+        return [Box(tuple(offs), tuple(sizes))]
+
     def place(self, fqn: str, full: torch.Tensor) -> Any:
         full = full.to(self.device)
         if self.layout.kind == "plain" or full.dim() == 0:
@@ -105,27 +134,22 @@ class Placer:
             return self._flat(full)
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        names = self.placements_for(fqn, full.dim())
-        coord = self.mesh.get_coordinate()
+        (box,) = self.boxes(fqn, tuple(full.shape), self.rank)
         local = full
-        placements = []
-        for mesh_dim, p in enumerate(names):
-            if p == "R":
-                placements.append(Replicate())
-                continue
-            d = _dim(p, full.dim())
-            start, size = split_piece(local.shape[d], self.shape[mesh_dim], coord[mesh_dim])
-            local = local.narrow(d, start, size)
-            placements.append(Shard(d))
+        for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
+            local = local.narrow(d, o, n)
+        placements = [Replicate() if p == "R" else Shard(_dim(p, full.dim()))
+                      for p in self.placements_for(fqn, full.dim())]
         return DTensor.from_local(local.clone(), self.mesh, placements, run_check=False, shape=full.shape,
                                   stride=full.stride())
 
-    def _flat(self, full: torch.Tensor) -> FlatShard:
-        n = full.numel()
+    def _flat_cuts(self, n: int, rank: int) -> tuple[int, int]:
         units = list(self.layout.flat_units) or [1] * self.world_size
         total = sum(units)
-        cuts = [n * sum(units[:k]) // total for k in range(self.world_size + 1)]
-        a, b = cuts[self.rank], cuts[self.rank + 1]
+        return n * sum(units[:rank]) // total, n * sum(units[: rank + 1]) // total
+
+    def _flat(self, full: torch.Tensor) -> FlatShard:
+        a, b = self._flat_cuts(full.numel(), self.rank)
         return FlatShard(full.reshape(-1)[a:b].clone(), full.shape, a)
 
 

@@ -43,15 +43,28 @@ def describe(path: str | os.PathLike) -> dict:
             "tensors": tensors, "objects": sorted(md.objects)}
 
 
-def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(key, full tensor)`` assembled from every chunk, one tensor at a time."""
+def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
+                      reuse_buffer: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, full tensor)`` assembled from every chunk, one tensor at a time.
+
+    With ``reuse_buffer`` every tensor is a view of one buffer sized for the largest (valid only
+    until the next item): memory stays at the largest tensor however the allocator behaves
+    (freed multi-MiB blocks otherwise fragment the heap and RSS creeps up).
+    """
     reader = FileSystemReader(path, files_kept=4)
     md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
     reader.attach_metadata(md)
+    keys = list(keys) if keys is not None else sorted(md.tensors)
+    scratch = torch.empty(max((md.tensors[k].nbytes for k in keys), default=0) if reuse_buffer else 0,
+                          dtype=torch.uint8)
     try:
-        for key in keys if keys is not None else sorted(md.tensors):
+        for key in keys:
             tm = md.tensors[key]
-            full = torch.empty(tm.shape, dtype=dtype_from_name(tm.dtype))
+            dt = dtype_from_name(tm.dtype)
+            if reuse_buffer:
+                full = scratch[: tm.nbytes].view(dt).view(tm.shape)
+            else:
+                full = torch.empty(tm.shape, dtype=dt)
             reqs = []
             for c in tm.chunks:
                 view = full
@@ -60,6 +73,7 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None) ->
                 reqs.append(ReadRequest(c, tm.dtype, Box(tuple(0 for _ in c.sizes), c.sizes), view))
             reader.read_tensors(reqs)
             yield key, full
+            del full, view, reqs  # before the next allocation: one full tensor alive at a time
     finally:
         reader.close()
 

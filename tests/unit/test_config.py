@@ -68,6 +68,9 @@ job.steps job.units
 layout.flat_units layout.kind layout.mesh layout.name layout.rules
 model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab
 model.dropout model.heads model.seq_len
+transform.allow_pickle transform.dst transform.dtype transform.exclude transform.include transform.kind transform.layout
+transform.max_shard_size transform.overwrite transform.rename transform.single_file transform.source_format
+transform.src transform.world_size
 runtime.backend runtime.device runtime.nproc_per_node runtime.progress runtime.timeout_s
 """.split())
 

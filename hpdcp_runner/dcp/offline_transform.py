@@ -1,0 +1,316 @@
+"""Single-process conversions between our checkpoints and other formats, in bounded memory.
+
+* ``merge_to_hf``: our checkpoint (any layout, any world size) -> a Hugging Face directory
+  (``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``),
+  with a shard size cap, an optional dtype cast of floating tensors, regex renames and filters.
+  Each tensor is assembled from its chunks into one reused buffer and written before the next:
+  peak memory is the largest tensor (plus its cast copy) and a 1 MiB write buffer, whatever the
+  checkpoint size.
+* ``import_checkpoint``: a Hugging Face directory, one ``.safetensors``, a ``.pt`` file
+  (``weights_only``), a torch DCP or a hyper-parallel checkpoint -> our format, split into
+  ``world_size`` rank files by a ``boxes`` rule (Shard(0) by default, or a runner layout), so it
+  loads directly under that layout. Region reads keep memory at one tensor.
+* ``export_torch_dcp``: our checkpoint -> ``torch.distributed.checkpoint`` format (full tensors,
+  one file). torch's writer takes one in-memory state dict, so this one holds the whole
+  checkpoint in memory.
+
+Outputs appear under their final name only when complete (staging directory + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from . import objects as objcodec
+from .checkpoint_io import SafetensorsStreamWriter
+from .errors import CheckpointExistsError, ConfigError
+from .filesystem_storage import STAGING_MARK, FileSystemReader, FileSystemWriter, rank_file, remove_tree_safely
+from .geometry import Box, split_piece, whole
+from .inspection import iter_full_tensors
+from .metadata import METADATA_FILE, FileMeta, Metadata, dtype_from_name, element_size
+from .offline_sources import HF_INDEX, HF_SINGLE, TensorSource, open_source
+from .planner import OBJECT, TENSOR, SavePlan, WriteItem
+from .standard_planner import assign_owners, build_metadata, chunk_key
+from .storage import WriteResult
+from .utils import get_logger
+
+log = get_logger(__name__)
+Progress = Callable[[Iterable, int, str], Iterable]
+BoxRule = Callable[[str, tuple, int], Sequence[Box]]
+
+
+def _no_progress(it: Iterable, total: int, desc: str) -> Iterable:
+    return it
+
+
+def select_keys(keys: Iterable[str], *, include: str | None = None, exclude: str | None = None,
+                rename: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+    """``{source key: output key}`` after the filters (``re.search``) and the renames
+    (``re.sub``, applied in order). Two keys renamed to one name are an error."""
+    try:
+        inc = re.compile(include) if include else None
+        exc = re.compile(exclude) if exclude else None
+        rules = [(re.compile(p), r) for p, r in rename]
+    except re.error as e:
+        raise ConfigError(f"bad regular expression in include/exclude/rename: {e}") from None
+    out: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for k in keys:
+        if (inc and not inc.search(k)) or (exc and exc.search(k)):
+            continue
+        name = k
+        for pat, rep in rules:
+            name = pat.sub(rep, name)
+        if name in seen:
+            raise ConfigError(f"rename maps both {seen[name]!r} and {k!r} to {name!r}")
+        seen[name] = k
+        out[k] = name
+    return out
+
+
+class _Staged:
+    """An output directory built under a hidden sibling name and renamed into place when done."""
+
+    def __init__(self, dst: str | os.PathLike, overwrite: bool) -> None:
+        self.dst = os.path.abspath(os.fspath(dst))
+        if os.path.lexists(self.dst) and not overwrite:
+            raise CheckpointExistsError(f"{self.dst} already exists; pass overwrite to replace it")
+        parent, name = os.path.split(self.dst)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex[:12]}")
+        os.mkdir(self.tmp)
+
+    def commit(self) -> None:
+        if os.path.lexists(self.dst):
+            remove_tree_safely(self.dst)
+        os.rename(self.tmp, self.dst)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _read_our_metadata(src: str | os.PathLike) -> tuple[FileSystemReader, Metadata]:
+    reader = FileSystemReader(src)
+    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+    reader.attach_metadata(md)
+    return reader, md
+
+
+def plan_hf_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Greedy in key order: a new shard starts when adding a tensor would pass the cap; a tensor
+    larger than the cap gets a shard of its own."""
+    shards: list[list[str]] = []
+    cur, cur_bytes = [], 0
+    for key, n in sizes:
+        if cur and cur_bytes + n > max_shard_size:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(key)
+        cur_bytes += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int = 5 * 10**9,
+                dtype: str | None = None, rename: Sequence[tuple[str, str]] = (), include: str | None = None,
+                exclude: str | None = None, single_file: bool = False, overwrite: bool = False,
+                fsync: bool = True, progress: Progress | None = None) -> dict[str, Any]:
+    """Write our checkpoint ``src`` as a Hugging Face safetensors directory ``dst``."""
+    if max_shard_size <= 0:
+        raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
+    cast = dtype_from_name(dtype) if dtype else None
+    reader, md = _read_our_metadata(src)
+    reader.close()
+    names = select_keys(sorted(md.tensors), include=include, exclude=exclude, rename=rename)
+    if not names:
+        raise ConfigError(f"{src}: no tensor is left after include={include!r} exclude={exclude!r}")
+
+    def out_dtype(key: str) -> str:
+        d = md.tensors[key].dtype
+        return dtype if cast is not None and dtype_from_name(d).is_floating_point else d
+
+    sizes = [(k, math.prod(md.tensors[k].shape) * element_size(out_dtype(k))) for k in names]
+    shards = [list(names)] if single_file else plan_hf_shards(sizes, max_shard_size)
+    n = len(shards)
+    files = [HF_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    out = _Staged(dst, overwrite)
+    progress = progress or _no_progress
+    weight_map: dict[str, str] = {}
+    try:
+        order = [k for shard in shards for k in shard]
+        tensors = iter_full_tensors(src, order, reuse_buffer=True)
+        cast_buf = torch.empty(max(s for k, s in sizes) if cast is not None else 0, dtype=torch.uint8)
+        for fname, shard in zip(files, shards):
+            w = SafetensorsStreamWriter(os.path.join(out.tmp, fname),
+                                        [(names[k], out_dtype(k), md.tensors[k].shape) for k in shard],
+                                        meta={"format": "pt"}, fsync=fsync)
+            try:
+                for key, full in progress(_take(tensors, len(shard)), len(shard), f"merge {fname}"):
+                    if cast is not None and full.is_floating_point():
+                        nbytes = full.numel() * element_size(dtype)
+                        full = cast_buf[:nbytes].view(cast).view(full.shape).copy_(full)
+                    w.append(names[key], full)
+                    weight_map[names[key]] = fname
+                    del full
+            except BaseException:
+                w.abort()
+                raise
+            w.close()
+        total = sum(s for _, s in sizes)
+        if n > 1:
+            doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(out.tmp, HF_INDEX), "w") as f:
+                f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    skipped = sorted(md.objects)
+    return {"dst": out.dst, "files": files, "tensors": len(names), "total_size": total,
+            "skipped_objects": skipped}
+
+
+def _take(it: Iterable, n: int) -> Iterable:
+    for _ in range(n):
+        yield next(it)
+
+
+def shard_dim0(world_size: int) -> BoxRule:
+    """The default import layout: Shard(0) over ``world_size`` ranks (torch.chunk sizes);
+    0-d tensors whole on every rank (written once)."""
+
+    def boxes(fqn: str, shape: tuple, rank: int) -> list[Box]:
+        if not shape:
+            return [whole(shape)]
+        start, size = split_piece(shape[0], world_size, rank)
+        return [Box((start,) + (0,) * (len(shape) - 1), (size,) + tuple(shape[1:]))]
+
+    return boxes
+
+
+def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source_format: str = "auto",
+                      world_size: int = 1, boxes: BoxRule | None = None, allow_pickle: bool = False,
+                      rename: Sequence[tuple[str, str]] = (), include: str | None = None,
+                      exclude: str | None = None, overwrite: bool = False, fsync: bool = True,
+                      progress: Progress | None = None) -> Metadata:
+    """Convert ``src`` into our checkpoint ``dst`` with ``world_size`` rank files laid out by
+    ``boxes(fqn, shape, rank) -> boxes that rank holds`` (chunks held by several ranks are
+    written once, by the lowest rank). Returns the committed metadata."""
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    source = open_source(src, source_format, allow_pickle=allow_pickle)
+    try:
+        return _import(source, dst, world_size, boxes or shard_dim0(world_size), allow_pickle, rename, include,
+                       exclude, overwrite, fsync, progress or _no_progress)
+    finally:
+        source.close()
+
+
+def _import(source: TensorSource, dst: Any, world_size: int, boxes: BoxRule, allow_pickle: bool,
+            rename: Sequence[tuple[str, str]], include: str | None, exclude: str | None, overwrite: bool,
+            fsync: bool, progress: Progress) -> Metadata:
+    names = select_keys(sorted(source.specs), include=include, exclude=exclude, rename=rename)
+    src_paths = source.paths()
+    objects = {k: v for k, v in source.objects().items()
+               if k in select_keys([k], include=include, exclude=exclude)}
+    encoded = {k: objcodec.encode(v, key=k, allow_pickle=allow_pickle) for k, v in objects.items()}
+    paths = {names[k]: (src_paths.get(k, (k,)) if names[k] == k else tuple(names[k].split("."))) for k in names}
+    paths.update({k: src_paths.get(k, (k,)) for k in encoded})
+    plans = []
+    for r in range(world_size):
+        items: list[WriteItem] = []
+        for k, out_key in names.items():
+            dtype, shape = source.specs[k]
+            for piece, box in enumerate(boxes(out_key, tuple(shape), r)):
+                items.append(WriteItem(out_key, TENSOR, box, dtype, tuple(shape), box.numel * element_size(dtype), piece))
+        if r == 0:
+            items += [WriteItem(k, OBJECT, None, None, None, len(json.dumps(v)), 0) for k, v in encoded.items()]
+        plans.append(SavePlan(r, tuple(items), paths))
+    gplan = assign_owners(plans, "minimum_rank")
+    back = {v: k for k, v in names.items()}
+    writer = FileSystemWriter(dst, fsync=fsync)
+    token = writer.begin(overwrite=overwrite)
+    streams: dict[int, SafetensorsStreamWriter] = {}
+    try:
+        jobs: dict[str, list[tuple[int, WriteItem]]] = {}
+        rank_of_key = {k: i for i, k in enumerate(names.values())}
+        for r, (plan, idxs) in enumerate(zip(gplan.plans, gplan.writes)):
+            mine = [plan.items[i] for i in idxs if plan.items[i].kind == TENSOR and plan.items[i].box.numel]
+            mine.sort(key=lambda it: (rank_of_key[it.fqn], it.piece))
+            for it in mine:
+                jobs.setdefault(it.fqn, []).append((r, it))
+            if mine:
+                streams[r] = SafetensorsStreamWriter(
+                    os.path.join(writer.staging, rank_file(r, "safetensors")),
+                    [(chunk_key(it.fqn, it.box.offsets), it.dtype, it.box.sizes) for it in mine],
+                    meta={"format": "pt"}, fsync=fsync)
+        for out_key in progress(list(names.values()), len(names), "import"):
+            for r, it in jobs.get(out_key, []):
+                streams[r].append(chunk_key(out_key, it.box.offsets), source.read(back[out_key], it.box))
+        results = []
+        for r in range(world_size):
+            files, chunks = [], {}
+            if r in streams:
+                wf = streams.pop(r).close()
+                name = rank_file(r, "safetensors")
+                files.append(FileMeta(name, wf.size, wf.checksum, r))
+                chunks = {e.key: (name, e.byte_offset, e.checksum) for e in wf.entries}
+            objs = {}
+            if r == 0 and encoded:
+                writer.attach(token, rank=0, world_size=world_size)
+                res = writer.write([], encoded)
+                files += list(res.files)
+                objs = dict(res.objects)
+            results.append(WriteResult(r, tuple(files), chunks, objs))
+        md = build_metadata(gplan, results, world_size, {"imported_from": source.path,
+                                                         "source_format": type(source).__name__})
+        writer.commit(md)
+        return md
+    except BaseException:
+        for s in streams.values():
+            s.abort()
+        writer.abort()
+        raise
+
+
+def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: Sequence[tuple[str, str]] = (),
+                     include: str | None = None, exclude: str | None = None, allow_pickle: bool = False,
+                     overwrite: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+    """Write our checkpoint as a ``torch.distributed.checkpoint`` directory (full tensors,
+    loadable by ``torch.distributed.checkpoint.load`` under any sharding). Holds the whole
+    checkpoint in memory: torch's writer takes a single state dict."""
+    import torch.distributed.checkpoint as tdcp
+
+    reader, md = _read_our_metadata(src)
+    names = select_keys(sorted(md.tensors), include=include, exclude=exclude, rename=rename)
+    onames = select_keys(sorted(md.objects), include=include, exclude=exclude, rename=rename)
+    try:
+        objs = reader.read_objects({k: md.objects[k] for k in onames}, allow_pickle=allow_pickle)
+    finally:
+        reader.close()
+    sd: dict[str, Any] = {onames[k]: v for k, v in objs.items()}
+    progress = progress or _no_progress
+    for key, full in progress(iter_full_tensors(src, list(names)), len(names), "export"):
+        sd[names[key]] = full
+    out = _Staged(dst, overwrite)
+    try:
+        tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(out.tmp), no_dist=True)
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    return {"dst": out.dst, "tensors": len(names), "objects": len(onames),
+            "total_size": sum(md.tensors[k].nbytes for k in names)}
+
+
+__all__ = ["merge_to_hf", "import_checkpoint", "export_torch_dcp", "select_keys", "plan_hf_shards", "shard_dim0",
+           "open_source"]

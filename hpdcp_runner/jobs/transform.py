@@ -1,0 +1,46 @@
+"""transform: offline conversions in one process (no torchrun), with a progress bar.
+
+``transform=merge_hf`` (ours -> Hugging Face shards), ``transform=import`` (HF / safetensors /
+.pt / torch DCP / hyper-parallel -> ours, laid out for ``transform.layout`` at
+``transform.world_size``), ``transform=to_torch_dcp`` (ours -> torch DCP). The engine functions
+are ``hpdcp_runner.dcp.offline_transform``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import parse_size
+from ..dcp import offline_transform as ot
+from ..layouts import Placer, load_preset
+from .context import JobContext
+
+
+def run(ctx: JobContext) -> dict:
+    t = ctx.cfg.transform
+    src, dst = ctx.abspath(t.src), ctx.abspath(t.dst)
+    rename = [(r["pattern"], r["replace"]) for r in t.rename]
+
+    def progress(it: Any, total: int, desc: str) -> Any:
+        return ctx.progress(it, desc, total=total)
+
+    with ctx.metrics.phase("transform"):
+        if t.kind == "merge_hf":
+            res = ot.merge_to_hf(src, dst, max_shard_size=parse_size(t.max_shard_size, "transform.max_shard_size"),
+                                 dtype=t.dtype, rename=rename, include=t.include, exclude=t.exclude,
+                                 single_file=t.single_file, overwrite=t.overwrite, fsync=ctx.cfg.dcp.storage.fsync,
+                                 progress=progress)
+        elif t.kind == "import":
+            placer = Placer(load_preset(t.layout), 0, t.world_size)
+            md = ot.import_checkpoint(src, dst, source_format=t.source_format, world_size=t.world_size,
+                                      boxes=placer.boxes, allow_pickle=t.allow_pickle, rename=rename,
+                                      include=t.include, exclude=t.exclude, overwrite=t.overwrite,
+                                      fsync=ctx.cfg.dcp.storage.fsync, progress=progress)
+            res = {"dst": dst, "tensors": len(md.tensors), "objects": len(md.objects), "world_size": md.world_size,
+                   "layout": t.layout, "total_size": md.total_tensor_bytes,
+                   "files": sorted(md.files)}
+        else:
+            res = ot.export_torch_dcp(src, dst, rename=rename, include=t.include, exclude=t.exclude,
+                                      allow_pickle=t.allow_pickle, overwrite=t.overwrite, progress=progress)
+    ctx.metrics.add({"bytes_written": int(res["total_size"])}, "transform.")
+    return {"kind": t.kind, "src": src, **res}
