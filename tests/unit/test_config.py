@@ -30,20 +30,36 @@ def _options(group):
     return sorted(n[:-5] for n in os.listdir(os.path.join(CONF, group)) if n.endswith(".yaml"))
 
 
-@pytest.mark.parametrize("group", ["job", "planner", "storage", "layout", "model"])
+@pytest.mark.parametrize("group", ["job", "planner", "storage", "layout", "model", "transform"])
 def test_every_option_composes_and_validates(group):
     for opt in _options(group):
-        overrides = [f"+job={opt}" if group == "job" else "+job=save"]
+        overrides = [f"+job={opt}" if group == "job" else "+job=transform" if group == "transform" else "+job=save"]
         if group != "job":
             overrides.append(f"{group}={opt}")
         if opt in ("inspect", "verify"):
             overrides.append("checkpoint.path=/tmp/x")
-        ws = 4 if opt == "dp_tp" else 2
+        if group == "transform" or opt == "transform":
+            overrides += ["transform.src=/tmp/a", "transform.dst=/tmp/b"]
+        ws = 4 if opt == "dp_tp" else 1 if group == "transform" or opt == "transform" else 2
         c = validate(_compose(overrides), ws)
         if group == "layout":
             assert c.layout.name == opt
         if group == "job":
             assert c.job.name == opt
+        if group == "transform":
+            assert c.transform.kind in ("merge_hf", "import", "to_torch_dcp")
+
+
+def test_transform_problems_listed_by_key():
+    cfg = _compose(["+job=transform", "transform=import", "transform.layout=dp_tp", "transform.world_size=3",
+                    "transform.dtype=float13", "transform.include='[a-'", "transform.max_shard_size=5XB",
+                    "transform.rename=[{pattern: a}]"])
+    with pytest.raises(ConfigError) as ei:
+        validate(cfg, 2)
+    text = str(ei.value)
+    for key in ("job.name: transform runs as one process", "transform.src", "transform.dst", "transform.dtype",
+                "transform.include", "transform.max_shard_size", "transform.rename[0]", "transform.layout (dp_tp).mesh"):
+        assert key in text, key
 
 
 @pytest.mark.parametrize("name", _options("experiment"))
