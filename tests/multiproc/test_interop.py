@@ -1,0 +1,105 @@
+"""torch DCP -> ours -> torch DCP and ours -> HF -> ours, each side saved/loaded on 2 gloo ranks
+under different layouts; the conversions run offline in this (single) process."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.multiproc.harness import run_ranks
+
+from hpdcp_runner.dcp import PickleNotAllowedError, load, save
+from hpdcp_runner.dcp.geometry import Box, split_piece
+from hpdcp_runner.dcp.offline_transform import export_torch_dcp, import_checkpoint, merge_to_hf
+
+SHAPES = {"emb": (13, 6), "w1": (8, 9), "w2": (9, 8), "bias": (9,), "count": ()}
+
+
+def _full():
+    g = torch.Generator().manual_seed(7)
+    out = {k: torch.randn(s, generator=g) for k, s in SHAPES.items() if k != "count"}
+    out["count"] = torch.tensor(42, dtype=torch.int64)
+    return out
+
+
+def _dtensors(ws, dim):
+    """The reference state as DTensors sharded on ``dim`` (Replicate for tensors without it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    return {k: (distribute_tensor(v, mesh, [Shard(dim)]) if v.dim() > dim else v.clone()) for k, v in _full().items()}
+
+
+def _zeros_like(sd):
+    from torch.distributed.tensor import DTensor
+
+    return {k: (DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, run_check=False,
+                                   shape=v.shape, stride=v.stride()) if isinstance(v, DTensor) else torch.zeros_like(v))
+            for k, v in sd.items()}
+
+
+def _equal_to_reference(sd) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    ref = _full()
+    return all(torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, ref[k]) for k, v in sd.items())
+
+
+def _save_torch_dcp(rank, ws, path):
+    import torch.distributed.checkpoint as tdcp
+
+    tdcp.save(_dtensors(ws, 0), storage_writer=tdcp.FileSystemWriter(path))
+    return True
+
+
+def _load_ours(rank, ws, path, dim):
+    tgt = _zeros_like(_dtensors(ws, dim))
+    load(tgt, checkpoint_id=path, timeout=60)
+    return _equal_to_reference(tgt)
+
+
+def _load_torch_dcp(rank, ws, path, dim):
+    import torch.distributed.checkpoint as tdcp
+
+    tgt = _zeros_like(_dtensors(ws, dim))
+    tdcp.load(tgt, storage_reader=tdcp.FileSystemReader(path))
+    return _equal_to_reference(tgt)
+
+
+def _save_ours(rank, ws, path, dim):
+    save(_dtensors(ws, dim), checkpoint_id=path, timeout=60)
+    return True
+
+
+def _shard1(ws):
+    def boxes(fqn, shape, rank):
+        if len(shape) < 2:
+            return [Box((0,) * len(shape), tuple(shape))]
+        start, size = split_piece(shape[1], ws, rank)
+        return [Box((0, start), (shape[0], size))]
+
+    return boxes
+
+
+def test_torch_dcp_to_ours_to_torch_dcp(tmp_path):
+    src, ours, back = str(tmp_path / "tdcp"), str(tmp_path / "ours"), str(tmp_path / "back")
+    run_ranks(2, _save_torch_dcp, src)  # Shard(0) on 2 ranks, torch DCP
+    try:
+        import_checkpoint(src, ours)
+        raise AssertionError("reading torch DCP metadata without allow_pickle must be refused")
+    except PickleNotAllowedError as e:
+        assert f"{src}/.metadata" in str(e) and "allow_pickle" in str(e)
+    md = import_checkpoint(src, ours, allow_pickle=True, world_size=2, boxes=_shard1(2))  # ours: Shard(1) files
+    assert md.world_size == 2 and [c.sizes for c in md.tensors["w1"].chunks] == [(8, 5), (8, 4)]
+    assert all(run_ranks(2, _load_ours, ours, 1))  # loads directly under Shard(1)
+    assert all(run_ranks(2, _load_ours, ours, 0))  # and reshards to Shard(0)
+    export_torch_dcp(ours, back)
+    assert all(run_ranks(2, _load_torch_dcp, back, 1))  # torch DCP reads it under Shard(1)
+
+
+def test_ours_to_hf_to_ours_loads_under_another_layout(tmp_path):
+    ours, hf, back = str(tmp_path / "ours"), str(tmp_path / "hf"), str(tmp_path / "back")
+    run_ranks(2, _save_ours, ours, 1)  # saved Shard(1) on 2 ranks
+    merge_to_hf(ours, hf, max_shard_size=200)
+    import_checkpoint(hf, back, world_size=2)  # Shard(0) rank files
+    assert all(run_ranks(2, _load_ours, back, 0))
