@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 import torch
 import xxhash
 
+from . import faults
 from .errors import CorruptCheckpointError
 from .metadata import DTYPES, dtype_name, element_size
 
@@ -152,6 +153,7 @@ class SafetensorsStreamWriter:
                              f"declared {dtype} {list(shape)}")
         if t.device.type != "cpu" or not t.is_contiguous():
             t = t.to("cpu").contiguous()
+        faults.point("file.write", path=self.path)
         view = byte_view(t)
         self._f.write(view)
         e = WrittenEntry(key, self._base + self._starts[i], len(view), digest(view))
@@ -168,6 +170,7 @@ class SafetensorsStreamWriter:
                 raise ValueError(f"{self.path}: {len(self.specs) - self._next} declared entries were never written")
             self._f.flush()
             if self.fsync:
+                faults.point("file.fsync", path=self.path)
                 os.fdatasync(self._f.fileno())
             size = self._f.tell()
         finally:

@@ -9,10 +9,19 @@ test arms a point with an action that raises, sleeps or kills the process::
 
 In production ``_ARMED`` is empty and ``point`` is one dict truthiness check.
 
-Points (each gets ``rank`` and ``path``, the checkpoint's final path): ``save.plan`` as a rank
-starts planning (in ``async_save``: inside the background writer), ``save.write`` before a rank
-writes its files, ``save.written`` after, ``save.commit`` on the coordinator before the commit.
-All run inside the agreed protocol, so a failure on one rank is raised on every rank.
+Points. Inside the agreed save protocol (a failure on one rank is raised on every rank), each
+with ``rank`` and ``path`` (the checkpoint's final path): ``save.plan`` as a rank starts planning
+(in ``async_save``: inside the background writer), ``save.write`` before a rank writes its files,
+``save.written`` after, ``save.commit`` on the coordinator before the commit. Storage level, with
+``path`` (the file or directory): ``file.write`` before each tensor is written, ``file.fsync``
+before a file is synced, ``commit.rename`` just before the renames that publish a checkpoint,
+``retention.delete`` between renaming a checkpoint to trash and deleting it, ``load.read`` (also
+``file``, ``rank``) before each read of a checkpoint file.
+
+Processes started by torchrun cannot be armed from a test, so ``HPDCP_FAULTS`` arms points at
+import: ``point[@rank]:action[;...]`` with actions ``kill`` (SIGKILL this process), ``hang``
+(sleep an hour), ``eio`` / ``enospc`` (raise that OSError naming ``path``). Example:
+``HPDCP_FAULTS='save.write@1:kill'``.
 """
 
 from __future__ import annotations
@@ -55,3 +64,46 @@ def armed(name: str, action: Callable[..., Any]) -> Iterator[None]:
 def fail(exc: BaseException) -> None:
     """Raise ``exc`` (usable inside a lambda action)."""
     raise exc
+
+
+def _env_action(spec: str) -> Callable[..., Any]:
+    import errno
+    import os
+    import signal
+    import time
+
+    point_rank, _, action = spec.partition(":")
+    _, _, rank_text = point_rank.partition("@")
+    only = int(rank_text) if rank_text else None
+
+    def act(**info: Any) -> None:
+        rank = info.get("rank", int(os.environ.get("RANK", "0")))
+        if only is not None and rank != only:
+            return
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "hang":
+            time.sleep(3600)
+        elif action in ("eio", "enospc"):
+            code = errno.EIO if action == "eio" else errno.ENOSPC
+            raise OSError(code, os.strerror(code), str(info.get("path", "?")))
+        else:
+            raise ValueError(f"HPDCP_FAULTS: unknown action {action!r} in {spec!r}")
+
+    return act
+
+
+def arm_from_env(text: str) -> None:
+    """Arm the points listed in an ``HPDCP_FAULTS`` value (see the module docstring)."""
+    for spec in filter(None, (s.strip() for s in text.split(";"))):
+        arm(spec.partition(":")[0].partition("@")[0], _env_action(spec))
+
+
+def _arm_env() -> None:
+    import os
+
+    if os.environ.get("HPDCP_FAULTS"):
+        arm_from_env(os.environ["HPDCP_FAULTS"])
+
+
+_arm_env()

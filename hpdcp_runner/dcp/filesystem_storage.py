@@ -20,13 +20,15 @@ import errno
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from . import faults
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest, pread_into, write_file
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError
@@ -34,7 +36,7 @@ from .geometry import flat_span, row_major_strides
 from .metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
                        dtype_from_name, element_size)
 from .storage import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
-from .utils import get_logger
+from .utils import get_logger, rank_of_env
 
 log = get_logger(__name__)
 STAGING_MARK = ".tmp-"
@@ -75,7 +77,29 @@ def remove_tree_safely(path: str) -> None:
     parent, name = os.path.split(path)
     trash = os.path.join(parent, f".{name.lstrip('.')}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    faults.point("retention.delete", path=trash)
+    if os.path.islink(trash):  # rmtree refuses links; a link is removed, never followed
+        os.unlink(trash)
+    else:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def open_regular(full: str) -> int:
+    """Open a checkpoint file for reading: no symlinks, no FIFOs or devices (which could hang or
+    read outside the checkpoint), only a regular file. Returns the fd."""
+    try:
+        fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{full} is a symbolic link; checkpoint files must be regular files inside "
+                                         f"the checkpoint directory") from None
+        raise CorruptCheckpointError(f"cannot open checkpoint file {full}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{full} is not a regular file")
+    return fd
 
 
 class FileSystemWriter(StorageWriter):
@@ -117,6 +141,7 @@ class FileSystemWriter(StorageWriter):
                 f.write(body)
                 f.flush()
                 if self.fsync:
+                    faults.point("file.fsync", path=f.name)
                     os.fsync(f.fileno())
             files.append(FileMeta(name, len(body), digest(body), self.rank))
             for k, t in texts.items():
@@ -134,6 +159,7 @@ class FileSystemWriter(StorageWriter):
                 os.fsync(f.fileno())
         if self.fsync:
             _fsync_dir(self.staging)
+        faults.point("commit.rename", path=self.path)
         if os.path.lexists(self.path):
             if not _exchange(self.staging, self.path):
                 old = os.path.join(self.parent, f".{self.name}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
@@ -202,13 +228,18 @@ class FileSystemReader(StorageReader):
 
     def read_metadata_text(self) -> str:
         mpath = os.path.join(self.path, METADATA_FILE)
-        if not os.path.isdir(self.path) or not os.path.isfile(mpath):
+        if not os.path.isdir(self.path) or not os.path.lexists(mpath):
             raise self._not_found()
-        size = os.path.getsize(mpath)
-        if size > self.max_metadata_bytes:
-            raise MetadataError(f"{mpath} is {size} bytes, over the {self.max_metadata_bytes}-byte limit")
-        with open(mpath, "rb") as f:
-            return f.read(self.max_metadata_bytes + 1).decode("utf-8", errors="replace")
+        fd = open_regular(mpath)
+        try:
+            size = os.fstat(fd).st_size
+            if size > self.max_metadata_bytes:
+                raise MetadataError(f"{mpath} is {size} bytes, over the {self.max_metadata_bytes}-byte limit")
+            body = bytearray(size)
+            pread_into(fd, 0, memoryview(body), name=mpath)
+        finally:
+            os.close(fd)
+        return body.decode("utf-8", errors="replace")
 
     def attach_metadata(self, metadata: Metadata) -> None:
         self.metadata = metadata
@@ -221,11 +252,9 @@ class FileSystemReader(StorageReader):
         check_file_name(name)
         full = os.path.join(self.path, name)
         try:
-            fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = open_regular(full)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"checkpoint file {full} is missing (listed in {METADATA_FILE})") from None
-        except OSError as e:
-            raise CorruptCheckpointError(f"cannot open checkpoint file {full}: {e.strerror}") from None
         expected = self.metadata.files[name].size if self.metadata else None
         actual = os.fstat(fd).st_size
         if expected is not None and actual != expected:
@@ -265,7 +294,14 @@ class FileSystemReader(StorageReader):
             if on_done is not None:
                 on_done(k)
 
+    def check_files(self, names: Iterable[str]) -> None:
+        """Open (and so size-check) these files now: callers that allocate from metadata shapes
+        do this first, so a tampered shape cannot make them allocate more than is on disk."""
+        for name in names:
+            self._fd(name)
+
     def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype, span: int) -> None:
+        faults.point("load.read", rank=rank_of_env(), path=self.path, file=name)
         fd = self._fd(name)
         whole_chunk = r.sub.sizes == r.chunk.sizes
         exact = span == r.sub.numel

@@ -55,6 +55,7 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
     md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
     reader.attach_metadata(md)
     keys = list(keys) if keys is not None else sorted(md.tensors)
+    reader.check_files(sorted({c.file for k in keys for c in md.tensors[k].chunks}))  # sizes real before allocating
     scratch = torch.empty(max((md.tensors[k].nbytes for k in keys), default=0) if reuse_buffer else 0,
                           dtype=torch.uint8)
     try:
@@ -117,8 +118,12 @@ def verify(path: str | os.PathLike) -> VerifyReport:
     checked = nbytes = 0
     for name, fm in sorted(md.files.items()):
         full = os.path.join(abspath, name)
-        if not os.path.isfile(full):
+        if not os.path.lexists(full):
             problems.append(f"{name}: missing")
+            continue
+        if os.path.islink(full) or not os.path.isfile(full):
+            problems.append(f"{name}: not a regular file ({'a symbolic link' if os.path.islink(full) else 'special'}); "
+                            f"load refuses it")
             continue
         size = os.path.getsize(full)
         if size != fm.size:
