@@ -14,8 +14,9 @@ import json
 import math
 import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -119,6 +120,18 @@ class _Writeback:
         self.done, self.pending = end, 0
 
 
+@contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Give an OSError raised while writing ``path`` the file name (a full disk raises ENOSPC from
+    a buffered write or flush with no name attached)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
+
+
 class SafetensorsStreamWriter:
     """Writes one safetensors file whose entries are declared up front and appended one at a
     time, so a file of any size is written holding one tensor at a time (offline transforms)."""
@@ -134,8 +147,9 @@ class SafetensorsStreamWriter:
         self.entries: list[WrittenEntry] = []
         self._f = open(path, "xb", buffering=_WRITE_BUFFER)
         try:
-            self._f.write(struct.pack("<Q", len(self.header)))
-            self._f.write(self.header)
+            with naming(path):
+                self._f.write(struct.pack("<Q", len(self.header)))
+                self._f.write(self.header)
         except BaseException:
             self._f.close()
             raise
@@ -155,12 +169,14 @@ class SafetensorsStreamWriter:
             t = t.to("cpu").contiguous()
         faults.point("file.write", path=self.path)
         view = byte_view(t)
-        self._f.write(view)
+        with naming(self.path):
+            self._f.write(view)
         e = WrittenEntry(key, self._base + self._starts[i], len(view), digest(view))
         self.entries.append(e)
         self._next += 1
         if self._wb:
-            self._wb.wrote(len(view))
+            with naming(self.path):
+                self._wb.wrote(len(view))
         return e
 
     def close(self) -> WrittenFile:
@@ -168,17 +184,23 @@ class SafetensorsStreamWriter:
         try:
             if self._next != len(self.specs):
                 raise ValueError(f"{self.path}: {len(self.specs) - self._next} declared entries were never written")
-            self._f.flush()
-            if self.fsync:
-                faults.point("file.fsync", path=self.path)
-                os.fdatasync(self._f.fileno())
+            with naming(self.path):
+                self._f.flush()
+                if self.fsync:
+                    faults.point("file.fsync", path=self.path)
+                    os.fdatasync(self._f.fileno())
             size = self._f.tell()
-        finally:
-            self._f.close()
+        except BaseException:
+            self.abort()  # closing must not replace the error that names the file
+            raise
+        self._f.close()
         return WrittenFile(size, file_checksum(self.header, (e.checksum for e in self.entries)), tuple(self.entries))
 
     def abort(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:  # flushing the rest of a failed file (e.g. disk still full)
+            pass
 
 
 def write_file(path: str, entries: Sequence[tuple[str, torch.Tensor]], *, meta: dict[str, str] | None = None,

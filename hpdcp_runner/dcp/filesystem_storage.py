@@ -30,7 +30,7 @@ import torch
 
 from . import faults
 from . import objects as objcodec
-from .checkpoint_io import byte_view, digest, pread_into, write_file
+from .checkpoint_io import byte_view, digest, naming, pread_into, write_file
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError
 from .geometry import flat_span, row_major_strides
 from .metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
@@ -137,7 +137,7 @@ class FileSystemWriter(StorageWriter):
             name = rank_file(self.rank, "objects.json")
             texts = {k: json.dumps(v, separators=(",", ":")) for k, v in objects.items()}
             body = ("{" + ",".join(f"{json.dumps(k)}:{t}" for k, t in texts.items()) + "}").encode()
-            with open(os.path.join(self.staging, name), "xb") as f:
+            with open(os.path.join(self.staging, name), "xb") as f, naming(f.name):
                 f.write(body)
                 f.flush()
                 if self.fsync:
@@ -152,7 +152,7 @@ class FileSystemWriter(StorageWriter):
 
     def commit(self, metadata: Metadata) -> None:
         body = metadata.to_json().encode()
-        with open(os.path.join(self.staging, METADATA_FILE), "xb") as f:
+        with open(os.path.join(self.staging, METADATA_FILE), "xb") as f, naming(f.name):
             f.write(body)
             f.flush()
             if self.fsync:

@@ -198,7 +198,10 @@ def _parse(doc: Any, source: str) -> Metadata:
         _need(isinstance(doc.get(section), dict), source, f"'{section}' must be an object")
     files: dict[str, FileMeta] = {}
     for name, f in doc["files"].items():
-        check_file_name(name)
+        try:
+            check_file_name(name)
+        except MetadataError as e:
+            raise MetadataError(f"{source}: {e}") from None
         _need(isinstance(f, dict) and type(f.get("size")) is int and f["size"] >= 0
               and isinstance(f.get("checksum"), str) and type(f.get("rank")) is int,
               source, f"file {name!r}: bad entry {f!r:.120}")

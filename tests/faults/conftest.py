@@ -1,0 +1,52 @@
+"""The fault suite records one row per fault (what happened, and the checks that passed) into the
+JSON-lines file named by HPDCP_FAULT_TABLE, so scripts/fault_table.py can build docs/fault_table.md
+from what the tests actually observed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hpdcp_runner.dcp import load, save
+
+
+def state(k: int) -> dict:
+    g = torch.Generator().manual_seed(k)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g), "meta": {"step": k}}
+
+
+def zeros() -> dict:
+    return {"w": torch.zeros(64, 32), "b": torch.zeros(32), "meta": {"step": 0}}
+
+
+def loads_bitwise(path, k: int) -> bool:
+    """The checkpoint at ``path`` loads and equals ``state(k)`` bit for bit."""
+    tgt = zeros()
+    load(tgt, checkpoint_id=path)
+    ref = state(k)
+    return torch.equal(tgt["w"], ref["w"]) and torch.equal(tgt["b"], ref["b"]) and tgt["meta"] == ref["meta"]
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    """``step_1`` (the previous checkpoint, never touched) and ``step_2`` (the one faults hit)."""
+    save(state(1), checkpoint_id=tmp_path / "step_1")
+    save(state(2), checkpoint_id=tmp_path / "step_2")
+    return tmp_path
+
+
+@pytest.fixture
+def fault_row():
+    def record(fault: str, category: str, behaviour: str, error: str | None = None, named: str | None = None,
+               previous_intact: bool | None = None, marker_absent: bool | None = None, verify: str | None = None):
+        path = os.environ.get("HPDCP_FAULT_TABLE")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"fault": fault, "category": category, "behaviour": behaviour, "error": error,
+                                    "named": named, "previous_intact": previous_intact,
+                                    "marker_absent": marker_absent, "verify": verify}) + "\n")
+
+    return record
