@@ -96,6 +96,15 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+_FAILED = False
+
+
+def mark_failed() -> None:
+    """The job failed: peers may be dead or hung, so teardown must not wait for them."""
+    global _FAILED
+    _FAILED = True
+
+
 def shutdown_distributed() -> None:
     """Tear the process group down before interpreter exit (gloo threads alive at exit can abort).
     An in-flight async save finishes first: it needs the group, and losing it silently is worse."""
@@ -103,8 +112,9 @@ def shutdown_distributed() -> None:
 
     wait_for_async_saves()
     if dist.is_available() and dist.is_initialized():
-        try:  # every rank done with every collective before any rank closes its connections
-            dist.barrier()
-        except Exception:  # a peer already failed; tearing down is all that is left
-            pass
+        if not _FAILED:
+            try:  # every rank done with every collective before any rank closes its connections
+                dist.barrier()
+            except Exception:  # a peer already failed; tearing down is all that is left
+                pass
         dist.destroy_process_group()

@@ -20,7 +20,7 @@ before a file is synced, ``commit.rename`` just before the renames that publish 
 
 Processes started by torchrun cannot be armed from a test, so ``HPDCP_FAULTS`` arms points at
 import: ``point[@rank]:action[;...]`` with actions ``kill`` (SIGKILL this process), ``hang``
-(sleep an hour), ``eio`` / ``enospc`` (raise that OSError naming ``path``). Example:
+(sleep an hour), ``sleep=<s>``, ``eio`` / ``enospc`` (raise that OSError naming ``path``). Example:
 ``HPDCP_FAULTS='save.write@1:kill'``.
 """
 
@@ -84,6 +84,8 @@ def _env_action(spec: str) -> Callable[..., Any]:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "hang":
             time.sleep(3600)
+        elif action.startswith("sleep="):
+            time.sleep(float(action[6:]))
         elif action in ("eio", "enospc"):
             code = errno.EIO if action == "eio" else errno.ENOSPC
             raise OSError(code, os.strerror(code), str(info.get("path", "?")))

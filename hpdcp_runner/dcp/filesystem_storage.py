@@ -104,6 +104,7 @@ def open_regular(full: str) -> int:
 
 class FileSystemWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
+        self.overwrite = False
         self.path = os.path.abspath(os.fspath(path))
         self.parent, self.name = os.path.split(self.path)
         self.fsync = fsync
@@ -115,6 +116,7 @@ class FileSystemWriter(StorageWriter):
         if os.path.lexists(self.path) and not overwrite:
             raise CheckpointExistsError(f"checkpoint {self.path} already exists; pass overwrite=True to replace it "
                                         f"(the old one stays loadable until the new one commits)")
+        self.overwrite = overwrite
         os.makedirs(self.parent, exist_ok=True)
         token = f".{self.name}{STAGING_MARK}{uuid.uuid4().hex[:12]}"
         self.staging = os.path.join(self.parent, token)
@@ -160,7 +162,19 @@ class FileSystemWriter(StorageWriter):
         if self.fsync:
             _fsync_dir(self.staging)
         faults.point("commit.rename", path=self.path)
-        if os.path.lexists(self.path):
+        if not self.overwrite:
+            # Another save may have committed this name since begin(): never replace it silently.
+            # rename() onto an existing non-empty directory fails, so the check has no window.
+            try:
+                if os.path.lexists(self.path):
+                    raise FileExistsError(errno.EEXIST, "exists", self.path)
+                os.rename(self.staging, self.path)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                    raise
+                raise CheckpointExistsError(f"checkpoint {self.path} appeared while this save was in progress "
+                                            f"(another save committed it first); nothing was committed") from None
+        elif os.path.lexists(self.path):
             if not _exchange(self.staging, self.path):
                 old = os.path.join(self.parent, f".{self.name}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
                 os.rename(self.path, old)

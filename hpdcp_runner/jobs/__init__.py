@@ -24,6 +24,7 @@ log = get_logger("hpdcp_runner")
 
 
 def _fail(message: str, code: int) -> None:
+    runtime.mark_failed()
     sys.stderr.write(f"[rank{runtime.env_rank()}] {message}\n")
     sys.stderr.flush()
     raise SystemExit(code)
