@@ -41,7 +41,7 @@ def _load(path):
 def _verify_flags(path, needle):
     rep = verify(path)
     assert not rep.ok and any(needle in p for p in rep.problems), rep.problems
-    return "; ".join(rep.problems)[:120]
+    return "; ".join(rep.problems).replace(f"{path}/", "")[:120]
 
 
 def _md(path):
