@@ -106,13 +106,16 @@ def test_ranks_disagreeing_on_the_plan(tmp_path, fault_row):
 
 
 def test_two_saves_racing_for_one_name(tmp_path, fault_row):
-    target = tmp_path / "step_7"
+    target, ready = tmp_path / "step_7", tmp_path / "ready"
     slow = _python_async(f"""
-        import torch
-        from hpdcp_runner.dcp import save
+        import time, torch
+        from hpdcp_runner.dcp import faults, save
+        faults.arm("save.commit", lambda **_: (open({str(ready)!r}, "w").close(), time.sleep(2)))
         save({{"w": torch.full((8,), 1.0)}}, checkpoint_id={str(target)!r})
-    """, faults="save.commit:sleep=3")
-    time.sleep(1.5)  # the slow one is paused just before its commit
+    """)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:  # the slow save is paused before its commit
+        time.sleep(0.05)
     save({"w": torch.full((8,), 2.0)}, checkpoint_id=target)
     out, err = slow.communicate(timeout=60)
     assert slow.returncode != 0 and str(target) in err and "appeared while this save was in progress" in err, err[-1500:]
