@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as tdcp
-from bench_vs_dcp import check, timed, workload, zeros_like_sd
+from bench_vs_torch_dcp import check, timed, workload, zeros_like_sd
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpdcp_runner import dcp

@@ -146,24 +146,42 @@ def dtensor_local_box(tensor: "torch.distributed.tensor.DTensor") -> Box | None:
     return Box(tuple(offs), tuple(sizes))
 
 
-def boxes_tile(shape: Sequence[int], boxes: Sequence[Box], *, pairwise_limit: int = 512) -> str | None:
+def boxes_tile(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     """Check that ``boxes`` cover ``shape`` exactly once. Returns a problem description or None.
 
-    Volumes must add up and boxes must lie inside the shape; pairwise disjointness is checked
-    when the box count is at most ``pairwise_limit`` (quadratic), which covers every real layout
-    below thousands of ranks per tensor.
+    Boxes must lie inside the shape, be pairwise disjoint and their volumes add up to the shape's.
+    Disjointness is a sweep along the dimension with the most distinct offsets (the sharded one):
+    O(k log k) for the k chunks of a 1-D sharding, instead of comparing all k^2/2 pairs, which
+    at hundreds of ranks x thousands of tensors dominated a save's planning.
     """
     total = math.prod(shape)
     for b in boxes:
         if not b.within(shape):
             return f"chunk offsets={b.offsets} sizes={b.sizes} lies outside shape {tuple(shape)}"
     vol = sum(b.numel for b in boxes)
-    nonempty = [b for b in boxes if b.numel]
-    if len(nonempty) <= pairwise_limit:
-        for i, a in enumerate(nonempty):
-            for b in nonempty[i + 1 :]:
-                if intersect(a, b) is not None:
-                    return f"chunks {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} overlap"
+    overlap = first_overlap([b for b in boxes if b.numel])
+    if overlap is not None:
+        a, b = overlap
+        return f"chunks {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} overlap"
     if vol != total:
         return f"chunks cover {vol} of {total} elements"
+    return None
+
+
+def first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
+    """Two boxes that share an element, or None (a sweep line; see ``boxes_tile``)."""
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0].offsets)
+    if ndim == 0:
+        return boxes[0], boxes[1]  # two non-empty scalars
+    d = max(range(ndim), key=lambda i: len({b.offsets[i] for b in boxes}))
+    active: list[tuple[int, Box]] = []  # boxes whose extent along d is still open, with their end
+    for b in sorted(boxes, key=lambda b: b.offsets[d]):
+        start = b.offsets[d]
+        active = [(end, a) for end, a in active if end > start]
+        for _, a in active:
+            if intersect(a, b) is not None:
+                return a, b
+        active.append((start + b.sizes[d], b))
     return None

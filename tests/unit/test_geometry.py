@@ -52,3 +52,17 @@ def test_boxes_tile_detects_gap_overlap_and_escape():
     assert "overlap" in boxes_tile(shape, [Box((0, 0), (3, 4)), Box((2, 0), (2, 4))])
     assert "cover 8 of 16" in boxes_tile(shape, [Box((0, 0), (2, 4))])
     assert "outside" in boxes_tile(shape, [Box((3, 0), (2, 4))])
+
+
+def test_overlap_sweep_finds_overlaps_in_any_dimension_and_scales():
+    from hpdcp_runner.dcp.geometry import first_overlap
+
+    cols = [Box((0, c), (8, 1)) for c in range(8)]
+    assert first_overlap(cols) is None
+    assert first_overlap(cols + [Box((3, 5), (1, 2))]) is not None  # overlaps two column chunks
+    grid = [Box((r, c), (1, 1)) for r in range(4) for c in range(4)]
+    assert first_overlap(grid) is None and first_overlap(grid + [Box((1, 1), (2, 2))]) is not None
+    assert first_overlap([Box((), ()), Box((), ())]) is not None
+    rows = [Box((i, 0), (1, 3)) for i in range(20000)]  # 20k chunks: instant with the sweep
+    assert boxes_tile((20000, 3), rows) is None
+    assert "overlap" in boxes_tile((20000, 3), rows[:-1] + [Box((19998, 0), (2, 3))])
