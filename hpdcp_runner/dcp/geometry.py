@@ -5,6 +5,7 @@ Everything here is pure (no process group) so planning can be unit-tested in iso
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -166,6 +167,32 @@ def boxes_tile(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     if vol != total:
         return f"chunks cover {vol} of {total} elements"
     return None
+
+
+class BoxIndex:
+    """Finds the boxes that may intersect a query box without scanning them all: boxes sorted by
+    their start along the dimension with the most distinct offsets (the sharded one), bisected.
+    A load into N ranks' shards from N saved chunks costs O(log N) per lookup instead of O(N)."""
+
+    def __init__(self, boxes: Sequence[Box]) -> None:
+        self.boxes = list(boxes)
+        ndim = len(self.boxes[0].offsets) if self.boxes else 0
+        self.dim = max(range(ndim), key=lambda i: len({b.offsets[i] for b in self.boxes})) if ndim else None
+        if self.dim is None:
+            return
+        self.order = sorted(range(len(self.boxes)), key=lambda i: self.boxes[i].offsets[self.dim])
+        self.starts = [self.boxes[i].offsets[self.dim] for i in self.order]
+        self.max_size = max((b.sizes[self.dim] for b in self.boxes), default=0)
+
+    def overlapping(self, box: Box) -> list[int]:
+        """Indices (into the boxes given) of those that intersect ``box``, in index order."""
+        if self.dim is None:
+            return [i for i, b in enumerate(self.boxes) if intersect(b, box) is not None]
+        lo, hi = box.offsets[self.dim], box.offsets[self.dim] + box.sizes[self.dim]
+        # a box starting before lo - max_size ends before lo; one starting at or after hi begins after
+        first = bisect.bisect_right(self.starts, lo - self.max_size)
+        last = bisect.bisect_left(self.starts, hi)
+        return sorted(i for i in self.order[first:last] if intersect(self.boxes[i], box) is not None)
 
 
 def first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:

@@ -12,7 +12,7 @@ import torch
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest
 from .errors import CoverageError, ReplicaMismatchError, ShapeMismatchError, StateDictError
-from .geometry import Box, boxes_tile, dtensor_local_box, intersect, relative, whole
+from .geometry import Box, BoxIndex, boxes_tile, dtensor_local_box, intersect, relative, whole
 from .metadata import Metadata, dtype_name
 from .planner import (OBJECT, TENSOR, GlobalSavePlan, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner,
                       WriteItem)
@@ -244,10 +244,11 @@ class StandardLoadPlanner(LoadPlanner):
         pieces = local_pieces(v)
         self._pieces[fqn] = pieces
         out = []
+        index = BoxIndex([c.box for c in tm.chunks]) if len(tm.chunks) > 8 else None
         for d, (box, _) in enumerate(pieces):
             covered = 0
-            for c, chunk in enumerate(tm.chunks):
-                ov = intersect(box, chunk.box)
+            for c in index.overlapping(box) if index else range(len(tm.chunks)):
+                ov = intersect(box, tm.chunks[c].box)
                 if ov is not None:
                     out.append(ReadItem(fqn, d, box, c, ov))
                     covered += ov.numel

@@ -66,3 +66,18 @@ def test_overlap_sweep_finds_overlaps_in_any_dimension_and_scales():
     rows = [Box((i, 0), (1, 3)) for i in range(20000)]  # 20k chunks: instant with the sweep
     assert boxes_tile((20000, 3), rows) is None
     assert "overlap" in boxes_tile((20000, 3), rows[:-1] + [Box((19998, 0), (2, 3))])
+
+
+def test_box_index_returns_exactly_the_intersecting_boxes():
+    import random
+
+    from hpdcp_runner.dcp.geometry import BoxIndex
+
+    rnd = random.Random(0)
+    boxes = [Box((rnd.randrange(50), rnd.randrange(50)), (rnd.randrange(1, 20), rnd.randrange(1, 20)))
+             for _ in range(300)]
+    index = BoxIndex(boxes)
+    for _ in range(200):
+        q = Box((rnd.randrange(60), rnd.randrange(60)), (rnd.randrange(1, 30), rnd.randrange(1, 30)))
+        assert index.overlapping(q) == [i for i, b in enumerate(boxes) if intersect(b, q) is not None]
+    assert BoxIndex([Box((), ())]).overlapping(Box((), ())) == [0]
