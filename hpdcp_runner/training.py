@@ -27,9 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .layouts import Placer
-from .workloads import transformer_shapes
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .workloads import MODEL_DTYPES, transformer_shapes
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -59,7 +57,7 @@ def build_model(m: Any, placer: Placer) -> torch.nn.Module:
             if not hasattr(mod, name):
                 mod.add_module(name, torch.nn.Module())
             mod = getattr(mod, name)
-        mod.register_parameter(leaf, torch.nn.Parameter(placer.place(fqn, full.to(_DTYPES[m.dtype]))))
+        mod.register_parameter(leaf, torch.nn.Parameter(placer.place(fqn, full.to(MODEL_DTYPES[m.dtype]))))
     return root
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def content(key: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -62,7 +62,7 @@ def _nested(flat: dict[str, Any]) -> dict[str, Any]:
 
 def reference_state(m: Any) -> dict[str, Any]:
     """The full (unsharded) reference state dict for a model config."""
-    dtype = _DTYPES[m.dtype]
+    dtype = MODEL_DTYPES[m.dtype]
     if m.kind == "mlp_adamw":
         return mlp_adamw_state(m)
     shapes = transformer_shapes(m) if m.kind == "transformer" else peer_shapes(m)
@@ -90,7 +90,7 @@ def mlp_adamw_state(m: Any) -> dict[str, Any]:
         state[names[id(p)]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
     groups = [{k: v for k, v in grp.items() if k != "params"} | {"params": [names[id(p)] for p in grp["params"]]}
               for grp in opt.param_groups]
-    dtype = _DTYPES[m.dtype]
+    dtype = MODEL_DTYPES[m.dtype]
     model = {n: p.detach().to(dtype).clone() for n, p in net.named_parameters()}
     return {"model": model, "optim": {"state": state, "param_groups": groups}, "meta": {"step": 2, "model": m.name}}
 

@@ -123,7 +123,6 @@ class AsyncSaveResponse:
         self.persist_seconds: float | None = None
         self._future: Future = Future()
         self._thread: threading.Thread | None = None
-        self._retrieved = False
 
     def done(self) -> bool:
         return self._future.done()
@@ -139,12 +138,10 @@ class AsyncSaveResponse:
         naming the failing rank and file) or ``CollectiveTimeoutError`` after ``timeout`` s."""
         if not self.wait(timeout):
             raise CollectiveTimeoutError(f"async save of {self.checkpoint_id} still running after {timeout} s")
-        self._retrieved = True
         return self._future.result()
 
     def exception(self) -> BaseException | None:
         self.wait()
-        self._retrieved = True
         return self._future.exception()
 
 

@@ -21,7 +21,7 @@ import io
 import json
 import os
 import pickle
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -395,6 +395,3 @@ def open_source(path: str | os.PathLike, fmt: str = "auto", *, allow_pickle: boo
         return HyperParallelSource(p, allow_pickle=allow_pickle)
     raise ValueError(f"unknown source format {fmt!r} (auto, hf, safetensors, pt, torch_dcp, hyper_parallel)")
 
-
-def iter_keys(source: TensorSource, keys: Iterable[str] | None = None) -> list[str]:
-    return sorted(source.specs) if keys is None else list(keys)

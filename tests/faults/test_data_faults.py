@@ -63,7 +63,7 @@ def test_truncated_file(two_checkpoints, fault_row, cut):
     n = {"empty": 0, "inside_length": 5, "inside_header": 8 + hlen // 2, "inside_data": 8 + hlen + 100,
          "last_byte": len(data) - 1}[cut]
     f.write_bytes(data[:n])
-    msg = _raises(_load(ck), CorruptCheckpointError, RANK0, "truncated")
+    _raises(_load(ck), CorruptCheckpointError, RANK0, "truncated")
     v = _verify_flags(ck, RANK0)
     assert loads_bitwise(two_checkpoints / "step_1", 1)
     fault_row(f"truncated rank file ({cut}, {n} of {len(data)} bytes)", "corrupted data", "load refused before reading",
@@ -286,7 +286,7 @@ def test_disk_full(tmp_path, fault_row):
                 with faults.armed("file.write", lambda path, **_: faults.fail(
                         OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path))):
                     save(big, checkpoint_id=mnt / "step_1", overwrite=True)
-        msg = _raises(fn, HpdcpError, "rank 0", "No space left on device", RANK0)
+        _raises(fn, HpdcpError, "rank 0", "No space left on device", RANK0)
         tgt = {"w": torch.zeros(16), "meta": {"step": 0}}
         load(tgt, checkpoint_id=mnt / "step_1")
         intact = bool(torch.equal(tgt["w"], torch.ones(16))) and tgt["meta"] == {"step": 1}

@@ -24,7 +24,7 @@ def _full():
 def _dtensors(ws, dim):
     """The reference state as DTensors sharded on ``dim`` (Replicate for tensors without it)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = DeviceMesh("cpu", list(range(ws)))
     return {k: (distribute_tensor(v, mesh, [Shard(dim)]) if v.dim() > dim else v.clone()) for k, v in _full().items()}
