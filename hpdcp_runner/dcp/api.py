@@ -24,7 +24,7 @@ from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .replica_plan import ShardSummary, batch_ops
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
 from .storage import ReadRequest, StorageReader, StorageWriter, WriteResult
-from .utils import PhaseTimer, get_logger
+from .utils import PhaseTimer, get_logger, pauses_gc
 
 log = get_logger(__name__)
 Timeout = float | _dt.timedelta | None
@@ -46,6 +46,7 @@ def _checkpoint_path(checkpoint_id: str | os.PathLike | None, storage: Any) -> s
     return os.fspath(checkpoint_id) if checkpoint_id is not None else None
 
 
+@pauses_gc
 def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
          process_group: Any = None, overwrite: bool = False, allow_pickle: bool = False,
@@ -135,6 +136,7 @@ def _unrequested(keys: list[str], bitmaps: list[str]) -> list[str]:
     return [k for i, k in enumerate(keys) if not union[i // 8] >> (i % 8) & 1]
 
 
+@pauses_gc
 def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_reader: StorageReader | None = None, planner: LoadPlanner | None = None,
          process_group: Any = None, strict: bool = True, allow_pickle: bool = False, allow_cast: bool = False,
