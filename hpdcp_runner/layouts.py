@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .dcp import FlatShard
-from .dcp.geometry import Box, split_piece, whole
+from .dcp.geometry import Box, narrow, split_piece, whole
 from .dcp.ragged import decompose_flat_interval
 from .paths import find_conf_dir
 
@@ -135,9 +135,7 @@ class Placer:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         (box,) = self.boxes(fqn, tuple(full.shape), self.rank)
-        local = full
-        for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
-            local = local.narrow(d, o, n)
+        local = narrow(full, box.offsets, box.sizes)
         placements = [Replicate() if p == "R" else Shard(_dim(p, full.dim()))
                       for p in self.placements_for(fqn, full.dim())]
         return DTensor.from_local(local.clone(), self.mesh, placements, run_check=False, shape=full.shape,

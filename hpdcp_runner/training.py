@@ -174,7 +174,7 @@ class Trainer:
     def _apply_grads(self, flat: torch.Tensor, names: list[str], P: dict[str, torch.Tensor]) -> None:
         from torch.distributed.tensor import DTensor
 
-        from .dcp.geometry import dtensor_local_box
+        from .dcp.geometry import dtensor_local_box, narrow
 
         params = dict(self.model.named_parameters())
         pos = 0
@@ -184,9 +184,7 @@ class Trainer:
             p = params[n]
             if _is_dtensor(p):
                 box = dtensor_local_box(p)
-                local = full
-                for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
-                    local = local.narrow(d, o, s)
+                local = narrow(full, box.offsets, box.sizes)
                 p.grad = DTensor.from_local(local.contiguous(), p.device_mesh, p.placements, run_check=False,
                                             shape=p.shape, stride=p.stride())
             else:

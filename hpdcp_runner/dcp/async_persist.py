@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from .collectives import gloo_group
 from .errors import CollectiveTimeoutError, ConfigError
 from .metadata import Metadata
 from .ragged import FlatShard, LocalShard
@@ -49,7 +50,6 @@ except ImportError:  # torch built without distributed
 
 _LOCK = threading.Lock()
 _IN_FLIGHT: "AsyncSaveResponse | None" = None
-_GROUPS: dict[tuple, Any] = {}
 
 
 class StagingBuffers:
@@ -149,21 +149,7 @@ def _persist_group(process_group: Any, timeout: float | _dt.timedelta | None) ->
     """The dedicated gloo group for background saves over the same ranks (created once)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    group = process_group or dist.group.WORLD
-    ranks = tuple(dist.get_process_group_ranks(group))
-    key = (id(dist.group.WORLD), ranks)
-    g = _GROUPS.get(key)
-    if g is None:
-        kwargs = {}
-        if timeout is not None:
-            kwargs["timeout"] = timeout if isinstance(timeout, _dt.timedelta) else _dt.timedelta(seconds=float(timeout))
-        try:
-            g = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
-        except Exception as e:
-            raise CollectiveTimeoutError(f"creating the async-save gloo group of ranks {list(ranks)} failed on rank "
-                                         f"{dist.get_rank()}: {e}. Every rank must call async_save") from e
-        _GROUPS[key] = g
-    return g
+    return gloo_group(process_group or dist.group.WORLD, timeout, "async")
 
 
 def wait_for_async_saves(timeout: float | None = None) -> None:

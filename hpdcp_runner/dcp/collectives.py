@@ -32,6 +32,26 @@ def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta | None
     return _dt.timedelta(seconds=float(timeout))
 
 
+def gloo_group(group: Any, timeout: float | _dt.timedelta | None, purpose: str) -> Any:
+    """A gloo group over ``group``'s ranks, created once per (ranks, timeout, purpose): the
+    control plane of NCCL jobs ("control"), or the background writer's own group ("async").
+    Every member must ask for it in the same order (group creation is collective)."""
+    td = _as_timedelta(timeout)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (id(dist.group.WORLD), ranks, td, purpose)
+    g = _GROUP_CACHE.get(key)
+    if g is None:
+        kwargs = {"timeout": td} if td is not None else {}
+        try:
+            g = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
+        except Exception as e:
+            raise CollectiveTimeoutError(
+                f"creating the gloo {purpose} group of ranks {list(ranks)} failed on rank {dist.get_rank(group)} of {len(ranks)}: {e}. A peer "
+                f"rank probably died, hung or did not call the same checkpoint function") from e
+        _GROUP_CACHE[key] = g
+    return g
+
+
 class Comm:
     """A process group's rank/size plus the gloo group used for control messages."""
 
@@ -52,18 +72,7 @@ class Comm:
         td = _as_timedelta(timeout)
         if td is None and dist.get_backend(group) == "gloo":
             return cls(group, rank, size, group, td)
-        ranks = tuple(dist.get_process_group_ranks(group))
-        key = (id(dist.group.WORLD), ranks, td)
-        control = _GROUP_CACHE.get(key)
-        if control is None:
-            kwargs = {"timeout": td} if td is not None else {}
-            try:
-                control = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
-            except Exception as e:
-                raise CollectiveTimeoutError(
-                    f"creating the gloo control group of ranks {list(ranks)} failed on rank {rank} of {size}: {e}. A peer rank "
-                    f"probably died, hung or did not call the same checkpoint function") from e
-            _GROUP_CACHE[key] = control
+        control = gloo_group(group, td, "control")
         return cls(group, rank, size, control, td)
 
     # -- raw JSON collectives ---------------------------------------------------------------

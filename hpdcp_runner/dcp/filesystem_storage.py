@@ -102,6 +102,40 @@ def open_regular(full: str) -> int:
     return fd
 
 
+def publish_dir(staging: str, path: str, *, overwrite: bool, fsync: bool = True) -> None:
+    """Make a complete staging directory visible as ``path`` in one step (the commit).
+
+    Without ``overwrite`` an existing ``path`` is never replaced, also one that another writer
+    committed while this one was staging (rename() onto a non-empty directory fails, so there is
+    no window). With it, the two are swapped atomically where the kernel can (renameat2), so the
+    old one stays loadable until the new one is in place, then the old one goes to trash.
+    """
+    parent, name = os.path.split(path)
+    faults.point("commit.rename", path=path)
+    if not overwrite:
+        try:
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, "exists", path)
+            os.rename(staging, path)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                raise
+            raise CheckpointExistsError(f"{path} appeared while this save was in progress (another save committed "
+                                        f"it first); nothing was committed") from None
+    elif os.path.lexists(path):
+        if not _exchange(staging, path):
+            old = os.path.join(parent, f".{name}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
+            os.rename(staging, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            remove_tree_safely(staging)  # the staging name now holds the old one
+    else:
+        os.rename(staging, path)
+    if fsync:
+        _fsync_dir(parent)
+
+
 class FileSystemWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
         self.overwrite = False
@@ -161,31 +195,7 @@ class FileSystemWriter(StorageWriter):
                 os.fsync(f.fileno())
         if self.fsync:
             _fsync_dir(self.staging)
-        faults.point("commit.rename", path=self.path)
-        if not self.overwrite:
-            # Another save may have committed this name since begin(): never replace it silently.
-            # rename() onto an existing non-empty directory fails, so the check has no window.
-            try:
-                if os.path.lexists(self.path):
-                    raise FileExistsError(errno.EEXIST, "exists", self.path)
-                os.rename(self.staging, self.path)
-            except OSError as e:
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
-                    raise
-                raise CheckpointExistsError(f"checkpoint {self.path} appeared while this save was in progress "
-                                            f"(another save committed it first); nothing was committed") from None
-        elif os.path.lexists(self.path):
-            if not _exchange(self.staging, self.path):
-                old = os.path.join(self.parent, f".{self.name}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
-                os.rename(self.path, old)
-                os.rename(self.staging, self.path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                remove_tree_safely(self.staging)  # the staging name now holds the old checkpoint
-        else:
-            os.rename(self.staging, self.path)
-        if self.fsync:
-            _fsync_dir(self.parent)
+        publish_dir(self.staging, self.path, overwrite=self.overwrite, fsync=self.fsync)
         self.staging = None
 
     def abort(self) -> None:

@@ -57,6 +57,13 @@ def intersect(a: Box, b: Box) -> Box | None:
     return Box(tuple(offs), tuple(sizes))
 
 
+def narrow(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The view of ``t`` covering the box ``offsets``/``sizes`` (one ``narrow`` per dim)."""
+    for d, (o, s) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(d, o, s)
+    return t
+
+
 def relative(inner: Box, outer: Box) -> tuple[int, ...]:
     """Offsets of ``inner`` relative to the origin of ``outer``."""
     return tuple(i - o for i, o in zip(inner.offsets, outer.offsets))

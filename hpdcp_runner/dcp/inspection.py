@@ -15,7 +15,7 @@ import torch
 from .checkpoint_io import digest, file_checksum, read_header
 from .errors import HpdcpError
 from .filesystem_storage import STAGING_MARK, TRASH_MARK, FileSystemReader
-from .geometry import Box
+from .geometry import Box, narrow
 from .metadata import METADATA_FILE, Metadata, dtype_from_name
 from .storage import ReadRequest
 
@@ -68,13 +68,11 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
                 full = torch.empty(tm.shape, dtype=dt)
             reqs = []
             for c in tm.chunks:
-                view = full
-                for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
-                    view = view.narrow(d, o, s)
-                reqs.append(ReadRequest(c, tm.dtype, Box(tuple(0 for _ in c.sizes), c.sizes), view))
+                reqs.append(ReadRequest(c, tm.dtype, Box(tuple(0 for _ in c.sizes), c.sizes),
+                                        narrow(full, c.offsets, c.sizes)))
             reader.read_tensors(reqs)
             yield key, full
-            del full, view, reqs  # before the next allocation: one full tensor alive at a time
+            del full, reqs  # before the next allocation: one full tensor alive at a time
     finally:
         reader.close()
 

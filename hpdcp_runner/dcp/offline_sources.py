@@ -26,19 +26,13 @@ from typing import Any
 import torch
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from .geometry import Box, intersect, relative, whole
+from .geometry import Box, intersect, narrow, relative, whole
 from .metadata import dtype_from_name, dtype_name
 from .utils import flatten_state_dict
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 MAX_INDEX_BYTES = 64 << 20
-
-
-def _narrow(t: torch.Tensor, box: Box) -> torch.Tensor:
-    for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
-        t = t.narrow(d, o, s)
-    return t
 
 
 class TensorSource:
@@ -174,7 +168,7 @@ class TorchFileSource(TensorSource):
 
     def read(self, key: str, box: Box | None = None) -> torch.Tensor:
         t = self._tensors[key]
-        return (t if box is None else _narrow(t, box)).contiguous()
+        return (t if box is None else narrow(t, box.offsets, box.sizes)).contiguous()
 
     def close(self) -> None:
         self._tensors.clear()
@@ -223,7 +217,7 @@ class TorchDcpSource(TensorSource):
             self._tdcp.load(full, storage_reader=self._tdcp.FileSystemReader(self.path), no_dist=True)
             self._cache = (key, full[key])
         t = self._cache[1]
-        return t if box is None else _narrow(t, box).contiguous()
+        return t if box is None else narrow(t, box.offsets, box.sizes).contiguous()
 
     def close(self) -> None:
         self._cache = None
@@ -349,7 +343,7 @@ class HyperParallelSource(TensorSource):
             src_rel = relative(ov, cbox)
             sl = h.get_slice(tkey)
             part = sl[tuple(slice(o, o + s) for o, s in zip(src_rel, ov.sizes))] if ov.sizes else sl[:]
-            _narrow(out, Box(relative(ov, box), ov.sizes)).copy_(part)
+            narrow(out, relative(ov, box), ov.sizes).copy_(part)
             covered += ov.numel
         if covered != box.numel:
             raise CorruptCheckpointError(f"{self.path}: chunks cover {covered} of {box.numel} elements of {key!r}")

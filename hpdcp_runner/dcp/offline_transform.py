@@ -32,7 +32,7 @@ import torch
 from . import objects as objcodec
 from .checkpoint_io import SafetensorsStreamWriter
 from .errors import CheckpointExistsError, ConfigError
-from .filesystem_storage import STAGING_MARK, FileSystemReader, FileSystemWriter, rank_file, remove_tree_safely
+from .filesystem_storage import STAGING_MARK, FileSystemReader, FileSystemWriter, publish_dir, rank_file
 from .geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
 from .metadata import METADATA_FILE, FileMeta, Metadata, dtype_from_name, element_size
@@ -81,6 +81,7 @@ class _Staged:
 
     def __init__(self, dst: str | os.PathLike, overwrite: bool) -> None:
         self.dst = os.path.abspath(os.fspath(dst))
+        self.overwrite = overwrite
         if os.path.lexists(self.dst) and not overwrite:
             raise CheckpointExistsError(f"{self.dst} already exists; pass overwrite to replace it")
         parent, name = os.path.split(self.dst)
@@ -89,9 +90,7 @@ class _Staged:
         os.mkdir(self.tmp)
 
     def commit(self) -> None:
-        if os.path.lexists(self.dst):
-            remove_tree_safely(self.dst)
-        os.rename(self.tmp, self.dst)
+        publish_dir(self.tmp, self.dst, overwrite=self.overwrite)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -220,8 +219,8 @@ def _import(source: TensorSource, dst: Any, world_size: int, boxes: BoxRule, all
             fsync: bool, progress: Progress) -> Metadata:
     names = select_keys(sorted(source.specs), include=include, exclude=exclude, rename=rename)
     src_paths = source.paths()
-    objects = {k: v for k, v in source.objects().items()
-               if k in select_keys([k], include=include, exclude=exclude)}
+    all_objects = source.objects()
+    objects = {k: all_objects[k] for k in select_keys(all_objects, include=include, exclude=exclude)}
     encoded = {k: objcodec.encode(v, key=k, allow_pickle=allow_pickle) for k, v in objects.items()}
     paths = {names[k]: (src_paths.get(k, (k,)) if names[k] == k else tuple(names[k].split("."))) for k in names}
     paths.update({k: src_paths.get(k, (k,)) for k in encoded})

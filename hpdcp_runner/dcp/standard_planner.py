@@ -12,7 +12,7 @@ import torch
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest
 from .errors import CoverageError, ReplicaMismatchError, ShapeMismatchError, StateDictError
-from .geometry import Box, BoxIndex, boxes_tile, dtensor_local_box, intersect, relative, whole
+from .geometry import Box, BoxIndex, boxes_tile, dtensor_local_box, intersect, narrow, relative, whole
 from .metadata import Metadata, dtype_name
 from .planner import (OBJECT, TENSOR, GlobalSavePlan, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner,
                       WriteItem)
@@ -272,10 +272,8 @@ class StandardLoadPlanner(LoadPlanner):
         raise StateDictError(f"no local destination shard {key!r}")
 
     def acquire_tensor(self, item: ReadItem) -> torch.Tensor:
-        t = self._pieces[item.fqn][item.dest][1]
-        for dim, (o, s) in enumerate(zip(relative(item.overlap, item.dest_box), item.overlap.sizes)):
-            t = t.narrow(dim, o, s)
-        return t
+        return narrow(self._pieces[item.fqn][item.dest][1], relative(item.overlap, item.dest_box),
+                      item.overlap.sizes)
 
     def apply_object(self, fqn: str, value: Any) -> None:
         set_element(self.state_dict, self.paths[fqn], value)
