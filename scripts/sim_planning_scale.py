@@ -1,35 +1,41 @@
-"""Planning at thousands of ranks, simulated in one process: time and memory per rank.
+"""Planning at thousands of ranks, simulated in one process: time and memory per role.
 
-    python scripts/sim_planning_scale.py --ranks 64 256 1024 8192 --tensors 2000
+    python scripts/sim_planning_scale.py --ranks 8 64 256 1024 --tensors 2000
 
-Every rank of a save or load runs the same pure planning functions on the gathered plans, so one
-process measures what each rank pays. Workload: ``--tensors`` tensors of 1024 x 1024 fp32, 9 of
-every 10 sharded Shard(0) over all ranks (FSDP), every 10th replicated on every rank (norms).
+A save or load gathers every rank's plan on the coordinator (rank 0), which plans once and sends
+each rank its own part (``Comm.coordinate``). One process replays both roles on synthetic plans:
+``--tensors`` tensors of 1024 x 1024 fp32, 9 of every 10 sharded Shard(0) over all ranks (FSDP),
+every 10th replicated on every rank (norms).
 
-* save: ``assign_owners`` (dedup of replicated chunks + the tiling check) on N gathered plans;
-* load, one rank: ``StandardLoadPlanner.create_local_plan`` against metadata with N chunks per
-  sharded tensor (a resharding load into Shard(0) over N ranks);
-* replicas: ``plan_replica_reads`` for the same state loaded on N ranks (who reads what).
+* save, any rank: its local plan in compact wire form (``CompactPlan.to_wire`` + JSON);
+* save, coordinator: parse N wires, ``assign_owners`` (vectorised dedup + tiling check), then
+  ``build_metadata`` and ``Metadata.to_json`` (the committed file);
+* save, every other rank: parse the committed metadata it is sent back (save returns it);
+* load, one rank: ``StandardLoadPlanner.create_local_plan`` against that metadata;
+* load, coordinator: ``plan_replica_reads`` over N ranks' shard summaries.
 
-Memory is tracemalloc's peak while the function runs, after the inputs were built. Per-rank work
-that grows faster than N x T shows up as time per item growing with N.
+Memory: peak RSS growth while the step runs (``/proc/self/clear_refs`` resets the peak), which
+also counts torch allocations; tracemalloc's peak where the reset is not permitted.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 import tracemalloc
 
 import torch
 
+from hpdcp_runner.dcp.dedup import CompactPlan, KeyInfo, assign_owners
 from hpdcp_runner.dcp.geometry import Box, split_piece, whole
-from hpdcp_runner.dcp.metadata import ChunkMeta, FileMeta, Metadata, TensorMeta
+from hpdcp_runner.dcp.metadata import FileMeta
 from hpdcp_runner.dcp.planner import TENSOR, SavePlan, WriteItem
 from hpdcp_runner.dcp.ragged import LocalShard
 from hpdcp_runner.dcp.replica_plan import ShardSummary, plan_replica_reads
-from hpdcp_runner.dcp.standard_planner import StandardLoadPlanner, assign_owners
+from hpdcp_runner.dcp.standard_planner import StandardLoadPlanner, build_metadata, chunk_key
+from hpdcp_runner.dcp.storage import WriteResult
 
 ROWS, COLS = 1024, 1024
 
@@ -41,74 +47,127 @@ def _box(i: int, n: int, rank: int) -> Box:
     return Box((start, 0), (size, COLS))
 
 
-def save_plans(n: int, t: int) -> list[SavePlan]:
-    plans = []
+def rank_plan(n: int, t: int, r: int) -> SavePlan:
+    items = tuple(WriteItem(f"t{i}", TENSOR, _box(i, n, r), "float32", (ROWS, COLS), _box(i, n, r).numel * 4)
+                  for i in range(t))
+    return SavePlan(r, items, {f"t{i}": (f"t{i}",) for i in range(t)})
+
+
+def wires(n: int, t: int) -> list[str]:
+    """Every rank's gathered payload; built from tensors directly (a SavePlan per rank is slow)."""
+    keys = tuple(KeyInfo(f"t{i}", TENSOR, "float32", (ROWS, COLS), (f"t{i}",)) for i in range(t))
+    rep = torch.tensor([i % 10 == 9 for i in range(t)])
+    out = []
     for r in range(n):
-        items = []
-        for i in range(t):
-            b = _box(i, n, r)
-            items.append(WriteItem(f"t{i}", TENSOR, b, "float32", (ROWS, COLS), b.numel * 4))
-        plans.append(SavePlan(r, tuple(items), {}))
-    return plans
+        start, size = split_piece(ROWS, n, r)
+        off0 = torch.where(rep, 0, start)
+        size0 = torch.where(rep, ROWS, size)
+        boxes = torch.stack([off0, torch.zeros(t, dtype=torch.int64), size0, torch.full((t,), COLS)], 1).flatten()
+        cp = CompactPlan(r, keys, torch.arange(t), boxes, size0 * COLS * 4)
+        out.append(json.dumps({"ok": {"plan": cp.to_wire(), "token": None}}, separators=(",", ":")))
+    return out
 
 
-def metadata(n: int, t: int) -> Metadata:
-    files = {f"rank{r:05d}.safetensors": FileMeta(f"rank{r:05d}.safetensors", 1 << 40, "0", r) for r in range(n)}
-    tensors = {}
-    for i in range(t):
-        owners = [0] if i % 10 == 9 else range(n)
-        chunks = tuple(ChunkMeta(_box(i, n, r).offsets, _box(i, n, r).sizes, f"rank{r:05d}.safetensors",
-                                 f"t{i}", 0, "0") for r in owners if _box(i, n, r).numel)
-        tensors[f"t{i}"] = TensorMeta("float32", (ROWS, COLS), chunks, (f"t{i}",))
-    return Metadata(n, tensors, {}, files)
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field)).split()[1])
 
 
-def measure(fn) -> tuple[float, float]:
+def measure(fn):
+    """(seconds, peak MiB growth, result)."""
     gc.collect()
-    tracemalloc.start()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base, traced = _rss_kib("VmRSS:"), False
+    except OSError:
+        tracemalloc.start()
+        traced = True
     t0 = time.perf_counter()
-    fn()
+    out = fn()
     secs = time.perf_counter() - t0
-    peak = tracemalloc.get_traced_memory()[1] / 2**20
-    tracemalloc.stop()
-    return secs, peak
+    if traced:
+        peak = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    else:
+        peak = (_rss_kib("VmHWM:") - base) / 1024
+    return secs, max(peak, 0.0), out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 8192])
-    ap.add_argument("--tensors", type=int, default=2000)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    t = args.tensors
-    rows = ["| ranks | tensors | save: assign_owners s (MiB) | load: local plan of one rank s (MiB) | "
-            "replica plan s (MiB) | save us per item |", "|---|---|---|---|---|---|"]
-    for n in args.ranks:
-        plans = save_plans(n, t)
-        s_save, m_save = measure(lambda: assign_owners(plans, "balanced"))
-        del plans
-        md = metadata(n, t)
-        target = {}  # one rank's destination shards; meta tensors: planning never touches data
+def coordinator_plan(texts: list[str]):
+    tables: dict = {}
+    plans = [CompactPlan.from_wire(json.loads(x)["ok"]["plan"], tables) for x in texts]
+    return assign_owners(plans, "balanced")
+
+
+def results_for(n: int, gplan) -> list[WriteResult]:
+    res = []
+    chunks: list[dict] = [{} for _ in range(n)]
+    for key, rank, box in gplan.owned_rows():
+        chunks[rank][chunk_key(key.fqn, box.offsets)] = (f"rank{rank:05d}.safetensors", 0, "0")
+    for r in range(n):
+        res.append(WriteResult(r, (FileMeta(f"rank{r:05d}.safetensors", 1 << 40, "0", r),), chunks[r], {}))
+    return res
+
+
+def row(n: int, t: int, skip_metadata: bool) -> str:
+    cols = []
+    plan = rank_plan(n, t, n // 2)
+    s, m, _ = measure(lambda: json.dumps(CompactPlan.from_plan(plan).to_wire()))
+    cols.append(f"{s:.3f} ({m:.0f})")
+    texts = wires(n, t)
+    mib = sum(map(len, texts)) / 2**20
+    s, m, gplan = measure(lambda: coordinator_plan(texts))
+    del texts
+    cols.append(f"{s:.2f} ({m:.0f}); {mib:.0f} MiB in")
+    per_item = 1e6 * s / (n * t)
+    text = md = None
+    if not skip_metadata:
+        results = results_for(n, gplan)
+        s, m, text = measure(lambda: build_metadata(gplan, results, n).to_json())
+        del results
+        cols.append(f"{s:.2f} ({m:.0f}); {len(text) / 2**20:.0f} MiB")
+        from hpdcp_runner.dcp.metadata import Metadata
+
+        s, m, md = measure(lambda: Metadata.from_json(text))
+        cols.append(f"{s:.2f} ({m:.0f})")
+        target = {}
         for i in range(t):
             b = _box(i, n, n // 2)
             target[f"t{i}"] = LocalShard(torch.empty(b.sizes, device="meta"), b.offsets, (ROWS, COLS))
         lp = StandardLoadPlanner()
         lp.configure(target, md, rank=n // 2, world_size=n)
-        s_load, m_load = measure(lp.create_local_plan)
-        del md, target, lp
-        summaries = [[ShardSummary(f"t{i}", _box(i, n, r).offsets, _box(i, n, r).sizes, _box(i, n, r).numel * 4,
-                                   "float32", "cpu") for i in range(t)] for r in range(n)]
-        s_rep, m_rep = measure(lambda: plan_replica_reads(summaries, mode="always", nodes=["a"] * n,
-                                                          slow_storage=False))
-        del summaries
-        rows.append(f"| {n} | {t} | {s_save:.2f} ({m_save:.0f}) | {s_load:.3f} ({m_load:.0f}) | {s_rep:.2f} ({m_rep:.0f}) "
-                    f"| {1e6 * s_save / (n * t):.2f} |")
+        s, m, _ = measure(lp.create_local_plan)
+        cols.append(f"{s:.3f} ({m:.0f})")
+    else:
+        cols += ["-", "-", "-"]
+    del gplan, text, md
+    summaries = [[ShardSummary(f"t{i}", _box(i, n, r).offsets, _box(i, n, r).sizes, _box(i, n, r).numel * 4,
+                               "float32", "cpu") for i in range(t)] for r in range(n)]
+    s, m, _ = measure(lambda: plan_replica_reads(summaries, mode="always", nodes=["a"] * n, slow_storage=False))
+    cols.append(f"{s:.2f} ({m:.0f})")
+    return f"| {n} | {t} | " + " | ".join(cols) + f" | {per_item:.2f} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
+    ap.add_argument("--tensors", type=int, default=2000)
+    ap.add_argument("--skip-metadata-above", type=int, default=1 << 30,
+                    help="skip the metadata and load columns above this many ranks x tensors")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = ["| ranks | tensors | save, any rank: plan to wire s (MiB) | save, coordinator: gather parse + dedup s (MiB) "
+            "| save, coordinator: metadata build + JSON s (MiB) | save, other ranks: parse returned metadata s (MiB) "
+            "| load, one rank: local plan s (MiB) | load, coordinator: replica plan s (MiB) | coordinator dedup us/item |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)
+    for n in args.ranks:
+        rows.append(row(n, args.tensors, n * args.tensors > args.skip_metadata_above))
         print(rows[-1], flush=True)
-    text = "\n".join(rows)
-    print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text + "\n")
+            f.write("\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

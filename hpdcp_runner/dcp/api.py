@@ -8,20 +8,22 @@ rank, and the checkpoint is committed by one atomic rename only after every rank
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as _dt
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from . import faults
-from .broadcast import BroadcastOptions, node_id, run_load_transfers
+from .broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers
 from .collectives import Comm
 from .errors import KeyMismatchError
 from .filesystem_storage import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
 from .geometry import Box, relative
 from .metadata import METADATA_FILE, Metadata
+from .dedup import CompactPlan, GlobalSavePlan, pack_ints, unpack_ints
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from .replica_plan import ShardSummary, batch_ops
+from .replica_plan import Batch, ShardSummary, batch_ops
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
 from .storage import ReadRequest, StorageReader, StorageWriter, WriteResult
 from .utils import PhaseTimer, get_logger, pauses_gc
@@ -66,27 +68,36 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     timer = timer or PhaseTimer()
     token: str | None = None
 
+    own: SavePlan | None = None
+    gplan: GlobalSavePlan | None = None
+
     def local_plan() -> dict:
-        nonlocal token
+        nonlocal token, own
         faults.point("save.plan", rank=comm.rank, path=path)
         if comm.rank == 0:
             token = writer.begin(overwrite=overwrite)
         planner.configure(state_dict, rank=comm.rank, world_size=comm.world_size,
                           allow_pickle=allow_pickle, verify_replicas=verify_replicas)
-        return {"plan": planner.create_local_plan().to_wire(), "token": token}
+        own = planner.create_local_plan()
+        return {"plan": CompactPlan.from_plan(own).to_wire(), "token": token}
+
+    def global_plan(gathered: list) -> list:
+        # coordinator only: every rank's plan, in compact form; each rank gets its write list
+        nonlocal gplan
+        tables: dict = {}
+        gplan = planner.create_global_plan([CompactPlan.from_wire(g["plan"], tables) for g in gathered])
+        return [{"writes": pack_ints(w), "token": gathered[0]["token"]} for w in gplan.write_idx]
 
     try:
         with timer.phase("plan"):
-            gathered = comm.agree("save: plan", local_plan)
-            token = gathered[0]["token"]
-            gplan = planner.create_global_plan([SavePlan.from_wire(g["plan"]) for g in gathered])
+            mine = comm.coordinate("save: plan", local_plan, global_plan)
+            token = mine["token"]
 
         def write() -> dict:
             writer.attach(token, rank=comm.rank, world_size=comm.world_size)
             faults.point("save.write", rank=comm.rank, path=path)
-            own = gplan.plans[comm.rank]
             tensors, objs = [], {}
-            for i in gplan.writes[comm.rank]:
+            for i in unpack_ints(mine["writes"]).tolist():
                 it = own.items[i]
                 if it.kind == "object":
                     objs[it.fqn] = planner.resolve_data(it)
@@ -96,15 +107,24 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             faults.point("save.written", rank=comm.rank, path=path)
             return result.to_wire()
 
-        with timer.phase("write"):
-            results = [WriteResult.from_wire(w) for w in comm.agree("save: write", write)]
-        metadata = build_metadata(gplan, results, comm.world_size, extra)
-        with timer.phase("commit"):
-            def commit() -> None:
-                faults.point("save.commit", rank=comm.rank, path=path)
-                writer.commit(metadata)
+        committed: Metadata | None = None
 
-            comm.agree_root("save: commit", commit)
+        def metadata_of(results: list) -> list:
+            nonlocal committed
+            committed = build_metadata(gplan, [WriteResult.from_wire(w) for w in results], comm.world_size, extra)
+            return [None] * comm.world_size
+
+        with timer.phase("write"):
+            comm.coordinate("save: write", write, metadata_of)
+        with timer.phase("commit"):
+            def commit() -> str:
+                faults.point("save.commit", rank=comm.rank, path=path)
+                writer.commit(committed)
+                return committed.to_json() if comm.world_size > 1 else ""
+
+            # every rank returns the committed metadata, as torch DCP does (one JSON parse per rank)
+            text = comm.agree_root("save: commit", commit)
+            metadata = committed if comm.rank == 0 else Metadata.from_json(text, source=METADATA_FILE)
     except BaseException:
         if comm.rank == 0 and token is not None:
             writer.abort()
@@ -178,21 +198,38 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                               allow_cast=allow_cast)
             own = planner.create_local_plan()
             return {"missing": list(own.missing), "requested": _bitmap(md_or_error.keys(), own.requested),
-                    "shards": [s.to_wire() for s in own.shards], "node": node_id(),
+                    # no broadcasts without replicas to share: the coordinator need not see shards
+                    "shards": [] if options.mode == "never" else [s.to_wire() for s in own.shards], "node": node_id(),
                     "slow": bool(reader.slow_storage)}
 
-        with timer.phase("plan"):
-            gathered = comm.agree("load: plan", local_plan)
-            md = md_or_error
-            keys = md.keys()
+        def global_plan(gathered: list) -> list:
+            # coordinator only: key checks and who reads/broadcasts each replicated shard; every
+            # rank receives the key verdict and just the broadcast batches it takes part in
+            keys = md_or_error.keys()
             missing_by_rank = {r: g["missing"] for r, g in enumerate(gathered) if g["missing"]}
             unexpected = _unrequested(keys, [g["requested"] for g in gathered])
+            shards = [[ShardSummary.from_wire(w) for w in g["shards"]] for g in gathered]
+            ops = planner.create_global_plan(shards, mode=options.mode, nodes=[g["node"] for g in gathered],
+                                             slow_storage=gathered[0]["slow"])
+            batches = batch_ops(ops, options.batch_bytes)
+            per_rank: list[list] = [[] for _ in gathered]
+            for b in batches:
+                for r in b.ranks:
+                    per_rank[r].append(b.to_wire())
+            verdict = {"missing": sorted(missing_by_rank.items()), "unexpected": unexpected}
+            needed = group_sets(batches)
+            return [{"keys": verdict, "batches": mine, "groups": needed} for mine in per_rank]
+
+        with timer.phase("plan"):
+            reply = comm.coordinate("load: plan", local_plan, global_plan)
+            md = md_or_error
+            missing_by_rank = {int(r): ks for r, ks in reply["keys"]["missing"]}
+            unexpected = reply["keys"]["unexpected"]
             if strict and (missing_by_rank or unexpected):
                 raise _key_error(missing_by_rank, unexpected)
-            shards = [[ShardSummary.from_wire(w) for w in g["shards"]] for g in gathered]
-            own, ops = planner.create_global_plan(shards, own, mode=options.mode, nodes=[g["node"] for g in gathered],
-                                                  slow_storage=gathered[0]["slow"])
-            batches = batch_ops(ops, options.batch_bytes)
+            batches = [Batch.from_wire(w) for w in reply["batches"]]
+            needed = reply["groups"]
+            own = dataclasses.replace(own, sources={(op.key[0], op.key[1]): op.src for b in batches for op in b.ops})
 
         def transfer() -> None:
             batch_of = {op.key: i for i, b in enumerate(batches) for op in b.ops if b.src == comm.rank}
@@ -208,7 +245,7 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                 reads.append((batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes)), req))
             run_load_transfers(batches, rank=comm.rank, group=comm.group, control=comm.control,
                                timeout=comm.timeout, options=options, destination=planner.destination,
-                               counters=reader.counters, reads=reads, read=reader.read_tensors)
+                               counters=reader.counters, reads=reads, read=reader.read_tensors, needed=needed)
             values = reader.read_objects({f: md.objects[f] for f in own.objects}, allow_pickle=allow_pickle)
             for fqn, value in values.items():
                 planner.apply_object(fqn, value)

@@ -78,13 +78,19 @@ class GroupCache:
         self.owned: dict[tuple, Any] = {}
         self.created = 0
 
-    def get(self, global_ranks: tuple[int, ...], backend: str, timeout: Any, purpose: str = "data") -> Any:
+    def get(self, global_ranks: tuple[int, ...], backend: str, timeout: Any, purpose: str = "data",
+            everyone: bool = False) -> Any:
+        """``everyone``: every rank of the default group calls this in the same order (members
+        or not), so the group is created with torch's global naming; otherwise only the members
+        call it (local synchronisation, whose group names assume every member has created the
+        same number of groups before)."""
         key = (id(dist.group.WORLD), global_ranks, backend, purpose)
         pg = self.owned.get(key)
         if pg is None:
             kwargs = {"timeout": timeout} if timeout is not None else {}
             try:
-                pg = dist.new_group(list(global_ranks), backend=backend, use_local_synchronization=True, **kwargs)
+                pg = dist.new_group(list(global_ranks), backend=backend, use_local_synchronization=not everyone,
+                                    **kwargs)
             except Exception as e:
                 raise CollectiveTimeoutError(f"creating the broadcast group {list(global_ranks)} ({backend}) failed "
                                              f"on rank {dist.get_rank()}: {e}") from e
@@ -94,11 +100,16 @@ class GroupCache:
 
     def destroy_owned(self) -> None:
         for pg in self.owned.values():
+            if not self._is_member(pg):
+                continue
             try:
                 dist.destroy_process_group(pg)
             except Exception as e:  # already gone with the default group
                 log.debug("destroying a broadcast group failed: %s", e)
         self.owned.clear()
+
+    def _is_member(self, pg: Any) -> bool:
+        return pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER
 
 
 GROUPS = GroupCache()
@@ -151,32 +162,48 @@ class _Reads:
                 ev.set()
 
 
+def group_sets(batches: Sequence[Batch]) -> list[list]:
+    """The distinct (ranks, device) of ``batches`` in first-use order: the groups a load needs."""
+    seen: dict[tuple, None] = {}
+    for b in batches:
+        seen.setdefault((b.ranks, b.device), None)
+    return [[list(r), d] for r, d in seen]
+
+
 def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, control: Any, timeout: Any,
                        options: BroadcastOptions, destination: Callable[[tuple], torch.Tensor], counters: Any,
-                       reads: Sequence[tuple[int | None, Any]], read: Callable[..., None]) -> None:
+                       reads: Sequence[tuple[int | None, Any]], read: Callable[..., None],
+                       needed: Sequence[Sequence] = ()) -> None:
     """Read this rank's shards (in a thread) and run its part of the replica broadcasts.
 
+    ``batches`` are (at least) those this rank takes part in, in the global order; ``needed``
+    lists every group of the load (``group_sets`` of all batches), the same on every rank.
     Before each batch the source broadcasts a one-element status: receivers post the data
     broadcast only for a batch that was read successfully, so a failed read never fills a
     destination and never leaves a rank waiting. A read failure is re-raised after all batches.
     """
     mine = [(i, b) for i, b in enumerate(batches) if rank in b.ranks]
     size = dist.get_world_size(group) if group is not None else 1
-    to_global = (lambda r: r) if group is None or group is dist.group.WORLD else \
-        (lambda r: dist.get_global_rank(group, r))
+    everyone = group is dist.group.WORLD
+    to_global = (lambda r: r) if group is None or everyone else (lambda r: dist.get_global_rank(group, r))
     # Data and per-batch statuses travel on different communicators: gloo runs one group's ops in
     # order, so a status queued behind the data in flight would serialise the pipeline.
     data_pgs: dict[tuple, Any] = {}
     status_pgs: dict[tuple, Any] = {}
-    for _, b in mine:  # create every needed group first, in the global order
-        backend = "nccl" if b.device == "cuda" else "gloo"
-        granks = tuple(to_global(r) for r in b.ranks)
-        if (b.ranks, backend) not in data_pgs:
-            given = (options.groups or {}).get(b.ranks)
-            data_pgs[(b.ranks, backend)] = given if given is not None else GROUPS.get(granks, backend, timeout)
-        if b.ranks not in status_pgs:
-            whole = len(b.ranks) == size and control is not None
-            status_pgs[b.ranks] = control if whole else GROUPS.get(granks, "gloo", timeout, "status")
+    # Create every needed group first, in the global order. When the load runs on the default
+    # group, every rank creates every group (torch's global naming; a rank that is a member of
+    # fewer replica sets than its peers would otherwise derive different group names).
+    todo = [(tuple(r), d) for r, d in needed] if everyone else [(b.ranks, b.device) for _, b in mine]
+    for ranks, device in todo:
+        backend = "nccl" if device == "cuda" else "gloo"
+        granks = tuple(to_global(r) for r in ranks)
+        if (ranks, backend) not in data_pgs:
+            given = (options.groups or {}).get(ranks)
+            data_pgs[(ranks, backend)] = given if given is not None else GROUPS.get(granks, backend, timeout,
+                                                                                    everyone=everyone)
+        if ranks not in status_pgs:
+            whole = len(ranks) == size and control is not None
+            status_pgs[ranks] = control if whole else GROUPS.get(granks, "gloo", timeout, "status", everyone=everyone)
     reads = _Reads(reads, read)
     reads.thread.start()
     inflight: deque = deque()

@@ -42,8 +42,12 @@ def gloo_group(group: Any, timeout: float | _dt.timedelta | None, purpose: str) 
     g = _GROUP_CACHE.get(key)
     if g is None:
         kwargs = {"timeout": td} if td is not None else {}
+        # Over the default group every rank is here: torch's global naming, which (unlike local
+        # synchronisation's) does not assume every rank created the same number of groups so far,
+        # e.g. after a collective new_group([0, 1]) that rank 2 is not a member of.
+        local = group is not dist.group.WORLD
         try:
-            g = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
+            g = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local, **kwargs)
         except Exception as e:
             raise CollectiveTimeoutError(
                 f"creating the gloo {purpose} group of ranks {list(ranks)} failed on rank {dist.get_rank(group)} of {len(ranks)}: {e}. A peer "
@@ -110,7 +114,7 @@ class Comm:
         """Rank 0's ``obj`` on every rank."""
         if self.world_size == 1:
             return obj
-        src = dist.get_global_rank(self.control, 0) if self.control is not dist.group.WORLD else 0
+        src = self._root()
 
         def go() -> Any:
             payload = json.dumps(obj, separators=(",", ":")).encode() if self.rank == 0 else b""
@@ -121,6 +125,62 @@ class Comm:
                 buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             dist.broadcast(buf, src=src, group=self.control)
             return json.loads(_tensor_bytes(buf, buf.numel()))
+
+        return self._run(phase, go)
+
+    def _root(self) -> int:
+        return dist.get_global_rank(self.control, 0) if self.control is not dist.group.WORLD else 0
+
+    def gather_json(self, obj: Any, phase: str = "gather") -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere): the coordinator's inbox. Only rank 0
+        holds all N payloads; the others exchange N sizes."""
+        payload = json.dumps(obj, separators=(",", ":")).encode()
+        if self.world_size == 1:
+            return [json.loads(payload)]
+
+        def go() -> list[Any] | None:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, size, group=self.control)
+            n = int(max(s.item() for s in sizes))
+            buf = torch.zeros(n, dtype=torch.uint8)
+            if payload:
+                buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if self.rank != 0:
+                dist.gather(buf, None, dst=self._root(), group=self.control)
+                return None
+            bufs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.gather(buf, bufs, dst=self._root(), group=self.control)
+            out = []
+            for i, s in enumerate(sizes):  # parse and drop one buffer at a time
+                out.append(json.loads(_tensor_bytes(bufs[i], int(s.item()))))
+                bufs[i] = None  # type: ignore[call-overload]
+            return out
+
+        return self._run(phase, go)
+
+    def scatter_json(self, objs: list[Any] | None, phase: str = "scatter") -> Any:
+        """Rank 0's ``objs[r]`` on rank r: each rank receives only its own part."""
+        if self.world_size == 1:
+            return objs[0]
+
+        def go() -> Any:
+            sizes = torch.empty(2, dtype=torch.int64)
+            bufs = None
+            if self.rank == 0:
+                payloads = [json.dumps(o, separators=(",", ":")).encode() for o in objs]
+                n = max(len(p) for p in payloads)
+                meta = [torch.tensor([len(p), n], dtype=torch.int64) for p in payloads]
+                bufs = [torch.zeros(n, dtype=torch.uint8) for _ in payloads]
+                for b, p in zip(bufs, payloads):
+                    b[: len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
+                dist.scatter(sizes, meta, src=self._root(), group=self.control)
+            else:
+                dist.scatter(sizes, None, src=self._root(), group=self.control)
+            own, n = (int(v) for v in sizes.tolist())
+            buf = torch.empty(n, dtype=torch.uint8)
+            dist.scatter(buf, bufs, src=self._root(), group=self.control)
+            return json.loads(_tensor_bytes(buf, own))
 
         return self._run(phase, go)
 
@@ -139,6 +199,37 @@ class Comm:
         if failures:
             raise agreed_error(phase, failures) from local_exc
         return [g["ok"] for g in gathered]
+
+    def coordinate(self, phase: str, fn: Callable[[], Any], root: Callable[[list[Any]], list[Any]]) -> Any:
+        """Run ``fn`` on every rank; rank 0 receives every value and ``root(values)`` returns one
+        reply per rank, which only that rank receives. A failure of any rank's ``fn`` or of
+        ``root`` is raised as the same error on every rank. The coordinator pattern: per-rank
+        cost stays with the rank's own share, the global work happens once."""
+        local_exc: BaseException | None = None
+        try:
+            payload = {"ok": fn()}
+        except Exception as e:
+            local_exc = e
+            log.debug("%s failed locally:\n%s", phase, traceback.format_exc())
+            payload = {"err": [type(e).__name__, _describe(e)]}
+        gathered = self.gather_json(payload, phase)
+        replies = None
+        if self.rank == 0:
+            failures = [[r, *g["err"]] for r, g in enumerate(gathered) if "err" in g]
+            if not failures:
+                try:
+                    replies = [{"ok": v} for v in root([g["ok"] for g in gathered])]
+                except Exception as e:
+                    local_exc = e
+                    log.debug("%s failed on the coordinator:\n%s", phase, traceback.format_exc())
+                    failures = [[0, type(e).__name__, _describe(e)]]
+            del gathered
+            if failures:
+                replies = [{"err": failures}] * self.world_size
+        reply = self.scatter_json(replies, phase)
+        if "err" in reply:
+            raise agreed_error(phase, {r: [t, m] for r, t, m in reply["err"]}) from local_exc
+        return reply["ok"]
 
     def agree_root(self, phase: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 only and give its value (or its failure) to every rank."""

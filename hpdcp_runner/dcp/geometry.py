@@ -176,6 +176,58 @@ def boxes_tile(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     return None
 
 
+def tiling_problem(shapes: Sequence[Sequence[int] | None], rows: torch.Tensor) -> tuple[int, str] | None:
+    """``boxes_tile`` for many tensors at once: ``rows`` are int64 ``[tensor id, offsets, sizes]``
+    with ndim padded to D (offset 0, size 1); ``shapes[i]`` is tensor i's shape (None: not a
+    tensor). Returns the first (tensor id, problem) or None.
+
+    Vectorised for the layouts that split one dimension (or none): inside the shape, volumes add
+    up, and the non-empty chunks, sorted along the split dimension, are adjacent. Tensors split
+    along several dimensions, and any that fail, go to the exact sweep (``boxes_tile``), which
+    also words the problem. Checking one chunk costs ~1 us here instead of ~20 in Python.
+    """
+    d = (rows.shape[1] - 1) // 2
+    k = len(shapes)
+    if not k:
+        return None
+    full = torch.ones((k, max(d, 1)), dtype=torch.int64)
+    numel = torch.zeros(k, dtype=torch.int64)
+    for i, shp in enumerate(shapes):
+        if shp is not None:
+            if len(shp):
+                full[i, :len(shp)] = torch.tensor(list(shp), dtype=torch.int64)
+            numel[i] = math.prod(shp)
+    gid, off, size = rows[:, 0], rows[:, 1:1 + d], rows[:, 1 + d:]
+    shp = full[gid, :d]
+    suspect = torch.zeros(k, dtype=torch.bool)
+    suspect[gid[((off < 0) | (size < 0) | (off + size > shp)).any(1)]] = True
+    vol = torch.zeros(k, dtype=torch.int64).index_add_(0, gid, size.prod(1))
+    is_tensor = torch.tensor([s is not None for s in shapes])
+    suspect |= is_tensor & (vol != numel)
+    partial = (size != shp) & (size.prod(1) > 0)[:, None]
+    nsplit = partial.sum(1)
+    suspect[gid[nsplit > 1]] = True
+    sel = torch.nonzero(nsplit == 1).flatten()
+    if len(sel):
+        g, dim = gid[sel], partial[sel].to(torch.int64).argmax(1)
+        lo = torch.full((k,), d, dtype=torch.int64).scatter_reduce(0, g, dim, "amin")
+        hi = torch.full((k,), -1, dtype=torch.int64).scatter_reduce(0, g, dim, "amax")
+        suspect[g[lo[g] != hi[g]]] = True
+        start = off[sel].gather(1, dim[:, None]).flatten()
+        end = start + size[sel].gather(1, dim[:, None]).flatten()
+        o = torch.argsort(start, stable=True)
+        o = o[torch.argsort(g[o], stable=True)]
+        gap = (g[o][1:] == g[o][:-1]) & (start[o][1:] != end[o][:-1])
+        suspect[g[o][1:][gap]] = True
+    for i in torch.nonzero(suspect).flatten().tolist():
+        nd = len(shapes[i])
+        boxes = [Box(tuple(r[1:1 + nd]), tuple(r[1 + d:1 + d + nd])) for r in rows[gid == i].tolist()]
+        problem = boxes_tile(shapes[i], boxes)
+        if problem:
+            return i, problem
+    return None
+
+
 class BoxIndex:
     """Finds the boxes that may intersect a query box without scanning them all: boxes sorted by
     their start along the dimension with the most distinct offsets (the sharded one), bisected.

@@ -1,22 +1,26 @@
 """Planner interfaces and the plan data they exchange.
 
 A save or load runs the same protocol on every rank (see ``api.py``): a local plan from the
-rank's own state dict, an all-gather of plans, and a global plan every rank computes
-identically from the gathered plans. Plans are frozen dataclasses with a compact wire form
-(plain JSON lists) so gathering needs no pickle.
+rank's own state dict, a gather of every plan on the coordinator (rank 0), which computes the
+global plan once and sends each rank only its own part. Plans are frozen dataclasses with a
+compact wire form (plain JSON; columnar for save plans) so gathering needs no pickle, and no rank
+but the coordinator holds or processes all N plans.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from .geometry import Box
 from .metadata import Metadata
 from .replica_plan import BroadcastOp, ShardSummary
+
+if TYPE_CHECKING:
+    from .dedup import CompactPlan, GlobalSavePlan
 
 TENSOR = "tensor"
 OBJECT = "object"
@@ -69,14 +73,6 @@ class SavePlan:
 
 
 @dataclass(frozen=True)
-class GlobalSavePlan:
-    """Who writes what: ``writes[r]`` are indices into rank r's plan items."""
-
-    writes: tuple[tuple[int, ...], ...]
-    plans: tuple[SavePlan, ...]
-
-
-@dataclass(frozen=True)
 class ReadItem:
     """Copy ``overlap`` (global coordinates) of saved chunk ``chunk`` into local piece ``dest``."""
 
@@ -110,8 +106,9 @@ class SavePlanner(ABC):
     def create_local_plan(self) -> SavePlan: ...
 
     @abstractmethod
-    def create_global_plan(self, plans: Sequence[SavePlan]) -> GlobalSavePlan:
-        """Pure and deterministic: every rank computes the same result from the same plans."""
+    def create_global_plan(self, plans: Sequence["CompactPlan"]) -> "GlobalSavePlan":
+        """Pure and deterministic; runs on the coordinator (rank 0) over every rank's plan in
+        compact form (``dedup.CompactPlan``) and decides who writes what."""
 
     @abstractmethod
     def resolve_data(self, item: WriteItem) -> Any:
@@ -129,10 +126,10 @@ class LoadPlanner(ABC):
     def create_local_plan(self) -> LoadPlan: ...
 
     @abstractmethod
-    def create_global_plan(self, shards: Sequence[Sequence[ShardSummary]], own: LoadPlan, *, mode: str,
-                           nodes: Sequence[str], slow_storage: bool) -> tuple[LoadPlan, list[BroadcastOp]]:
-        """Pure and deterministic: who reads each replicated shard (``sources`` on the own plan)
-        and the global list of broadcasts, from every rank's shard summaries."""
+    def create_global_plan(self, shards: Sequence[Sequence[ShardSummary]], *, mode: str, nodes: Sequence[str],
+                           slow_storage: bool) -> list[BroadcastOp]:
+        """Pure and deterministic; runs on the coordinator: who reads each replicated shard and
+        broadcasts it, from every rank's shard summaries, in one global order."""
 
     @abstractmethod
     def destination(self, key: tuple) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Who reads each replicated destination shard, and how its broadcast is batched. Pure.
 
-Every rank computes the same answer from the gathered shard summaries: destination shards held
+The coordinator (rank 0) computes it from every rank's shard summaries and sends each rank only
+the batches it takes part in, in the one global order: destination shards held
 by several ranks (data-parallel replicas, replicated tensors, the tp-replicated dims of a 2-D
 mesh) form replica groups keyed by the shard; one member reads it from storage and broadcasts it
 to the others. Readers are balanced by bytes (largest shard first), so replicas split the reading.
@@ -65,6 +66,17 @@ class Batch:
     @property
     def nbytes(self) -> int:
         return sum(o.nbytes for o in self.ops)
+
+    def to_wire(self) -> list:
+        return [list(self.ranks), self.src, self.dtype, self.device, self.packed,
+                [[o.key[0], list(o.key[1]), list(o.key[2]), o.nbytes] for o in self.ops]]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "Batch":
+        ranks, src, dtype, device, packed, ops = w
+        ranks = tuple(ranks)
+        return cls(ranks, src, dtype, device,
+                   tuple(BroadcastOp((f, tuple(o), tuple(s)), ranks, src, n, dtype, device) for f, o, s, n in ops), packed)
 
 
 def plan_replica_reads(per_rank: Sequence[Sequence[ShardSummary]], *, mode: str, nodes: Sequence[str],

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest
-from .errors import CoverageError, ReplicaMismatchError, ShapeMismatchError, StateDictError
-from .geometry import Box, BoxIndex, boxes_tile, dtensor_local_box, intersect, narrow, relative, whole
+from .dedup import CompactPlan, GlobalSavePlan, assign_owners
+from .errors import CoverageError, ShapeMismatchError, StateDictError
+from .geometry import Box, BoxIndex, dtensor_local_box, intersect, narrow, relative, whole
 from .metadata import Metadata, dtype_name
-from .planner import (OBJECT, TENSOR, GlobalSavePlan, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner,
-                      WriteItem)
+from .planner import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .ragged import FlatShard, LocalShard
 from .broadcast import sendable_device
 from .replica_plan import BroadcastOp, ShardSummary, plan_replica_reads
@@ -95,7 +93,7 @@ class StandardSavePlanner(SavePlanner):
                                        0, digest(text.encode()) if self.verify_replicas else None))
         return SavePlan(self.rank, tuple(items), dict(self.paths))
 
-    def create_global_plan(self, plans: Sequence[SavePlan]) -> GlobalSavePlan:
+    def create_global_plan(self, plans: Sequence[CompactPlan]) -> GlobalSavePlan:
         return assign_owners(plans, self.policy, verify_replicas=self.verify_replicas)
 
     def resolve_data(self, item: WriteItem) -> Any:
@@ -108,83 +106,6 @@ class MinimumRankSavePlanner(StandardSavePlanner):
     """Every replicated chunk is written by its lowest-ranked holder (predictable file contents)."""
 
     policy = "minimum_rank"
-
-
-def _check_consistent(plans: Sequence[SavePlan]) -> None:
-    seen: dict[str, tuple[int, WriteItem]] = {}
-    for p in plans:
-        for it in p.items:
-            prev = seen.setdefault(it.fqn, (p.rank, it))
-            r0, first = prev
-            if first.kind != it.kind:
-                raise ShapeMismatchError(f"key {it.fqn!r} is a {first.kind} on rank {r0} but a {it.kind} on rank {p.rank}")
-            if it.kind == TENSOR and (first.dtype, first.global_shape) != (it.dtype, it.global_shape):
-                raise ShapeMismatchError(
-                    f"key {it.fqn!r}: rank {r0} has {first.dtype} {list(first.global_shape)} but rank {p.rank} has "
-                    f"{it.dtype} {list(it.global_shape)}; every rank must agree on a key's global shape and dtype")
-
-
-def assign_owners(plans: Sequence[SavePlan], policy: str = "balanced", *, verify_replicas: bool = False) -> GlobalSavePlan:
-    """Dedup: choose one writer per distinct chunk. Pure, deterministic, order-independent of
-    anything but the gathered plans (which every rank receives in rank order)."""
-    if policy not in ("balanced", "minimum_rank"):
-        raise StateDictError(f"unknown save dedup policy {policy!r}")
-    _check_consistent(plans)
-    by_rank = plans_by_rank(plans)
-    buckets: dict[tuple, list[tuple[int, int]]] = {}
-    for p in plans:
-        for idx, it in enumerate(p.items):
-            buckets.setdefault(it.dedup_key, []).append((p.rank, idx))
-    load = defaultdict(int)
-    owner: dict[tuple, tuple[int, int]] = {}
-    dups = []
-    for key, holders in buckets.items():
-        if len(holders) == 1:
-            owner[key] = holders[0]
-            r, i = holders[0]
-            load[r] += max(by_rank[r].items[i].nbytes, 1)
-        else:
-            dups.append((key, holders))
-    if verify_replicas:
-        for key, holders in dups:
-            sums = {r: by_rank[r].items[i].checksum for r, i in holders}
-            if len(set(sums.values())) > 1:
-                raise ReplicaMismatchError(
-                    f"key {key[0]!r} (chunk {list(key[1:])}) differs across the ranks that hold it: "
-                    f"checksums {sums}; replicated values must be identical (or give per-rank keys)")
-    if policy == "balanced":
-        dups.sort(key=lambda kh: -by_rank[kh[1][0][0]].items[kh[1][0][1]].nbytes)
-    for key, holders in dups:
-        if policy == "minimum_rank":
-            choice = min(holders)
-        else:
-            choice = min(holders, key=lambda h: (load[h[0]], h[0]))
-        owner[key] = choice
-        load[choice[0]] += max(by_rank[choice[0]].items[choice[1]].nbytes, 1)
-    writes: dict[int, list[int]] = defaultdict(list)
-    for r, i in owner.values():
-        writes[r].append(i)
-    _check_tiling(plans, owner, by_rank)
-    ranks = sorted(by_rank)
-    return GlobalSavePlan(tuple(tuple(sorted(writes[r])) for r in ranks), tuple(by_rank[r] for r in ranks))
-
-
-def plans_by_rank(plans: Sequence[SavePlan]) -> dict[int, SavePlan]:
-    return {p.rank: p for p in plans}
-
-
-def _check_tiling(plans: Sequence[SavePlan], owner: Mapping[tuple, tuple[int, int]], by_rank: Mapping[int, SavePlan]) -> None:
-    boxes: dict[str, list[Box]] = defaultdict(list)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for r, i in owner.values():
-        it = by_rank[r].items[i]
-        if it.kind == TENSOR:
-            boxes[it.fqn].append(it.box)
-            shapes[it.fqn] = it.global_shape
-    for fqn, bs in boxes.items():
-        problem = boxes_tile(shapes[fqn], bs)
-        if problem:
-            raise CoverageError(f"key {fqn!r}: the ranks' chunks do not tile shape {list(shapes[fqn])}: {problem}")
 
 
 class StandardLoadPlanner(LoadPlanner):
@@ -257,12 +178,9 @@ class StandardLoadPlanner(LoadPlanner):
                                     f"destination at offsets {list(box.offsets)} sizes {list(box.sizes)}")
         return out
 
-    def create_global_plan(self, shards: Sequence[Sequence[ShardSummary]], own: LoadPlan, *, mode: str,
-                           nodes: Sequence[str], slow_storage: bool) -> tuple[LoadPlan, list[BroadcastOp]]:
-        ops = plan_replica_reads(shards, mode=mode, nodes=nodes, slow_storage=slow_storage, policy=self.policy)
-        mine = {s.key for s in own.shards}
-        sources = {(op.key[0], op.key[1]): op.src for op in ops if op.key in mine}
-        return dataclasses.replace(own, sources=sources), ops
+    def create_global_plan(self, shards: Sequence[Sequence[ShardSummary]], *, mode: str, nodes: Sequence[str],
+                           slow_storage: bool) -> list[BroadcastOp]:
+        return plan_replica_reads(shards, mode=mode, nodes=nodes, slow_storage=slow_storage, policy=self.policy)
 
     def destination(self, key: tuple) -> torch.Tensor:
         fqn, offsets, sizes = key
@@ -292,28 +210,22 @@ def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
 
 def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_size: int,
                    extra: Mapping[str, Any] | None = None) -> Metadata:
-    """Combine the global plan with every rank's write result (pure; identical on all ranks)."""
+    """Combine the global plan with every rank's write result (pure; runs on the coordinator)."""
     from .metadata import ChunkMeta, ObjectMeta, TensorMeta
 
     by_rank = {w.rank: w for w in results}
-    tensors: dict[str, dict] = {}
+    chunks: dict[str, list[ChunkMeta]] = {k.fqn: [] for k in gplan.keys if k.kind == TENSOR}
     objects: dict[str, ObjectMeta] = {}
-    for plan in gplan.plans:
-        for it in plan.items:
-            if it.kind == TENSOR and it.fqn not in tensors:
-                tensors[it.fqn] = {"dtype": it.dtype, "shape": it.global_shape, "chunks": [], "path": plan.paths[it.fqn]}
-    for plan, idxs in zip(gplan.plans, gplan.writes):
-        res = by_rank[plan.rank]
-        for i in idxs:
-            it = plan.items[i]
-            if it.kind == OBJECT:
-                file, csum = res.objects[it.fqn]
-                objects[it.fqn] = ObjectMeta(file, csum, plan.paths[it.fqn])
-            elif it.box.numel:
-                key = chunk_key(it.fqn, it.box.offsets)
-                file, off, csum = res.chunks[key]
-                tensors[it.fqn]["chunks"].append(ChunkMeta(it.box.offsets, it.box.sizes, file, key, off, csum))
-    tmetas = {k: TensorMeta(v["dtype"], tuple(v["shape"]), tuple(sorted(v["chunks"], key=lambda c: c.offsets)),
-                            tuple(v["path"])) for k, v in tensors.items()}
+    for key, rank, box in gplan.owned_rows():
+        res = by_rank[rank]
+        if key.kind == OBJECT:
+            file, csum = res.objects[key.fqn]
+            objects[key.fqn] = ObjectMeta(file, csum, key.path)
+        elif box.numel:
+            ck = chunk_key(key.fqn, box.offsets)
+            file, off, csum = res.chunks[ck]
+            chunks[key.fqn].append(ChunkMeta(box.offsets, box.sizes, file, ck, off, csum))
+    tmetas = {k.fqn: TensorMeta(k.dtype, tuple(k.shape), tuple(sorted(chunks[k.fqn], key=lambda c: c.offsets)), k.path)
+              for k in gplan.keys if k.kind == TENSOR}
     files = {f.name: f for w in results for f in w.files}
     return Metadata(world_size, tmetas, objects, files, extra=dict(extra or {}))

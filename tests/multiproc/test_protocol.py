@@ -166,3 +166,50 @@ def test_dim0_reshard_reads_about_the_bytes_kept(tmp_path):
             assert m["ok"], name
             assert m["counter"] == m["kept"], (name, m)
             assert m["rchar"] <= 1.1 * m["kept"], (name, m)
+
+
+def _coordinator(rank: int, ws: int, root: str) -> dict:
+    """Global planning runs once, on rank 0; each rank receives only its own part."""
+    from hpdcp_runner.dcp import BroadcastOptions, StandardLoadPlanner, StandardSavePlanner
+
+    calls = {"save": 0, "load": 0}
+
+    class CountingSave(StandardSavePlanner):
+        def create_global_plan(self, plans):
+            calls["save"] += 1
+            calls["save_plans"] = len(plans)
+            return super().create_global_plan(plans)
+
+    class CountingLoad(StandardLoadPlanner):
+        def create_global_plan(self, shards, **kw):
+            calls["load"] += 1
+            return super().create_global_plan(shards, **kw)
+
+    # "rep" is replicated on ranks 0-1 only; "all" on every rank; "own" differs per rank (per-rank key)
+    state = {"all": torch.arange(6.0), f"own{rank}": torch.full((3,), float(rank))}
+    if rank < 2:
+        state["rep"] = torch.arange(1024.0)
+    # a collective subgroup that rank 2 is not a member of: ranks now hold different numbers of
+    # groups, which broke our groups' names under local synchronisation (a 30 s hang, then an error)
+    dist.new_group([0, 1])
+    md = save(state, checkpoint_id=f"{root}/c", planner=CountingSave(), timeout=30)
+    target = {"all": torch.zeros(6), f"own{rank}": torch.zeros(3)}
+    if rank < 2:
+        target["rep"] = torch.zeros(1024)
+    res = load(target, checkpoint_id=f"{root}/c", planner=CountingLoad(), timeout=30, strict=False,
+               broadcast=BroadcastOptions(mode="always", batch_bytes=0))
+    ok = all(torch.equal(target[k], state[k]) for k in state)
+    return {"calls": calls, "ok": ok, "keys": sorted(md.tensors), "broadcasts": res.counters.get("broadcasts", 0),
+            "received": res.counters.get("bytes_received", 0)}
+
+
+def test_global_plans_run_on_the_coordinator_only(tmp_path):
+    res = run_ranks(3, _coordinator, str(tmp_path))
+    assert [r["calls"]["save"] for r in res] == [1, 0, 0] and res[0]["calls"]["save_plans"] == 3
+    assert [r["calls"]["load"] for r in res] == [1, 0, 0]
+    assert all(r["ok"] for r in res)
+    # every rank returns the same committed metadata
+    assert all(r["keys"] == ["all", "own0", "own1", "own2", "rep"] for r in res)
+    # "all" goes to ranks 0-2, "rep" to ranks 0-1: rank 2 takes part in one broadcast only
+    assert res[2]["broadcasts"] == 1 and res[0]["broadcasts"] + res[1]["broadcasts"] == 4
+    assert res[0]["received"] + res[1]["received"] + res[2]["received"] == 4096 + 2 * 24

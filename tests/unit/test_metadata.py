@@ -38,6 +38,13 @@ def _mutate(fn):
     (lambda d: d["tensors"]["model.w"]["chunks"][1].__setitem__(0, [3, 0]), "outside shape"),
     (lambda d: d["tensors"]["model.w"]["chunks"][1].__setitem__(0, [1, 0]), "overlap"),
     (lambda d: d["tensors"]["model.w"]["chunks"].pop(), "cover 6 of 12"),
+    (lambda d: d["tensors"]["model.w"].update(chunks=[]), "cover 0 of 12"),
+    # volumes add up (6 + 6 = 12) but rows 1 overlap and row 3 is missing: only adjacency tells
+    (lambda d: d["tensors"]["model.w"]["chunks"][1].__setitem__(0, [1, 0]) or
+     d["tensors"]["model.w"]["chunks"][0].__setitem__(1, [2, 3]), "overlap"),
+    (lambda d: d["tensors"]["model.w"]["chunks"][1].__setitem__(0, [2, -1]), "non-negative integers"),
+    (lambda d: d["tensors"]["model.w"]["chunks"][1].__setitem__(1, [2]), "chunk rank"),
+    (lambda d: d["tensors"]["model.w"]["chunks"][1].__setitem__(3, 7), "bad chunk location"),
     (lambda d: d["tensors"]["model.w"]["chunks"][0].__setitem__(4, 990), "beyond the end"),
     (lambda d: d["tensors"]["model.w"]["chunks"][0].__setitem__(2, "other.safetensors"), "unknown file"),
     (lambda d: d["tensors"]["model.w"].update(dtype="complex512"), "unknown dtype"),

@@ -1,0 +1,309 @@
+"""Save dedup at scale: columnar plans, one vectorised pass on the coordinator. Pure.
+
+A save's global plan (which holder writes each replicated chunk, and whether the written chunks
+tile every tensor) is computed on rank 0 only, from every rank's plan in a compact columnar form:
+a table of keys (fqn, kind, dtype, global shape, path) sent as one JSON string with its digest
+(identical tables, the common case, are parsed once), and per item only a key index, the box as
+flat integers, the byte count and an optional checksum. The coordinator lays all items out as one
+int64 matrix and finds duplicates with a lexicographic sort instead of one Python object per item
+of every rank: at 1,024 ranks x 2,000 tensors the per-item cost fell from ~20 us (on every rank)
+to ~1 us (on rank 0), see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from .checkpoint_io import byte_view
+from .errors import CoverageError, ReplicaMismatchError, ShapeMismatchError, StateDictError
+from .geometry import Box, tiling_problem
+from .planner import OBJECT, TENSOR, SavePlan
+
+POLICIES = ("balanced", "minimum_rank")
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    fqn: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    path: tuple
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape) if self.shape is not None else 0
+
+
+def pack_ints(t: torch.Tensor) -> str:
+    t = t.to(torch.int64).contiguous()
+    return base64.b64encode(byte_view(t)).decode()
+
+
+def unpack_ints(text: str) -> torch.Tensor:
+    raw = base64.b64decode(text)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class CompactPlan:
+    """One rank's save plan in columnar form: ``item_key[i]`` indexes ``keys``; tensor items' boxes
+    follow each other in ``boxes`` (offsets then sizes, ``ndim`` of the key each). The integer
+    columns travel as base64 int64 arrays, so the coordinator decodes N plans without creating a
+    Python object per item."""
+
+    rank: int
+    keys: tuple[KeyInfo, ...]
+    item_key: torch.Tensor
+    boxes: torch.Tensor
+    nbytes: torch.Tensor
+    checksums: tuple[str | None, ...] | None = None
+
+    @classmethod
+    def from_plan(cls, plan: SavePlan) -> "CompactPlan":
+        index: dict[str, int] = {}
+        keys: list[KeyInfo] = []
+        item_key, boxes, nbytes, sums = [], [], [], []
+        for it in plan.items:
+            k = index.get(it.fqn)
+            if k is None:
+                k = index[it.fqn] = len(keys)
+                keys.append(KeyInfo(it.fqn, it.kind, it.dtype, it.global_shape,
+                                    tuple(plan.paths.get(it.fqn, (it.fqn,)))))
+            item_key.append(k)
+            if it.kind == TENSOR:
+                boxes.extend(it.box.offsets)
+                boxes.extend(it.box.sizes)
+            nbytes.append(it.nbytes)
+            sums.append(it.checksum)
+        has_sums = any(s is not None for s in sums)
+        as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        return cls(plan.rank, tuple(keys), as_t(item_key), as_t(boxes), as_t(nbytes),
+                   tuple(sums) if has_sums else None)
+
+    def to_wire(self) -> dict:
+        table = json.dumps([[k.fqn, k.kind, k.dtype, None if k.shape is None else list(k.shape), list(k.path)]
+                            for k in self.keys], separators=(",", ":"))
+        return {"rank": self.rank, "keys": table, "digest": hashlib.blake2b(table.encode(), digest_size=16).hexdigest(),
+                "k": pack_ints(self.item_key), "b": pack_ints(self.boxes), "n": pack_ints(self.nbytes),
+                "c": None if self.checksums is None else list(self.checksums)}
+
+    @classmethod
+    def from_wire(cls, w: Mapping, tables: dict[str, tuple[KeyInfo, ...]] | None = None) -> "CompactPlan":
+        """``tables`` caches parsed key tables by digest across the ranks of one gather."""
+        tables = {} if tables is None else tables
+        keys = tables.get(w["digest"])
+        if keys is None:
+            keys = tables[w["digest"]] = tuple(
+                KeyInfo(f, kind, dt, None if shape is None else tuple(shape), tuple(path))
+                for f, kind, dt, shape, path in json.loads(w["keys"]))
+        return cls(w["rank"], keys, unpack_ints(w["k"]), unpack_ints(w["b"]), unpack_ints(w["n"]),
+                   None if w["c"] is None else tuple(w["c"]))
+
+
+@dataclass(frozen=True)
+class GlobalSavePlan:
+    """Who writes what. ``write_idx[r]`` (``writes[r]`` as ints): indices into rank r's plan items. ``owned``: one int64 row per
+    written chunk or object, ``[key id, rank, offsets (ndim padded to D with 0), sizes (padded with
+    1)]``, keys indexing ``keys``. ``plans`` holds the full plans when built from them (offline tools)."""
+
+    write_idx: tuple[torch.Tensor, ...]
+    keys: tuple[KeyInfo, ...]
+    owned: torch.Tensor
+    plans: tuple[SavePlan, ...] = ()
+
+    @property
+    def writes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t.tolist()) for t in self.write_idx)
+
+    def owned_rows(self) -> list[tuple[KeyInfo, int, Box | None]]:
+        d = (self.owned.shape[1] - 2) // 2
+        out = []
+        for row in self.owned.tolist():
+            key = self.keys[row[0]]
+            box = None if key.kind == OBJECT else Box(tuple(row[2:2 + key.ndim]), tuple(row[2 + d:2 + d + key.ndim]))
+            out.append((key, row[1], box))
+        return out
+
+
+def merge_keys(plans: Sequence[CompactPlan]) -> tuple[list[KeyInfo], list[torch.Tensor]]:
+    """One global key table, and per plan the global id of each of its items. Ranks must agree on
+    a key's kind, dtype and global shape."""
+    gid: dict[str, int] = {}
+    first_rank: list[int] = []
+    keys: list[KeyInfo] = []
+    maps: dict[int, torch.Tensor] = {}  # id(table) -> local index -> global id
+    out = []
+    for p in plans:
+        m = maps.get(id(p.keys))
+        if m is None:
+            ids = []
+            for k in p.keys:
+                g = gid.get(k.fqn)
+                if g is None:
+                    g = gid[k.fqn] = len(keys)
+                    keys.append(k)
+                    first_rank.append(p.rank)
+                else:
+                    _check_same(keys[g], first_rank[g], k, p.rank)
+                ids.append(g)
+            m = maps[id(p.keys)] = torch.tensor(ids, dtype=torch.int64)
+        out.append(m[p.item_key])
+    return keys, out
+
+
+def _check_same(a: KeyInfo, ra: int, b: KeyInfo, rb: int) -> None:
+    if a.kind != b.kind:
+        raise ShapeMismatchError(f"key {a.fqn!r} is a {a.kind} on rank {ra} but a {b.kind} on rank {rb}")
+    if a.kind == TENSOR and (a.dtype, a.shape) != (b.dtype, b.shape):
+        raise ShapeMismatchError(
+            f"key {a.fqn!r}: rank {ra} has {a.dtype} {list(a.shape)} but rank {rb} has {b.dtype} {list(b.shape)}; "
+            f"every rank must agree on a key's global shape and dtype")
+
+
+def _rows(p: CompactPlan, gids: torch.Tensor, keys: Sequence[KeyInfo], dims: torch.Tensor, d: int) -> torch.Tensor:
+    """[items, 3 + 2d] int64: key id, rank, item index, offsets (padded 0), sizes (padded 1)."""
+    n = p.item_key.numel()
+    rows = torch.zeros((n, 3 + 2 * d), dtype=torch.int64)
+    if not n:
+        return rows
+    rows[:, 0] = gids
+    rows[:, 1] = p.rank
+    rows[:, 2] = torch.arange(n)
+    rows[:, 3 + d:] = 1
+    nd = dims[gids]
+    if p.boxes.numel():
+        flat = p.boxes
+        start = torch.cumsum(2 * nd, 0) - 2 * nd  # where each item's box starts in ``flat``
+        for j in range(d):
+            has = nd > j
+            pos = torch.where(has, start + j, 0)
+            rows[:, 3 + j] = torch.where(has, flat[pos], 0)
+            rows[:, 3 + d + j] = torch.where(has, flat[torch.where(has, start + nd + j, 0)], 1)
+    return rows
+
+
+def _group(keyrows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows with equal keys grouped: (order, group id per sorted position, group starts). A
+    lexicographic sort by successive stable argsorts over the columns that vary
+    (torch.unique(dim=0) was 17x slower)."""
+    order = torch.arange(keyrows.shape[0])
+    if not len(order):
+        return order, order, order
+    varying = [c for c in range(keyrows.shape[1]) if keyrows[:, c].min() != keyrows[:, c].max()]
+    keyrows = keyrows[:, varying] if varying else keyrows[:, :1]
+    for col in reversed(range(keyrows.shape[1])):
+        order = order[torch.argsort(keyrows[order, col], stable=True)]
+    s = keyrows[order]
+    new = torch.ones(len(order), dtype=torch.bool)
+    if len(order) > 1:
+        new[1:] = (s[1:] != s[:-1]).any(dim=1)
+    gid = torch.cumsum(new.to(torch.int64), 0) - 1
+    return order, gid, torch.nonzero(new).flatten()
+
+
+def assign_owners(plans: Sequence[SavePlan | CompactPlan], policy: str = "balanced", *,
+                  verify_replicas: bool = False) -> GlobalSavePlan:
+    """Dedup: one writer per distinct chunk; balanced = the holder with the fewest bytes so far,
+    largest chunks first (ties: first seen in rank order); minimum_rank = the lowest holder. Then
+    the written chunks must tile every tensor. Deterministic given the plans (in rank order)."""
+    if policy not in POLICIES:
+        raise StateDictError(f"unknown save dedup policy {policy!r}")
+    full = tuple(p for p in plans if isinstance(p, SavePlan))
+    compact = sorted((CompactPlan.from_plan(p) if isinstance(p, SavePlan) else p for p in plans), key=lambda p: p.rank)
+    keys, gids = merge_keys(compact)
+    dims = torch.tensor([k.ndim for k in keys] or [0], dtype=torch.int64)
+    d = max(1, int(dims.max()))
+    rows = torch.cat([_rows(p, g, keys, dims, d) for p, g in zip(compact, gids)]) if compact else \
+        torch.zeros((0, 3 + 2 * d), dtype=torch.int64)
+    nbytes = torch.cat([p.nbytes for p in compact]) if compact else torch.empty(0, dtype=torch.int64)
+    order, group_of, starts = _group(torch.cat([rows[:, :1], rows[:, 3:]], 1))
+    counts = torch.diff(starts, append=torch.tensor([len(order)]))
+    if verify_replicas:
+        _verify(compact, rows, order, starts, counts, keys)
+    owner = _choose(rows[:, 1], nbytes, order, starts, counts, policy, len(compact))
+    owned = rows[owner]
+    _check_tiling(keys, owned, d)
+    writes = _writes(owned, [p.rank for p in compact])
+    out = torch.cat([owned[:, :2], owned[:, 3:]], 1)
+    return GlobalSavePlan(writes, tuple(keys), out, tuple(sorted(full, key=lambda p: p.rank)))
+
+
+def _choose(rank: torch.Tensor, nbytes: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
+            counts: torch.Tensor, policy: str, world: int) -> torch.Tensor:
+    """The owning row of every group."""
+    first = order[starts]  # rows keep rank-major order and sorts are stable: the first holder
+    if policy == "minimum_rank":
+        return first
+    owner = first.clone()
+    single = counts == 1
+    load = torch.zeros(int(rank.max()) + 1 if len(rank) else world, dtype=torch.int64)
+    load.index_add_(0, rank[first[single]], nbytes[first[single]].clamp(min=1))
+    dup = torch.nonzero(~single).flatten()
+    if not len(dup):
+        return owner
+    # largest first; ties by first appearance in rank-major order
+    dup = dup[torch.argsort(first[dup], stable=True)]
+    dup = dup[torch.argsort(-nbytes[first[dup]], stable=True)]
+    # only the rows of replicated chunks go to Python: positions of dup groups, compressed
+    in_dup = (~single).repeat_interleave(counts)
+    d_rows = order[in_dup]
+    d_rank = rank[d_rows].tolist()
+    d_size = nbytes[d_rows].clamp(min=1).tolist()
+    dcounts = torch.where(single, 0, counts)
+    cstart = (torch.cumsum(dcounts, 0) - dcounts)[dup].tolist()
+    cnt = counts[dup].tolist()
+    load_l = load.tolist()
+    picks = []
+    for a, n in zip(cstart, cnt):
+        best = min(range(a, a + n), key=lambda i: (load_l[d_rank[i]], d_rank[i]))
+        picks.append(best)
+        load_l[d_rank[best]] += d_size[best]
+    owner[dup] = d_rows[torch.tensor(picks, dtype=torch.int64)]
+    return owner
+
+
+def _verify(plans: Sequence[CompactPlan], rows: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
+            counts: torch.Tensor, keys: Sequence[KeyInfo]) -> None:
+    sums = [s for p in plans for s in (p.checksums or (None,) * p.item_key.numel())]
+    ranks = rows[:, 1].tolist()
+    order_l = order.tolist()
+    for g in torch.nonzero(counts > 1).flatten().tolist():
+        a = int(starts[g])
+        members = order_l[a:a + int(counts[g])]
+        got = {ranks[i]: sums[i] for i in members}
+        if len(set(got.values())) > 1:
+            key = keys[int(rows[members[0], 0])]
+            raise ReplicaMismatchError(
+                f"key {key.fqn!r} differs across the ranks that hold it: checksums {got}; replicated values "
+                f"must be identical (or give per-rank keys)")
+
+
+def _writes(owned: torch.Tensor, ranks: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Per rank (in ``ranks`` order), the sorted item indices it writes."""
+    if not len(owned):
+        return tuple(torch.empty(0, dtype=torch.int64) for _ in ranks)
+    o = torch.argsort(owned[:, 2], stable=True)
+    o = o[torch.argsort(owned[o, 1], stable=True)]
+    srt = owned[o]
+    top = max(max(ranks), int(srt[:, 1].max())) + 1
+    parts = torch.split(srt[:, 2], torch.bincount(srt[:, 1], minlength=top).tolist())
+    return tuple(parts[r] for r in ranks)
+
+
+def _check_tiling(keys: Sequence[KeyInfo], owned: torch.Tensor, d: int) -> None:
+    """The written chunks of every tensor cover it exactly once (``geometry.tiling_problem``)."""
+    is_tensor = torch.tensor([k.kind == TENSOR for k in keys] or [False])
+    rows = owned[is_tensor[owned[:, 0]]] if len(owned) else owned
+    rows = torch.cat([rows[:, :1], rows[:, 3:]], 1)
+    shapes = [k.shape if k.kind == TENSOR else None for k in keys]
+    found = tiling_problem(shapes, rows)
+    if found is not None:
+        i, problem = found
+        raise CoverageError(f"key {keys[i].fqn!r}: the ranks' chunks do not tile shape {list(keys[i].shape)}: {problem}")
