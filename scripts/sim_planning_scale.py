@@ -10,7 +10,8 @@ every 10th replicated on every rank (norms).
 * save, any rank: its local plan in compact wire form (``CompactPlan.to_wire`` + JSON);
 * save, coordinator: parse N wires, ``assign_owners`` (vectorised dedup + tiling check), then
   ``build_metadata`` and ``Metadata.to_json`` (the committed file);
-* save, every other rank: parse the committed metadata it is sent back (save returns it);
+* metadata parse (``Metadata.from_json``): every rank on load; on save, the other ranks get the
+  committed text back and parse it only on first use (``DeferredMetadata``);
 * load, one rank: ``StandardLoadPlanner.create_local_plan`` against that metadata;
 * load, coordinator: ``plan_replica_reads`` over N ranks' shard summaries.
 
@@ -83,9 +84,13 @@ def measure(fn):
     except OSError:
         tracemalloc.start()
         traced = True
+    gc.disable()  # as in save/load, which pause automatic collection (utils.pauses_gc)
     t0 = time.perf_counter()
-    out = fn()
-    secs = time.perf_counter() - t0
+    try:
+        out = fn()
+    finally:
+        secs = time.perf_counter() - t0
+        gc.enable()
     if traced:
         peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
@@ -158,7 +163,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = ["| ranks | tensors | save, any rank: plan to wire s (MiB) | save, coordinator: gather parse + dedup s (MiB) "
-            "| save, coordinator: metadata build + JSON s (MiB) | save, other ranks: parse returned metadata s (MiB) "
+            "| save, coordinator: metadata build + JSON s (MiB) | metadata parse, per rank s (MiB) "
             "| load, one rank: local plan s (MiB) | load, coordinator: replica plan s (MiB) | coordinator dedup us/item |",
             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)

@@ -20,7 +20,7 @@ from .collectives import Comm
 from .errors import KeyMismatchError
 from .filesystem_storage import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
 from .geometry import Box, relative
-from .metadata import METADATA_FILE, Metadata
+from .metadata import METADATA_FILE, DeferredMetadata, Metadata
 from .dedup import CompactPlan, GlobalSavePlan, pack_ints, unpack_ints
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .replica_plan import Batch, ShardSummary, batch_ops
@@ -122,9 +122,9 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                 writer.commit(committed)
                 return committed.to_json() if comm.world_size > 1 else ""
 
-            # every rank returns the committed metadata, as torch DCP does (one JSON parse per rank)
+            # every rank returns the committed metadata, as torch DCP does; parsed on first use
             text = comm.agree_root("save: commit", commit)
-            metadata = committed if comm.rank == 0 else Metadata.from_json(text, source=METADATA_FILE)
+            metadata = committed if comm.rank == 0 else DeferredMetadata(text, source=METADATA_FILE)
     except BaseException:
         if comm.rank == 0 and token is not None:
             writer.abort()

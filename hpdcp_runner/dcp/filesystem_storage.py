@@ -219,10 +219,6 @@ class _TokenBucket:
             time.sleep(-self.tokens / self.rate)
 
 
-_PREFETCH = hasattr(os, "posix_fadvise") and os.environ.get("HPDCP_PREFETCH", "1") == "1"
-_PREFETCH_MIN = 1 << 20
-
-
 class FileSystemReader(StorageReader):
     """Reads into preallocated destinations: one ``preadv`` per (chunk, destination) straight into
     the destination memory when the bytes are contiguous on both sides, else into a reused scratch
@@ -316,23 +312,11 @@ class FileSystemReader(StorageReader):
             plans.append((r.chunk.file, r.chunk.byte_offset + start * esize, (stop - start) * esize, r, dt, stop - start, k))
         if not (keep_order and len({p[0] for p in plans}) <= self.files_kept):
             plans.sort(key=lambda p: (p[0], p[1]))
-        for j, (name, offset, nbytes, r, dt, span, k) in enumerate(plans):
-            if j + 1 < len(plans) and _PREFETCH:
-                self._prefetch(*plans[j + 1][:3])
+        for name, offset, nbytes, r, dt, span, k in plans:
             if nbytes:
                 self._read_one(name, offset, nbytes, r, dt, span)
             if on_done is not None:
                 on_done(k)
-
-    def _prefetch(self, name: str, offset: int, nbytes: int) -> None:
-        """Ask the kernel to start reading the next request while this one is copied and
-        checksummed: one outstanding request more keeps a cold disk busy."""
-        fd = self._fds.get(name)  # only files already open: never evict the one being read
-        if fd is not None and nbytes >= _PREFETCH_MIN:
-            try:
-                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass  # only a hint; the read itself reports real problems
 
     def check_files(self, names: Iterable[str]) -> None:
         """Open (and so size-check) these files now: callers that allocate from metadata shapes

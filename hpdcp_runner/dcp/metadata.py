@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import torch
@@ -166,6 +166,35 @@ class Metadata:
         except (ValueError, RecursionError) as e:
             raise MetadataError(f"{source}: not valid JSON ({e})") from None
         return _parse(doc, source)
+
+
+class DeferredMetadata(Metadata):
+    """Committed metadata that is parsed on first use: what ``save`` returns on ranks other than
+    the coordinator. Parsing costs every rank ~10 us per chunk of the whole checkpoint (20 s at
+    1,024 ranks x 2,000 tensors), which most callers never need."""
+
+    def __init__(self, text: str, source: str = METADATA_FILE) -> None:  # noqa: D107
+        object.__setattr__(self, "_deferred", (text, source))
+
+    def _materialize(self) -> None:
+        pending = self.__dict__.pop("_deferred", None)
+        if pending is not None:
+            md = Metadata.from_json(pending[0], source=pending[1])
+            for f in fields(Metadata):
+                object.__setattr__(self, f.name, getattr(md, f.name))
+            object.__setattr__(self, "__class__", Metadata)  # from now on a plain Metadata
+
+    def __getattr__(self, name: str) -> Any:
+        if "_deferred" not in self.__dict__ or name.startswith("__"):
+            raise AttributeError(name)
+        self._materialize()
+        return getattr(self, name)
+
+    def __eq__(self, other: object) -> bool:
+        self._materialize()
+        return Metadata.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _need(cond: bool, source: str, what: str) -> None:

@@ -68,3 +68,15 @@ def test_metadata_size_cap(tmp_path):
     save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "c")
     with pytest.raises(MetadataError, match="over the 16-byte limit"):
         FileSystemReader(tmp_path / "c", max_metadata_bytes=16).read_metadata_text()
+
+
+def test_deferred_metadata_parses_on_first_use_and_equals_the_original():
+    from hpdcp_runner.dcp.metadata import DeferredMetadata
+
+    md = _md()
+    d = DeferredMetadata(md.to_json())
+    assert "_deferred" in d.__dict__ and isinstance(d, Metadata)  # nothing parsed yet
+    assert md == d and type(d) is Metadata and d.tensors == md.tensors
+    bad = DeferredMetadata("{not json", source="x/metadata.json")
+    with pytest.raises(MetadataError, match="x/metadata.json: not valid JSON"):
+        bad.world_size
