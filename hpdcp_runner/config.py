@@ -56,6 +56,7 @@ class StorageConf:
     max_metadata_bytes: Size = "256MiB"
     shared: bool = False  # declare network/shared storage: replica broadcast pays off on one node too
     max_read_bytes_per_s: Optional[Size] = None  # per-process read cap (token bucket), to simulate slow storage
+    segment_bytes: Size = "64KiB"  # partial-chunk reads: runs at least this long are read alone, not as one slab
 
 
 @dataclass
@@ -304,6 +305,7 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
     if c.dcp.storage.files_kept < 1:
         problems.append(f"dcp.storage.files_kept: must be >= 1, got {c.dcp.storage.files_kept}")
     for key, value in (("dcp.storage.max_metadata_bytes", c.dcp.storage.max_metadata_bytes),
+                       ("dcp.storage.segment_bytes", c.dcp.storage.segment_bytes),
                        ("dcp.broadcast.batch_bytes", c.dcp.broadcast.batch_bytes),
                        ("dcp.storage.max_read_bytes_per_s", c.dcp.storage.max_read_bytes_per_s)):
         try:

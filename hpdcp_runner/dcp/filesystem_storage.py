@@ -32,7 +32,7 @@ from . import faults
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest, naming, pread_into, write_file
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError
-from .geometry import flat_span, row_major_strides
+from .geometry import contiguous_runs, flat_span, row_major_strides
 from .metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
                        dtype_from_name, element_size)
 from .storage import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
@@ -42,6 +42,7 @@ log = get_logger(__name__)
 STAGING_MARK = ".tmp-"
 TRASH_MARK = ".trash-"
 DEFAULT_FILES_KEPT = 8
+DEFAULT_SEGMENT_BYTES = 64 << 10  # shortest run read on its own (see _read_runs)
 
 
 def rank_file(rank: int, kind: str) -> str:
@@ -226,7 +227,8 @@ class FileSystemReader(StorageReader):
 
     def __init__(self, path: str | os.PathLike, *, files_kept: int = DEFAULT_FILES_KEPT,
                  max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True,
-                 shared_storage: bool = False, max_read_bytes_per_s: int | None = None) -> None:
+                 shared_storage: bool = False, max_read_bytes_per_s: int | None = None,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
         if files_kept < 1:
             raise ValueError(f"files_kept must be >= 1, got {files_kept}")
         if max_read_bytes_per_s is not None and max_read_bytes_per_s <= 0:
@@ -236,6 +238,9 @@ class FileSystemReader(StorageReader):
         self.slow_storage = shared_storage or self.throttle is not None
         self.path = os.path.abspath(os.fspath(path))
         self.files_kept = files_kept
+        if segment_bytes < 1:
+            raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
+        self.segment_bytes = segment_bytes
         self.max_metadata_bytes = max_metadata_bytes
         self.verify_checksums = verify_checksums
         self.counters = IOCounters()
@@ -334,6 +339,8 @@ class FileSystemReader(StorageReader):
         if direct:
             view = byte_view(dest)
             pread_into(fd, offset, view, name=name)
+        elif self._read_runs(fd, name, offset, nbytes, r, dt):
+            return
         else:
             buf = self._scratch_view(nbytes)
             view = byte_view(buf)
@@ -350,6 +357,34 @@ class FileSystemReader(StorageReader):
         if not direct:
             src = buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), 0)
             dest.copy_(src)
+
+    def _read_runs(self, fd: int, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> bool:
+        """Read only the sub-box's bytes, one pread per contiguous run, when the span around it
+        carries over 10% of bytes not kept and runs are at least ``segment_bytes`` long (below
+        that, one slab read and a strided copy is faster from the page cache: 8 KiB rows measured
+        ~1.3x slower read one by one). Returns False to fall back to the slab read."""
+        esize = torch.empty(0, dtype=dt).element_size()
+        wanted = r.sub.numel * esize
+        if nbytes * 10 <= wanted * 11:
+            return False
+        run, starts = contiguous_runs(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
+        run_bytes = run * esize
+        if run_bytes < self.segment_bytes:
+            return False
+        dest = r.dest
+        into_dest = dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
+        buf = dest if into_dest else self._scratch_view(wanted).view(dt)
+        view = byte_view(buf)
+        base = r.chunk.byte_offset
+        for i, st in enumerate(starts.tolist()):
+            pread_into(fd, base + st * esize, view[i * run_bytes:(i + 1) * run_bytes], name=name)
+        if not into_dest:
+            dest.copy_(buf[:r.sub.numel].view(r.sub.sizes))
+        self.counters.bytes_read += wanted
+        self.counters.reads += len(starts)
+        if self.throttle:
+            self.throttle.take(wanted)
+        return True
 
     def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]:
         by_file: dict[str, list[str]] = {}

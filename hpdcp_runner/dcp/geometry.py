@@ -91,6 +91,25 @@ def flat_span(sub_offsets: Sequence[int], sub_sizes: Sequence[int], chunk_sizes:
     return first, last + 1
 
 
+def contiguous_runs(sub_offsets: Sequence[int], sub_sizes: Sequence[int],
+                    chunk_sizes: Sequence[int]) -> tuple[int, torch.Tensor]:
+    """The sub-box of a row-major chunk as contiguous runs: (elements per run, flat element start
+    of each run in the sub-box's row-major order). E.g. half the columns of a matrix: one run
+    per row."""
+    nd = len(chunk_sizes)
+    k = nd - 1  # the innermost dimension the sub-box does not span whole
+    while k > 0 and sub_sizes[k] == chunk_sizes[k]:
+        k -= 1
+    strides = row_major_strides(chunk_sizes)
+    if nd == 0:
+        return 1, torch.zeros(1, dtype=torch.int64)
+    run = sub_sizes[k] * strides[k]
+    starts = torch.tensor([sum(o * st for o, st in zip(sub_offsets, strides))], dtype=torch.int64)
+    for j in range(k - 1, -1, -1):  # outer dimensions, innermost last in the final order
+        starts = (torch.arange(sub_sizes[j], dtype=torch.int64)[:, None] * strides[j] + starts[None, :]).flatten()
+    return run, starts
+
+
 def span_is_exact(sub_offsets: Sequence[int], sub_sizes: Sequence[int], chunk_sizes: Sequence[int]) -> bool:
     """True when the flat span of the sub-box contains only the sub-box's elements."""
     start, stop = flat_span(sub_offsets, sub_sizes, chunk_sizes)

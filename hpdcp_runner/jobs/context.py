@@ -83,6 +83,7 @@ class JobContext:
         reader = FileSystemReader(path, files_kept=d.storage.files_kept, verify_checksums=d.storage.verify_checksums,
                                   max_metadata_bytes=parse_size(d.storage.max_metadata_bytes),
                                   shared_storage=d.storage.shared,
+                                  segment_bytes=max(1, parse_size(d.storage.segment_bytes, "dcp.storage.segment_bytes")),
                                   max_read_bytes_per_s=parse_size(cap) if cap is not None else None)
         with self.metrics.phase(phase):
             res = dcp.load(state, storage_reader=reader, planner=dcp.LOAD_PLANNERS[d.planner.name](), strict=strict,
@@ -101,6 +102,7 @@ class JobContext:
         return {"dcp.planner.name": self.cfg.dcp.planner.name, "dcp.broadcast.mode": o.mode,
                 "dcp.broadcast.batch_bytes": o.batch_bytes, "dcp.broadcast.max_in_flight": o.max_in_flight,
                 "dcp.storage.files_kept": s.files_kept, "dcp.storage.shared": s.shared,
+                "dcp.storage.segment_bytes": parse_size(s.segment_bytes, "dcp.storage.segment_bytes"),
                 "dcp.storage.max_read_bytes_per_s": parse_size(s.max_read_bytes_per_s)
                 if s.max_read_bytes_per_s is not None else None}
 
