@@ -56,7 +56,7 @@ class StorageConf:
     max_metadata_bytes: Size = "256MiB"
     shared: bool = False  # declare network/shared storage: replica broadcast pays off on one node too
     max_read_bytes_per_s: Optional[Size] = None  # per-process read cap (token bucket), to simulate slow storage
-    segment_bytes: Size = "64KiB"  # partial-chunk reads: runs at least this long are read alone, not as one slab
+    segment_bytes: Size = "4KiB"  # partial-chunk reads: runs at least this long are read alone, not as one slab
 
 
 @dataclass

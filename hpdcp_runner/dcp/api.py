@@ -21,9 +21,10 @@ from .errors import KeyMismatchError
 from .filesystem_storage import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
 from .geometry import Box, relative
 from .metadata import METADATA_FILE, DeferredMetadata, Metadata
-from .dedup import CompactPlan, GlobalSavePlan, pack_ints, unpack_ints
+from .columns import pack_ints, unpack_ints
+from .dedup import CompactPlan, GlobalSavePlan
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from .replica_plan import Batch, ShardSummary, batch_ops
+from .replica_plan import Batch, CompactShards, batch_ops
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
 from .storage import ReadRequest, StorageReader, StorageWriter, WriteResult
 from .utils import PhaseTimer, get_logger, pauses_gc
@@ -199,7 +200,8 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             own = planner.create_local_plan()
             return {"missing": list(own.missing), "requested": _bitmap(md_or_error.keys(), own.requested),
                     # no broadcasts without replicas to share: the coordinator need not see shards
-                    "shards": [] if options.mode == "never" else [s.to_wire() for s in own.shards], "node": node_id(),
+                    "shards": CompactShards.from_summaries(() if options.mode == "never" else own.shards).to_wire(),
+                    "node": node_id(),
                     "slow": bool(reader.slow_storage)}
 
         def global_plan(gathered: list) -> list:
@@ -208,7 +210,8 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             keys = md_or_error.keys()
             missing_by_rank = {r: g["missing"] for r, g in enumerate(gathered) if g["missing"]}
             unexpected = _unrequested(keys, [g["requested"] for g in gathered])
-            shards = [[ShardSummary.from_wire(w) for w in g["shards"]] for g in gathered]
+            tables: dict = {}
+            shards = [CompactShards.from_wire(g["shards"], tables) for g in gathered]
             ops = planner.create_global_plan(shards, mode=options.mode, nodes=[g["node"] for g in gathered],
                                              slow_storage=gathered[0]["slow"])
             batches = batch_ops(ops, options.batch_bytes)

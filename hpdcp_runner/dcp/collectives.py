@@ -1,4 +1,4 @@
-"""Control-plane collectives: JSON all-gather/broadcast over gloo, with agreed failures.
+"""Control-plane collectives: JSON all-gather/gather/scatter/broadcast over gloo, with agreed failures.
 
 Plans and outcomes travel as JSON bytes in uint8 tensors (no pickle), always over a gloo group
 (a dedicated one when the caller's group is NCCL or a per-call ``timeout`` is asked for), so a
@@ -101,11 +101,8 @@ class Comm:
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
             dist.all_gather(sizes, size, group=self.control)
             n = int(max(s.item() for s in sizes))
-            buf = torch.zeros(n, dtype=torch.uint8)
-            if payload:
-                buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             bufs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
-            dist.all_gather(bufs, buf, group=self.control)
+            dist.all_gather(bufs, _padded(payload, n), group=self.control)
             return [json.loads(_tensor_bytes(b, int(s.item()))) for b, s in zip(bufs, sizes)]
 
         return self._run(phase, go)
@@ -143,9 +140,7 @@ class Comm:
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
             dist.all_gather(sizes, size, group=self.control)
             n = int(max(s.item() for s in sizes))
-            buf = torch.zeros(n, dtype=torch.uint8)
-            if payload:
-                buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            buf = _padded(payload, n)
             if self.rank != 0:
                 dist.gather(buf, None, dst=self._root(), group=self.control)
                 return None
@@ -171,9 +166,7 @@ class Comm:
                 payloads = [json.dumps(o, separators=(",", ":")).encode() for o in objs]
                 n = max(len(p) for p in payloads)
                 meta = [torch.tensor([len(p), n], dtype=torch.int64) for p in payloads]
-                bufs = [torch.zeros(n, dtype=torch.uint8) for _ in payloads]
-                for b, p in zip(bufs, payloads):
-                    b[: len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
+                bufs = [_padded(p, n) for p in payloads]
                 dist.scatter(sizes, meta, src=self._root(), group=self.control)
             else:
                 dist.scatter(sizes, None, src=self._root(), group=self.control)
@@ -187,13 +180,7 @@ class Comm:
     # -- agreement --------------------------------------------------------------------------
     def agree(self, phase: str, fn: Callable[[], Any]) -> list[Any]:
         """Run ``fn`` here, gather every rank's value; if any rank failed, raise on all ranks."""
-        local_exc: BaseException | None = None
-        try:
-            payload = {"ok": fn()}
-        except Exception as e:
-            local_exc = e
-            log.debug("%s failed locally:\n%s", phase, traceback.format_exc())
-            payload = {"err": [type(e).__name__, _describe(e)]}
+        payload, local_exc = _attempt(phase, fn)
         gathered = self.all_gather_json(payload, phase)
         failures = {r: g["err"] for r, g in enumerate(gathered) if "err" in g}
         if failures:
@@ -205,24 +192,18 @@ class Comm:
         reply per rank, which only that rank receives. A failure of any rank's ``fn`` or of
         ``root`` is raised as the same error on every rank. The coordinator pattern: per-rank
         cost stays with the rank's own share, the global work happens once."""
-        local_exc: BaseException | None = None
-        try:
-            payload = {"ok": fn()}
-        except Exception as e:
-            local_exc = e
-            log.debug("%s failed locally:\n%s", phase, traceback.format_exc())
-            payload = {"err": [type(e).__name__, _describe(e)]}
+        payload, local_exc = _attempt(phase, fn)
         gathered = self.gather_json(payload, phase)
         replies = None
         if self.rank == 0:
             failures = [[r, *g["err"]] for r, g in enumerate(gathered) if "err" in g]
             if not failures:
-                try:
-                    replies = [{"ok": v} for v in root([g["ok"] for g in gathered])]
-                except Exception as e:
-                    local_exc = e
-                    log.debug("%s failed on the coordinator:\n%s", phase, traceback.format_exc())
-                    failures = [[0, type(e).__name__, _describe(e)]]
+                planned, root_exc = _attempt(phase, lambda: root([g["ok"] for g in gathered]))
+                if root_exc is None:
+                    replies = [{"ok": v} for v in planned["ok"]]
+                else:
+                    local_exc = root_exc
+                    failures = [[0, *planned["err"]]]
             del gathered
             if failures:
                 replies = [{"err": failures}] * self.world_size
@@ -233,19 +214,28 @@ class Comm:
 
     def agree_root(self, phase: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 only and give its value (or its failure) to every rank."""
-        if self.rank == 0:
-            try:
-                payload = {"ok": fn()}
-                local_exc = None
-            except Exception as e:
-                local_exc = e
-                payload = {"err": [type(e).__name__, _describe(e)]}
-        else:
-            payload, local_exc = None, None
+        payload, local_exc = _attempt(phase, fn) if self.rank == 0 else (None, None)
         got = self.broadcast_json(payload, phase)
         if "err" in got:
             raise agreed_error(phase, {0: got["err"]}) from local_exc
         return got["ok"]
+
+
+def _attempt(phase: str, fn: Callable[[], Any]) -> tuple[dict, BaseException | None]:
+    """Run one rank's step: ({"ok": value}, None) or ({"err": [type name, message]}, exception)."""
+    try:
+        return {"ok": fn()}, None
+    except Exception as e:
+        log.debug("%s failed here:\n%s", phase, traceback.format_exc())
+        return {"err": [type(e).__name__, _describe(e)]}, e
+
+
+def _padded(payload: bytes, n: int) -> torch.Tensor:
+    """``payload`` in a zero-padded uint8 tensor of ``n`` bytes (collectives need equal sizes)."""
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return buf
 
 
 def _tensor_bytes(t: torch.Tensor, n: int) -> bytes:

@@ -12,7 +12,6 @@ to ~1 us (on rank 0), see docs/benchmarks.md.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .checkpoint_io import byte_view
+from .columns import group_rows, pack_ints, unpack_ints
 from .errors import CoverageError, ReplicaMismatchError, ShapeMismatchError, StateDictError
 from .geometry import Box, tiling_problem
 from .planner import OBJECT, TENSOR, SavePlan
@@ -39,16 +38,6 @@ class KeyInfo:
     @property
     def ndim(self) -> int:
         return len(self.shape) if self.shape is not None else 0
-
-
-def pack_ints(t: torch.Tensor) -> str:
-    t = t.to(torch.int64).contiguous()
-    return base64.b64encode(byte_view(t)).decode()
-
-
-def unpack_ints(text: str) -> torch.Tensor:
-    raw = base64.b64decode(text)
-    return torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,25 +178,6 @@ def _rows(p: CompactPlan, gids: torch.Tensor, keys: Sequence[KeyInfo], dims: tor
     return rows
 
 
-def _group(keyrows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows with equal keys grouped: (order, group id per sorted position, group starts). A
-    lexicographic sort by successive stable argsorts over the columns that vary
-    (torch.unique(dim=0) was 17x slower)."""
-    order = torch.arange(keyrows.shape[0])
-    if not len(order):
-        return order, order, order
-    varying = [c for c in range(keyrows.shape[1]) if keyrows[:, c].min() != keyrows[:, c].max()]
-    keyrows = keyrows[:, varying] if varying else keyrows[:, :1]
-    for col in reversed(range(keyrows.shape[1])):
-        order = order[torch.argsort(keyrows[order, col], stable=True)]
-    s = keyrows[order]
-    new = torch.ones(len(order), dtype=torch.bool)
-    if len(order) > 1:
-        new[1:] = (s[1:] != s[:-1]).any(dim=1)
-    gid = torch.cumsum(new.to(torch.int64), 0) - 1
-    return order, gid, torch.nonzero(new).flatten()
-
-
 def assign_owners(plans: Sequence[SavePlan | CompactPlan], policy: str = "balanced", *,
                   verify_replicas: bool = False) -> GlobalSavePlan:
     """Dedup: one writer per distinct chunk; balanced = the holder with the fewest bytes so far,
@@ -223,7 +193,7 @@ def assign_owners(plans: Sequence[SavePlan | CompactPlan], policy: str = "balanc
     rows = torch.cat([_rows(p, g, keys, dims, d) for p, g in zip(compact, gids)]) if compact else \
         torch.zeros((0, 3 + 2 * d), dtype=torch.int64)
     nbytes = torch.cat([p.nbytes for p in compact]) if compact else torch.empty(0, dtype=torch.int64)
-    order, group_of, starts = _group(torch.cat([rows[:, :1], rows[:, 3:]], 1))
+    order, group_of, starts = group_rows(torch.cat([rows[:, :1], rows[:, 3:]], 1))
     counts = torch.diff(starts, append=torch.tensor([len(order)]))
     if verify_replicas:
         _verify(compact, rows, order, starts, counts, keys)

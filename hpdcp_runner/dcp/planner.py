@@ -21,6 +21,7 @@ from .replica_plan import BroadcastOp, ShardSummary
 
 if TYPE_CHECKING:
     from .dedup import CompactPlan, GlobalSavePlan
+    from .replica_plan import CompactShards
 
 TENSOR = "tensor"
 OBJECT = "object"
@@ -126,10 +127,10 @@ class LoadPlanner(ABC):
     def create_local_plan(self) -> LoadPlan: ...
 
     @abstractmethod
-    def create_global_plan(self, shards: Sequence[Sequence[ShardSummary]], *, mode: str, nodes: Sequence[str],
+    def create_global_plan(self, shards: Sequence["CompactShards"], *, mode: str, nodes: Sequence[str],
                            slow_storage: bool) -> list[BroadcastOp]:
         """Pure and deterministic; runs on the coordinator: who reads each replicated shard and
-        broadcasts it, from every rank's shard summaries, in one global order."""
+        broadcasts it, from every rank's shard summaries (columnar), in one global order."""
 
     @abstractmethod
     def destination(self, key: tuple) -> torch.Tensor:

@@ -16,7 +16,7 @@ from .metadata import Metadata, dtype_name
 from .planner import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .ragged import FlatShard, LocalShard
 from .broadcast import sendable_device
-from .replica_plan import BroadcastOp, ShardSummary, plan_replica_reads
+from .replica_plan import BroadcastOp, CompactShards, ShardSummary, plan_replica_reads
 from .storage import WriteResult
 from .utils import TENSOR_LEAVES, flatten_state_dict, set_element
 
@@ -178,7 +178,7 @@ class StandardLoadPlanner(LoadPlanner):
                                     f"destination at offsets {list(box.offsets)} sizes {list(box.sizes)}")
         return out
 
-    def create_global_plan(self, shards: Sequence[Sequence[ShardSummary]], *, mode: str, nodes: Sequence[str],
+    def create_global_plan(self, shards: Sequence[CompactShards], *, mode: str, nodes: Sequence[str],
                            slow_storage: bool) -> list[BroadcastOp]:
         return plan_replica_reads(shards, mode=mode, nodes=nodes, slow_storage=slow_storage, policy=self.policy)
 

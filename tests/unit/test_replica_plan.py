@@ -84,3 +84,57 @@ def test_batches_never_exceed_batch_bytes_and_keep_every_op_once(batch_bytes):
         assert not any(b.packed for b in batches)
     if batch_bytes == 10**9:
         assert len(batches) == 2  # one packed batch per source
+
+
+def _reference_ops(per_rank, mode, nodes, slow_storage, policy):
+    """The rule as specified, one object per shard (the vectorised plan must agree exactly)."""
+    if mode == "never" or len(per_rank) < 2:
+        return []
+    holders = {}
+    for rank, shards in enumerate(per_rank):
+        for s in shards:
+            holders.setdefault(s.key, []).append((rank, s))
+    cands = []
+    for key, hs in holders.items():
+        first = hs[0][1]
+        if len(hs) < 2 or first.device == "none" or any(
+                (s.dtype, s.device, s.nbytes) != (first.dtype, first.device, first.nbytes) for _, s in hs):
+            continue
+        ranks = tuple(sorted(r for r, _ in hs))
+        if mode == "auto" and not slow_storage and len({nodes[r] for r in ranks}) < 2:
+            continue
+        cands.append((key, ranks, first))
+    cands.sort(key=(lambda c: (-c[2].nbytes, c[0])) if policy == "balanced" else (lambda c: c[0]))
+    load, ops = {}, []
+    for key, ranks, s in cands:
+        src = ranks[0] if policy == "minimum_rank" else min(ranks, key=lambda r: (load.get(r, 0), r))
+        load[src] = load.get(src, 0) + s.nbytes
+        ops.append((key, ranks, src, s.nbytes, s.dtype, s.device))
+    return ops
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_vectorised_replica_plan_matches_reference(seed):
+    import random
+
+    rnd = random.Random(seed)
+    ws = rnd.choice([2, 3, 4, 6])
+    nodes = [f"n{r % rnd.choice([1, 2])}" for r in range(ws)]
+    per_rank = [[] for _ in range(ws)]
+    for k in range(rnd.randint(1, 12)):
+        ndim = rnd.choice([0, 1, 2])
+        for r in range(ws):
+            if rnd.random() < 0.3:
+                continue  # this rank does not hold this key
+            offs = tuple(rnd.choice([0, 4]) for _ in range(ndim))
+            sizes = tuple(4 for _ in range(ndim))
+            dtype = "float32" if rnd.random() < 0.9 else "bfloat16"
+            device = rnd.choice(["cpu"] * 8 + ["cuda", "none"])
+            nb = 4 * 4 ** ndim if rnd.random() < 0.95 else 7
+            per_rank[r].append(ShardSummary(f"w{k % 7}.{k}", offs, sizes, nb, dtype, device))
+    for mode in ("always", "auto"):
+        for slow in (False, True):
+            for policy in ("balanced", "minimum_rank"):
+                got = plan_replica_reads(per_rank, mode=mode, nodes=nodes, slow_storage=slow, policy=policy)
+                assert [(o.key, o.ranks, o.src, o.nbytes, o.dtype, o.device) for o in got] == \
+                    _reference_ops(per_rank, mode, nodes, slow, policy), (mode, slow, policy)

@@ -1,0 +1,43 @@
+"""Columnar helpers for planning at scale: int64 arrays on the wire, rows grouped by equal keys.
+
+Plans gathered from thousands of ranks are decoded and grouped as torch int64 arrays instead of
+one Python object per item; see ``dedup.py`` (save) and ``replica_plan.py`` (load).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import torch
+
+from .checkpoint_io import byte_view
+
+
+def pack_ints(t: torch.Tensor) -> str:
+    """An integer tensor as base64 of its int64 bytes (native order: every rank is one machine type)."""
+    t = t.to(torch.int64).contiguous()
+    return base64.b64encode(byte_view(t)).decode()
+
+
+def unpack_ints(text: str) -> torch.Tensor:
+    raw = base64.b64decode(text)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+
+
+def group_rows(keyrows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows with equal keys grouped, groups in lexicographic key order: (order, group id per
+    sorted position, group starts). Successive stable argsorts over the columns that vary
+    (torch.unique(dim=0) was 17x slower); equal rows keep their input order."""
+    order = torch.arange(keyrows.shape[0])
+    if not len(order):
+        return order, order, order
+    varying = [c for c in range(keyrows.shape[1]) if keyrows[:, c].min() != keyrows[:, c].max()]
+    keyrows = keyrows[:, varying] if varying else keyrows[:, :1]
+    for col in reversed(range(keyrows.shape[1])):
+        order = order[torch.argsort(keyrows[order, col], stable=True)]
+    s = keyrows[order]
+    new = torch.ones(len(order), dtype=torch.bool)
+    if len(order) > 1:
+        new[1:] = (s[1:] != s[:-1]).any(dim=1)
+    gid = torch.cumsum(new.to(torch.int64), 0) - 1
+    return order, gid, torch.nonzero(new).flatten()
