@@ -13,7 +13,8 @@ every 10th replicated on every rank (norms).
 * metadata parse (``Metadata.from_json``): every rank on load; on save, the other ranks get the
   committed text back and parse it only on first use (``DeferredMetadata``);
 * load, one rank: ``StandardLoadPlanner.create_local_plan`` against that metadata;
-* load, coordinator: ``plan_replica_reads`` over N ranks' shard summaries.
+* load, coordinator: parse N ranks' columnar shard summaries and ``plan_replica_reads``
+  (mode always: every replicated shard gets a reader and a broadcast).
 
 Memory: peak RSS growth while the step runs (``/proc/self/clear_refs`` resets the peak), which
 also counts torch allocations; tracemalloc's peak where the reset is not permitted.
@@ -34,7 +35,7 @@ from hpdcp_runner.dcp.geometry import Box, split_piece, whole
 from hpdcp_runner.dcp.metadata import FileMeta
 from hpdcp_runner.dcp.planner import TENSOR, SavePlan, WriteItem
 from hpdcp_runner.dcp.ragged import LocalShard
-from hpdcp_runner.dcp.replica_plan import ShardSummary, plan_replica_reads
+from hpdcp_runner.dcp.replica_plan import CompactShards, plan_replica_reads
 from hpdcp_runner.dcp.standard_planner import StandardLoadPlanner, build_metadata, chunk_key
 from hpdcp_runner.dcp.storage import WriteResult
 
@@ -67,6 +68,26 @@ def wires(n: int, t: int) -> list[str]:
         cp = CompactPlan(r, keys, torch.arange(t), boxes, size0 * COLS * 4)
         out.append(json.dumps({"ok": {"plan": cp.to_wire(), "token": None}}, separators=(",", ":")))
     return out
+
+
+def shard_wires(n: int, t: int) -> list[str]:
+    """Every rank's gathered shard summaries for a load of the same layout (columnar wire)."""
+    keys = tuple((f"t{i}", "float32", "cpu", 2) for i in range(t))
+    rep = torch.tensor([i % 10 == 9 for i in range(t)])
+    out = []
+    for r in range(n):
+        start, size = split_piece(ROWS, n, r)
+        off0, size0 = torch.where(rep, 0, start), torch.where(rep, ROWS, size)
+        boxes = torch.stack([off0, torch.zeros(t, dtype=torch.int64), size0, torch.full((t,), COLS)], 1).flatten()
+        cs = CompactShards(keys, torch.arange(t), boxes, size0 * COLS * 4)
+        out.append(json.dumps({"ok": {"shards": cs.to_wire()}}, separators=(",", ":")))
+    return out
+
+
+def coordinator_replicas(texts: list[str], n: int):
+    tables: dict = {}
+    shards = [CompactShards.from_wire(json.loads(x)["ok"]["shards"], tables) for x in texts]
+    return plan_replica_reads(shards, mode="always", nodes=["a"] * n, slow_storage=False)
 
 
 def _rss_kib(field: str) -> int:
@@ -147,9 +168,9 @@ def row(n: int, t: int, skip_metadata: bool) -> str:
     else:
         cols += ["-", "-", "-"]
     del gplan, text, md
-    summaries = [[ShardSummary(f"t{i}", _box(i, n, r).offsets, _box(i, n, r).sizes, _box(i, n, r).numel * 4,
-                               "float32", "cpu") for i in range(t)] for r in range(n)]
-    s, m, _ = measure(lambda: plan_replica_reads(summaries, mode="always", nodes=["a"] * n, slow_storage=False))
+    texts = shard_wires(n, t)
+    s, m, _ = measure(lambda: coordinator_replicas(texts, n))
+    del texts
     cols.append(f"{s:.2f} ({m:.0f})")
     return f"| {n} | {t} | " + " | ".join(cols) + f" | {per_item:.2f} |"
 
