@@ -129,8 +129,9 @@ def coordinator_plan(texts: list[str]):
 def results_for(n: int, gplan) -> list[WriteResult]:
     res = []
     chunks: list[dict] = [{} for _ in range(n)]
-    for key, rank, box in gplan.owned_rows():
-        chunks[rank][chunk_key(key.fqn, box.offsets)] = (f"rank{rank:05d}.safetensors", 0, "0")
+    for row in gplan.owned.tolist():
+        key, rank = gplan.keys[row[0]], row[1]
+        chunks[rank][chunk_key(key.fqn, row[2:2 + key.ndim])] = (f"rank{rank:05d}.safetensors", 0, "0")
     for r in range(n):
         res.append(WriteResult(r, (FileMeta(f"rank{r:05d}.safetensors", 1 << 40, "0", r),), chunks[r], {}))
     return res

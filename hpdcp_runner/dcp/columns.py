@@ -41,3 +41,19 @@ def group_rows(keyrows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
         new[1:] = (s[1:] != s[:-1]).any(dim=1)
     gid = torch.cumsum(new.to(torch.int64), 0) - 1
     return order, gid, torch.nonzero(new).flatten()
+
+
+def padded_boxes(flat: torch.Tensor, ndims: torch.Tensor, d: int) -> torch.Tensor:
+    """Boxes stored back to back in ``flat`` (offsets then sizes, ``ndims[i]`` each) as one
+    ``[n, 2d]`` int64 matrix: offsets padded with 0, sizes padded with 1 (so 0-d boxes and
+    missing dimensions compare equal and count one element)."""
+    out = torch.zeros((ndims.numel(), 2 * d), dtype=torch.int64)
+    out[:, d:] = 1
+    if not flat.numel():  # only 0-d boxes: nothing but padding
+        return out
+    start = torch.cumsum(2 * ndims, 0) - 2 * ndims  # where each box starts in ``flat``
+    for j in range(d):
+        has = ndims > j
+        out[:, j] = torch.where(has, flat[torch.where(has, start + j, 0)], 0)
+        out[:, d + j] = torch.where(has, flat[torch.where(has, start + ndims + j, 0)], 1)
+    return out

@@ -19,10 +19,10 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .columns import group_rows, pack_ints, unpack_ints
+from .columns import group_rows, pack_ints, padded_boxes, unpack_ints
 from .errors import CoverageError, ReplicaMismatchError, ShapeMismatchError, StateDictError
-from .geometry import Box, tiling_problem
-from .planner import OBJECT, TENSOR, SavePlan
+from .geometry import tiling_problem
+from .planner import TENSOR, SavePlan
 
 POLICIES = ("balanced", "minimum_rank")
 
@@ -111,15 +111,6 @@ class GlobalSavePlan:
     def writes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(t.tolist()) for t in self.write_idx)
 
-    def owned_rows(self) -> list[tuple[KeyInfo, int, Box | None]]:
-        d = (self.owned.shape[1] - 2) // 2
-        out = []
-        for row in self.owned.tolist():
-            key = self.keys[row[0]]
-            box = None if key.kind == OBJECT else Box(tuple(row[2:2 + key.ndim]), tuple(row[2 + d:2 + d + key.ndim]))
-            out.append((key, row[1], box))
-        return out
-
 
 def merge_keys(plans: Sequence[CompactPlan]) -> tuple[list[KeyInfo], list[torch.Tensor]]:
     """One global key table, and per plan the global id of each of its items. Ranks must agree on
@@ -156,12 +147,14 @@ def _check_same(a: KeyInfo, ra: int, b: KeyInfo, rb: int) -> None:
             f"every rank must agree on a key's global shape and dtype")
 
 
-def _rows(p: CompactPlan, gids: torch.Tensor, keys: Sequence[KeyInfo], dims: torch.Tensor, d: int) -> torch.Tensor:
+def _rows(p: CompactPlan, gids: torch.Tensor, dims: torch.Tensor, d: int) -> torch.Tensor:
     """[items, 3 + 2d] int64: key id, rank, item index, offsets (padded 0), sizes (padded 1)."""
     n = p.item_key.numel()
     rows = torch.zeros((n, 3 + 2 * d), dtype=torch.int64)
-    if not n:
-        return rows
+    if n:
+        rows[:, 0], rows[:, 1], rows[:, 2] = gids, p.rank, torch.arange(n)
+        rows[:, 3:] = padded_boxes(p.boxes, dims[gids], d)
+    return rows
     rows[:, 0] = gids
     rows[:, 1] = p.rank
     rows[:, 2] = torch.arange(n)
@@ -190,7 +183,7 @@ def assign_owners(plans: Sequence[SavePlan | CompactPlan], policy: str = "balanc
     keys, gids = merge_keys(compact)
     dims = torch.tensor([k.ndim for k in keys] or [0], dtype=torch.int64)
     d = max(1, int(dims.max()))
-    rows = torch.cat([_rows(p, g, keys, dims, d) for p, g in zip(compact, gids)]) if compact else \
+    rows = torch.cat([_rows(p, g, dims, d) for p, g in zip(compact, gids)]) if compact else \
         torch.zeros((0, 3 + 2 * d), dtype=torch.int64)
     nbytes = torch.cat([p.nbytes for p in compact]) if compact else torch.empty(0, dtype=torch.int64)
     order, group_of, starts = group_rows(torch.cat([rows[:, :1], rows[:, 3:]], 1))

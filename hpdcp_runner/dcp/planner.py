@@ -44,33 +44,12 @@ class WriteItem:
     def dedup_key(self) -> tuple:
         return (self.fqn, self.box.offsets, self.box.sizes) if self.box is not None else (self.fqn,)
 
-    def to_wire(self) -> list:
-        if self.kind == OBJECT:
-            return [self.fqn, self.nbytes, self.checksum]
-        return [self.fqn, list(self.box.offsets), list(self.box.sizes), self.dtype, list(self.global_shape),
-                self.nbytes, self.piece, self.checksum]
-
-    @classmethod
-    def from_wire(cls, w: list) -> "WriteItem":
-        if len(w) == 3:
-            return cls(w[0], OBJECT, None, None, None, w[1], 0, w[2])
-        return cls(w[0], TENSOR, Box(tuple(w[1]), tuple(w[2])), w[3], tuple(w[4]), w[5], w[6], w[7])
-
 
 @dataclass(frozen=True)
 class SavePlan:
     rank: int
     items: tuple[WriteItem, ...]
     paths: Mapping[str, tuple] = field(default_factory=dict)
-
-    def to_wire(self) -> dict:
-        return {"rank": self.rank, "items": [i.to_wire() for i in self.items],
-                "paths": {k: list(v) for k, v in self.paths.items()}}
-
-    @classmethod
-    def from_wire(cls, w: dict) -> "SavePlan":
-        return cls(w["rank"], tuple(WriteItem.from_wire(i) for i in w["items"]),
-                   {k: tuple(v) for k, v in w["paths"].items()})
 
 
 @dataclass(frozen=True)

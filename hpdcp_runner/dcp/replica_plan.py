@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .columns import group_rows, pack_ints, unpack_ints
+from .columns import group_rows, pack_ints, padded_boxes, unpack_ints
 
 MODES = ("always", "never", "auto")
 
@@ -36,13 +36,6 @@ class ShardSummary:
     @property
     def key(self) -> tuple:
         return (self.fqn, self.offsets, self.sizes)
-
-    def to_wire(self) -> list:
-        return [self.fqn, list(self.offsets), list(self.sizes), self.nbytes, self.dtype, self.device]
-
-    @classmethod
-    def from_wire(cls, w: list) -> "ShardSummary":
-        return cls(w[0], tuple(w[1]), tuple(w[2]), w[3], w[4], w[5])
 
 
 @dataclass(frozen=True)
@@ -183,15 +176,10 @@ def _shard_rows(shards: Sequence[CompactShards]) -> tuple[torch.Tensor, torch.Te
         table = torch.tensor([[fid[k[0]], dtypes.index(k[1]), _DEVICES.index(k[2] if k[2] in _DEVICES else "none"),
                                k[3]] for k in s.keys], dtype=torch.int64)
         per = table[s.key_idx]
+        nd = per[:, 3]
         r = torch.zeros((n, 2 + 2 * d), dtype=torch.int64)
         r[:, 0], r[:, 1] = rank, per[:, 0]
-        r[:, 2 + d:] = 1
-        nd = per[:, 3]
-        start = torch.cumsum(2 * nd, 0) - 2 * nd
-        for j in range(d if s.boxes.numel() else 0):  # only 0-d shards: nothing but padding
-            has = nd > j
-            r[:, 2 + j] = torch.where(has, s.boxes[torch.where(has, start + j, 0)], 0)
-            r[:, 2 + d + j] = torch.where(has, s.boxes[torch.where(has, start + nd + j, 0)], 1)
+        r[:, 2:] = padded_boxes(s.boxes, nd, d)
         rows.append(r)
         attrs.append(torch.stack([per[:, 1], per[:, 2], s.nbytes, nd], 1))
     if not rows:
