@@ -20,6 +20,7 @@ def _task(cfg: DictConfig):
 
 
 def main() -> None:
+    runtime.remember_launch_dir()
     runtime.agree_run_stamp()
     runtime.register_resolvers()
     config.register()

@@ -17,8 +17,24 @@ JOBS = ("save", "load", "reshard", "inspect", "verify", "bench", "train", "trans
 TRANSFORMS = ("merge_hf", "import", "to_torch_dcp")
 SOURCE_FORMATS = ("auto", "hf", "safetensors", "pt", "torch_dcp", "hyper_parallel")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_TRAILING_DIGITS = re.compile(r"(\d+)\Z")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def checkpoint_series(name: str, step: int) -> tuple[str, str, int | None]:
+    """``checkpoint.name`` -> (the name to write, its series pattern, its step).
+
+    ``step_{step}`` is a pattern; a literal name ending in digits (``step_5``) belongs to the
+    series with the digits as ``{step}`` (our own configured name, never a name found on disk);
+    any other name (``best``) is a series of one.
+    """
+    if "{step}" in name:
+        return name.replace("{step}", str(step)), name, step
+    m = _TRAILING_DIGITS.search(name)
+    if m:
+        return name, name[:m.start()] + "{step}" + name[m.end():], int(m.group(1))
+    return name, name, None
 
 
 def parse_size(value: Any, key: str = "size") -> int:
@@ -110,10 +126,12 @@ class ModelConf:
 
 @dataclass
 class CheckpointConf:
-    dir: str = "checkpoints"  # relative paths are under the run directory
-    name: str = "step_0"
+    dir: Optional[str] = None  # null: <run dir>/checkpoints; relative paths: from the launch directory
+    # a name, or a series pattern with {step} (step_{step}); a trailing number names the step (step_5)
+    name: str = "step_{step}"
+    step: int = 0  # save: the step of {step}, recorded in the checkpoint's metadata
     path: Optional[str] = None  # explicit checkpoint to read (load/inspect/verify); default dir/name
-    keep_last: int = 0  # 0 keeps every checkpoint
+    keep_last: int = 0  # 0 keeps every checkpoint of the series (checkpoint.name's pattern)
     overwrite: bool = False
     resume: Optional[str] = None  # train: null | latest | <checkpoint path>
     rank_state: str = "reseed"  # train: per-rank RNG when the world size changed: reseed | error
@@ -278,6 +296,21 @@ def _train_problems(c: Config) -> list[str]:
     return out
 
 
+def _checkpoint_problems(c: Config) -> list[str]:
+    name, out = c.checkpoint.name, []
+    plain = name.replace("{step}", "")
+    if not name or "/" in name or "\\" in name or name.startswith(".") or "{" in plain or "}" in plain \
+            or name.count("{step}") > 1 or name in ("..",):
+        out.append(f"checkpoint.name: {name!r} must be a plain directory name, optionally with one {{step}} "
+                   f"field (e.g. step_{{step}}); it cannot start with '.' or contain '/'")
+    if c.checkpoint.step < 0:
+        out.append(f"checkpoint.step: must be >= 0, got {c.checkpoint.step}")
+    if c.job is not None and c.job.name == "train" and not out and "{step}" not in checkpoint_series(name, 0)[1]:
+        out.append(f"checkpoint.name: the train job writes one checkpoint per step: use a pattern with {{step}} "
+                   f"(e.g. step_{{step}}), not {name!r}")
+    return out
+
+
 def validate(cfg: DictConfig, world_size: int) -> Config:
     """Re-check against the schema (``+key=`` bypasses struct mode) and cross-check fields.
 
@@ -321,6 +354,7 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
     for key, value in (("dcp.timeout_s", c.dcp.timeout_s), ("runtime.timeout_s", c.runtime.timeout_s)):
         if value <= 0:
             problems.append(f"{key}: must be positive seconds, got {value}")
+    problems += _checkpoint_problems(c)
     if c.checkpoint.keep_last < 0:
         problems.append(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got {c.checkpoint.keep_last}")
     if c.runtime.backend not in ("auto", "gloo", "nccl"):

@@ -19,6 +19,18 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 STAMP_ENV = "HPDCP_RUN_STAMP"
+LAUNCH_DIR_ENV = "HPDCP_LAUNCH_DIR"
+
+
+def remember_launch_dir() -> str:
+    """Record the directory the command was run in (inherited by torchrun/launcher workers),
+    before anything can change the working directory (``hydra.job.chdir=true``)."""
+    return os.environ.setdefault(LAUNCH_DIR_ENV, os.getcwd())
+
+
+def launch_dir() -> str:
+    """Where relative paths given by the user are resolved: the command's working directory."""
+    return os.environ.get(LAUNCH_DIR_ENV) or os.getcwd()
 
 
 def env_rank() -> int:

@@ -1,58 +1,146 @@
-"""Finding checkpoints in a directory and keeping the newest k, crash-safely.
+"""The checkpoints of one *series* in a directory, newest first, and keeping the newest k.
+
+A series is the naming pattern a job writes, e.g. ``step_{step}``. A checkpoint saved as part of
+one records it in its metadata (``extra``, see :func:`series_extra`): the pattern, its step and
+the coordinator's clock when it was committed. Retention and "latest" consider only committed
+checkpoints whose name matches the pattern *and* whose metadata records that same series, so
+other names (``best``, ``init``, ``step_5_backup``), checkpoints of another series, copies under
+another name and checkpoints written by other tools are never touched. "Newest" is the highest
+recorded step, ties (and series without steps) broken by commit time; a number in a name is
+never used for ordering.
 
 Only committed checkpoints count: staging (``.NAME.tmp-*``), trash (``.NAME.trash-*``) and
-directories without ``metadata.json`` are ignored. Steps order numerically by the trailing number
-of the name (``step_9`` < ``step_10``). Deletion renames to a trash name first, so a crash never
-leaves half a checkpoint under a real name.
+directories without ``metadata.json`` are ignored. Deletion renames to a trash name first, so a
+crash never leaves half a checkpoint under a real name; the next retention clears the trash.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
 
-from .filesystem_storage import TRASH_MARK, remove_tree_safely
+from .errors import ConfigError
+from .filesystem_storage import TRASH_MARK, open_regular, remove_tree_safely
 from .metadata import METADATA_FILE
+from .utils import get_logger
 
-_STEP = re.compile(r"(\d+)$")
-
-
-def _order(name: str) -> tuple:
-    m = _STEP.search(name)
-    return (int(m.group(1)) if m else -1, name)
+log = get_logger(__name__)
+STEP_FIELD = "{step}"
+_MAX_SCAN_BYTES = 256 << 20  # a metadata.json larger than this is not read while scanning
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[str]:
-    """Committed checkpoint names in ``directory``, oldest first."""
-    d = os.fspath(directory)
-    if not os.path.isdir(d):
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One committed checkpoint of a series, as its metadata records it."""
+
+    name: str
+    path: str
+    step: int | None
+    committed_at_ns: int
+
+    @property
+    def order(self) -> tuple:
+        return (self.step if self.step is not None else -1, self.committed_at_ns, self.name)
+
+
+def series_extra(series: str, step: int | None) -> dict[str, Any]:
+    """What a save records in ``Metadata.extra`` to join ``series`` (pass as ``save(extra=...)``)."""
+    return {"series": series, "step": step, "committed_at_ns": time.time_ns()}
+
+
+def series_regex(series: str) -> re.Pattern:
+    """Names a series writes: ``{step}`` is a run of digits, the rest literal."""
+    if series.count(STEP_FIELD) > 1:
+        raise ConfigError(f"series {series!r}: at most one {STEP_FIELD} field")
+    return re.compile("".join(r"\d+" if p == STEP_FIELD else re.escape(p)
+                              for p in re.split(r"(\{step\})", series) if p))
+
+
+def _recorded_extra(path: str) -> dict | None:
+    """``extra`` of a committed checkpoint's metadata, or None if it cannot be read."""
+    full = os.path.join(path, METADATA_FILE)
+    try:
+        fd = open_regular(full)
+    except Exception:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(_MAX_SCAN_BYTES + 1)
+        if len(text) > _MAX_SCAN_BYTES:
+            return None
+        extra = json.loads(text).get("extra")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return extra if isinstance(extra, dict) else None
+
+
+def _committed(directory: str) -> Iterable[str]:
+    if not os.path.isdir(directory):
         return []
-    names = [n for n in os.listdir(d)
-             if not n.startswith(".") and os.path.isfile(os.path.join(d, n, METADATA_FILE))]
-    return sorted(names, key=_order)
+    return sorted(n for n in os.listdir(directory)
+                  if not n.startswith(".") and os.path.isfile(os.path.join(directory, n, METADATA_FILE)))
 
 
-def latest_checkpoint(directory: str | os.PathLike) -> str | None:
-    """The path of the newest committed checkpoint in ``directory``, or None."""
-    names = list_checkpoints(directory)
-    return os.path.join(os.fspath(directory), names[-1]) if names else None
+def list_checkpoints(directory: str | os.PathLike, series: str) -> list[CheckpointEntry]:
+    """Committed checkpoints of ``series`` in ``directory``, oldest first."""
+    d, rx = os.fspath(directory), series_regex(series)
+    out = []
+    for name in _committed(d):
+        if not rx.fullmatch(name):
+            continue
+        path = os.path.join(d, name)
+        extra = _recorded_extra(path)
+        if extra is None or extra.get("series") != series:
+            continue
+        step, when = extra.get("step"), extra.get("committed_at_ns")
+        out.append(CheckpointEntry(name, path, step if type(step) is int else None,
+                                   when if type(when) is int else 0))
+    return sorted(out, key=lambda e: e.order)
 
 
-def apply_retention(directory: str | os.PathLike, keep_last: int) -> list[str]:
-    """Delete all but the newest ``keep_last`` committed checkpoints (0 keeps all); also clears
-    trash left by an earlier crash. Returns the names removed. Call it only after a save committed."""
+def unrecorded_checkpoints(directory: str | os.PathLike, series: str) -> list[str]:
+    """Committed checkpoints whose name fits ``series`` but whose metadata records no series
+    (written before series were recorded, or by another tool): never used or deleted by name."""
+    d, rx = os.fspath(directory), series_regex(series)
+    return [n for n in _committed(d) if rx.fullmatch(n)
+            and "series" not in (_recorded_extra(os.path.join(d, n)) or {})]
+
+
+def latest_checkpoint(directory: str | os.PathLike, series: str) -> str | None:
+    """The path of the newest committed checkpoint of ``series`` in ``directory``, or None."""
+    entries = list_checkpoints(directory, series)
+    return entries[-1].path if entries else None
+
+
+def clear_trash(directory: str | os.PathLike) -> None:
+    """Delete trash left by a deletion or overwrite that crashed half-way."""
     d = os.fspath(directory)
-    if keep_last < 0:
-        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
     if os.path.isdir(d):
         for n in os.listdir(d):
             if n.startswith(".") and TRASH_MARK in n:
                 shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+
+
+def apply_retention(directory: str | os.PathLike, keep_last: int, *, series: str,
+                    keep: Iterable[str] = ()) -> list[str]:
+    """Delete all but the newest ``keep_last`` checkpoints of ``series`` (0 keeps all); names in
+    ``keep`` (the checkpoint just committed) are never deleted. Also clears old trash. Returns the
+    names removed. Call it only after a save committed."""
+    if keep_last < 0:
+        raise ConfigError(f"keep_last must be >= 0, got {keep_last}")
+    d = os.fspath(directory)
+    clear_trash(d)
     if keep_last == 0:
         return []
-    names = list_checkpoints(d)
-    removed = names[:-keep_last] if len(names) > keep_last else []
+    entries = list_checkpoints(d, series)
+    protected = set(keep)
+    removed = [e.name for e in entries[:-keep_last] if e.name not in protected] if len(entries) > keep_last else []
     for n in removed:
+        log.info("retention (keep_last=%d, series %s): removing %s", keep_last, series, os.path.join(d, n))
         remove_tree_safely(os.path.join(d, n))
     return removed

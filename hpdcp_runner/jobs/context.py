@@ -3,16 +3,18 @@ with the configured knobs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .. import dcp
-from ..config import Config, parse_size
+from .. import runtime
+from ..config import Config, checkpoint_series, parse_size
 from ..dcp.collectives import Comm
 from ..dcp.filesystem_storage import FileSystemReader, FileSystemWriter
-from ..dcp.retention import apply_retention
+from ..dcp.retention import apply_retention, series_extra
 from ..dcp.standard_planner import local_pieces
 from ..layouts import Placer
 from ..metrics import Metrics
@@ -27,12 +29,27 @@ class JobContext:
 
     # -- paths ------------------------------------------------------------------------------
     def abspath(self, p: str) -> str:
-        return p if os.path.isabs(p) else os.path.join(self.run_dir, p)
+        """A user-given path: relative paths are from the directory the command was run in, as
+        with every CLI tool (Hydra's run directory is only for the run's own outputs)."""
+        return os.path.normpath(os.path.join(runtime.launch_dir(), os.path.expanduser(p)))
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """``checkpoint.dir``, or ``<run dir>/checkpoints`` when it is not set."""
+        d = self.cfg.checkpoint.dir
+        return self.abspath(d) if d else os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def series(self) -> tuple[str, str, int | None]:
+        """(name this job writes, its series pattern, its step) from ``checkpoint.name``/``step``."""
+        return checkpoint_series(self.cfg.checkpoint.name, self.cfg.checkpoint.step)
 
     def checkpoint_path(self, name: str | None = None) -> str:
+        """``checkpoint.path`` if given (and no ``name``), else ``checkpoint.dir/<name>`` (default:
+        the name ``checkpoint.name`` resolves to)."""
         if self.cfg.checkpoint.path and name is None:
             return self.abspath(self.cfg.checkpoint.path)
-        return os.path.join(self.abspath(self.cfg.checkpoint.dir), name or self.cfg.checkpoint.name)
+        return os.path.join(self.checkpoint_dir, name or self.series[0])
 
     def progress(self, iterable: Any, desc: str, total: int | None = None) -> Any:
         """A progress bar on rank 0 when attached to a terminal (``runtime.progress``)."""
@@ -48,18 +65,24 @@ class JobContext:
         return Placer(layout or self.cfg.layout, self.info.rank, self.info.world_size, self.info.device)
 
     # -- engine calls with the configured knobs ----------------------------------------------
-    def save(self, state: Any, path: str, phase: str = "save", overwrite: bool | None = None) -> dcp.Metadata:
+    def save(self, state: Any, path: str, phase: str = "save", overwrite: bool | None = None,
+             series: tuple[str, int | None] | None = None) -> dcp.Metadata:
+        """``dcp.save`` with the configured knobs; ``series`` = (pattern, step) records the
+        checkpoint as a member of that series (for retention and resume=latest)."""
         d = self.cfg.dcp
         writer = FileSystemWriter(path, fsync=d.storage.fsync)
-        with self.metrics.phase(phase):
-            md = dcp.save(state, storage_writer=writer, planner=dcp.SAVE_PLANNERS[d.planner.name](),
+        with self.metrics.phase(phase), self.user_errors():
+            md = dcp.save(state, storage_writer=writer, checkpoint_id=path,
+                          planner=dcp.SAVE_PLANNERS[d.planner.name](),
                           overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
-                          allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s)
+                          allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s,
+                          extra=series_extra(*series) if series else None)
         self.metrics.add(writer.counters.as_dict(), f"{phase}.")
         return md
 
     def async_save(self, state: Any, path: str, phase: str = "async_save", callback: Any = None,
-                   overwrite: bool | None = None) -> dcp.AsyncSaveResponse:
+                   overwrite: bool | None = None,
+                   series: tuple[str, int | None] | None = None) -> dcp.AsyncSaveResponse:
         """``dcp.async_save`` with the configured knobs; ``phase`` times only the blocking part.
         ``callback(metadata)`` runs in the background after the commit (never after a failure)."""
         d = self.cfg.dcp
@@ -70,12 +93,12 @@ class JobContext:
             if callback is not None:
                 callback(md)
 
-        with self.metrics.phase(phase):
+        with self.metrics.phase(phase), self.user_errors():
             return dcp.async_save(state, storage_writer=writer, checkpoint_id=path,
                                   planner=dcp.SAVE_PLANNERS[d.planner.name](),
                                   overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                                   allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s,
-                                  callback=done)
+                                  callback=done, extra=series_extra(*series) if series else None)
 
     def load(self, state: Any, path: str, phase: str = "load", strict: bool = True) -> dcp.LoadResult:
         d = self.cfg.dcp
@@ -85,8 +108,8 @@ class JobContext:
                                   shared_storage=d.storage.shared,
                                   segment_bytes=max(1, parse_size(d.storage.segment_bytes, "dcp.storage.segment_bytes")),
                                   max_read_bytes_per_s=parse_size(cap) if cap is not None else None)
-        with self.metrics.phase(phase):
-            res = dcp.load(state, storage_reader=reader, planner=dcp.LOAD_PLANNERS[d.planner.name](), strict=strict,
+        with self.metrics.phase(phase), self.user_errors():
+            res = dcp.load(state, storage_reader=reader, checkpoint_id=path, planner=dcp.LOAD_PLANNERS[d.planner.name](), strict=strict,
                            allow_pickle=d.allow_pickle, allow_cast=d.allow_cast, timeout=d.timeout_s,
                            broadcast=self.broadcast_options())
         self.metrics.add(dict(res.counters), f"{phase}.")
@@ -106,11 +129,29 @@ class JobContext:
                 "dcp.storage.max_read_bytes_per_s": parse_size(s.max_read_bytes_per_s)
                 if s.max_read_bytes_per_s is not None else None}
 
-    def apply_retention(self, directory: str) -> list[str]:
-        """Keep the newest ``checkpoint.keep_last`` committed checkpoints of ``directory`` (rank 0)."""
+    def apply_retention(self, directory: str, series: str, just_committed: str) -> list[str]:
+        """Keep the newest ``checkpoint.keep_last`` checkpoints of ``series`` in ``directory``
+        (rank 0); ``just_committed`` is never deleted."""
         if self.cfg.checkpoint.keep_last <= 0 or self.info.rank != 0:
             return []
-        return apply_retention(directory, self.cfg.checkpoint.keep_last)
+        return apply_retention(directory, self.cfg.checkpoint.keep_last, series=series, keep=[just_committed])
+
+    @contextlib.contextmanager
+    def user_errors(self) -> Iterator[None]:
+        """Engine errors a user fixes from the command line say which config key to change."""
+        try:
+            yield
+        except dcp.CheckpointExistsError as e:
+            raise dcp.CheckpointExistsError(
+                f"{_first_line(e)} To replace it, add checkpoint.overwrite=true (the old checkpoint stays "
+                f"loadable until the new one commits), or pick another checkpoint.name / checkpoint.dir.") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """The cause of an agreed error, without the per-rank wrapping or the Python keyword hint."""
+    failures = getattr(e, "failures", None)
+    text = next(iter(failures.values())) if failures else str(e)
+    return text.split("; pass overwrite=True")[0].rstrip(".") + "."
 
 
 def compare_state(got: Any, expect: Any, prefix: str = "") -> list[str]:

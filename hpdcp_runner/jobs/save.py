@@ -12,8 +12,9 @@ from .context import JobContext
 def run(ctx: JobContext) -> dict:
     with ctx.metrics.phase("build"):
         state = place_state(reference_state(ctx.cfg.model), ctx.placer())
+    name, series, step = ctx.series
     path = ctx.checkpoint_path()
-    md = ctx.save(state, path)
-    removed = ctx.apply_retention(os.path.dirname(path))
-    return {"checkpoint": path, "tensors": len(md.tensors), "tensor_bytes": md.total_tensor_bytes,
+    md = ctx.save(state, path, series=(series, step))
+    removed = ctx.apply_retention(os.path.dirname(path), series, name) if not ctx.cfg.checkpoint.path else []
+    return {"checkpoint": path, "series": series, "step": step, "tensors": len(md.tensors), "tensor_bytes": md.total_tensor_bytes,
             "removed_by_retention": removed}

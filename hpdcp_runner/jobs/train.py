@@ -26,7 +26,8 @@ import torch
 
 from .. import dcp
 from ..dcp.errors import ConfigError, HpdcpError, KeyMismatchError
-from ..dcp.retention import latest_checkpoint, list_checkpoints
+from ..dcp.retention import latest_checkpoint, list_checkpoints, unrecorded_checkpoints
+from ..config import checkpoint_series
 from ..dcp.utils import get_logger
 from ..training import Trainer, build_model
 from .context import JobContext
@@ -47,16 +48,26 @@ def _state(tr: Trainer, rank: int, losses: dict[int, float], with_rank_state: bo
 
 
 def _resume_path(ctx: JobContext) -> str | None:
+    """``checkpoint.resume``: a path, or ``latest`` = the newest checkpoint of this job's series
+    (``checkpoint.name``) in ``checkpoint.dir`` by recorded step, never by a number in a name."""
     resume = ctx.cfg.checkpoint.resume
     if not resume:
         return None
-    if resume == "latest":
-        path = latest_checkpoint(ctx.abspath(ctx.cfg.checkpoint.dir))
-        if path is None:
-            log.info("checkpoint.resume=latest: no committed checkpoint in %s; starting at step 0",
-                     ctx.abspath(ctx.cfg.checkpoint.dir))
-        return path
-    return ctx.abspath(resume)
+    if resume != "latest":
+        return ctx.abspath(resume)
+    ckdir, series = ctx.checkpoint_dir, ctx.series[1]
+    path = latest_checkpoint(ckdir, series)
+    if path is None:
+        legacy = unrecorded_checkpoints(ckdir, series)
+        if legacy:
+            raise ConfigError(f"checkpoint.resume=latest: {ckdir} holds {', '.join(legacy[:5])} named like the series "
+                              f"{series!r} but recording no series or step (written by another tool or an older "
+                              f"version); resume one of them by path: checkpoint.resume=<path>")
+        log.info("checkpoint.resume=latest: no committed checkpoint of series %r in %s; starting at step 0",
+                 series, ckdir)
+    else:
+        log.info("checkpoint.resume=latest: resuming from %s", path)
+    return path
 
 
 def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float]) -> str:
@@ -69,7 +80,12 @@ def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float]) 
                          f"resharded (checkpoint.rank_state=error); resume with {saved_ws} ranks or set "
                          f"checkpoint.rank_state=reseed")
     target = _state(tr, rank, {}, with_rank_state=same)
-    res = ctx.load(target, path, phase="train.resume", strict=same)
+    try:
+        res = ctx.load(target, path, phase="train.resume", strict=same)
+    except KeyMismatchError as e:
+        raise KeyMismatchError(f"{path} does not fit this job's state (model, optimizer and training state of "
+                               f"layout={ctx.cfg.layout.name}, model={ctx.cfg.model.name}): {e}", e.missing,
+                               e.unexpected) from None
     if not same:
         stray = [k for k in res.unexpected_keys if not k.startswith("rank_state.")]
         if res.missing_keys or stray:
@@ -118,7 +134,7 @@ def run(ctx: JobContext) -> dict:
     tr = Trainer(model, opt, c.model, units=job.units, micro_batch=job.micro_batch, heads=c.model.heads,
                  seq_len=c.model.seq_len, dropout=c.model.dropout, rank=rank, world_size=ws, seed=c.model.seed)
     torch.manual_seed(c.model.seed * 1_000_003 + rank)
-    ckdir = ctx.abspath(c.checkpoint.dir)
+    ckdir = ctx.checkpoint_dir
     losses: dict[int, float] = {}
     resumed_from = _resume_path(ctx)
     rank_state = None
@@ -142,7 +158,8 @@ def run(ctx: JobContext) -> dict:
             pending.result()
     result: dict[str, Any] = {"start_step": start, "final_step": tr.step, "resumed_from": resumed_from,
                               "rank_state": rank_state, "save_mode": "async" if job.async_save else "sync",
-                              "final_loss": losses.get(tr.step), "checkpoints": list_checkpoints(ckdir)}
+                              "final_loss": losses.get(tr.step),
+                              "checkpoints": [e.name for e in list_checkpoints(ckdir, ctx.series[1])]}
     if rank == 0:
         path = os.path.join(ctx.run_dir, "losses.json")
         with open(path, "w") as f:
@@ -165,11 +182,13 @@ def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: s
     if pending is not None:
         with ctx.metrics.phase("train.save_wait"):
             pending.result()
-    path = os.path.join(ckdir, f"step_{tr.step}")
+    series = ctx.series[1]
+    name = checkpoint_series(series, tr.step)[0]
+    path = os.path.join(ckdir, name)
     state = _state(tr, ctx.info.rank, losses)
     if ctx.cfg.job.async_save:
-        return ctx.async_save(state, path, phase="train.save_blocking",
-                              callback=lambda md: ctx.apply_retention(ckdir))
-    ctx.save(state, path, phase="train.save")
-    ctx.apply_retention(ckdir)
+        return ctx.async_save(state, path, phase="train.save_blocking", series=(series, tr.step),
+                              callback=lambda md: ctx.apply_retention(ckdir, series, name))
+    ctx.save(state, path, phase="train.save", series=(series, tr.step))
+    ctx.apply_retention(ckdir, series, name)
     return None

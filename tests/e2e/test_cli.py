@@ -109,11 +109,31 @@ def test_two_launches_in_the_same_second_get_distinct_run_dirs(tmp_path):
         assert (run / ".hydra").is_dir() and (run / "metrics.json").is_file()
 
 
-def test_save_retention_keeps_the_newest(cli, tmp_path):
-    ck = tmp_path / "ck"
-    for step in (9, 10):
-        r = cli(["+job=save", f"checkpoint.dir={ck}", f"checkpoint.name=step_{step}", "checkpoint.keep_last=1",
-                 f"hydra.run.dir={tmp_path}/r{step}"])
+def test_save_retention_keeps_the_newest_of_its_series_only(cli, tmp_path):
+    ck = tmp_path / "ck_ret"
+    for i, name in enumerate(("step_100", "init", "x")):  # committed checkpoints, two of other names
+        r = cli(["+job=save", f"checkpoint.dir={ck}", f"checkpoint.name={name}", f"hydra.run.dir={tmp_path}/p{i}"])
         assert r.returncode == 0, _tail(r)
-    assert sorted(os.listdir(ck)) == ["step_10"]
-    assert metrics(tmp_path / "r10")["result"]["removed_by_retention"] == ["step_9"]
+    r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=step_5", "checkpoint.keep_last=2",
+             f"hydra.run.dir={tmp_path}/r5"])
+    assert r.returncode == 0, _tail(r)
+    assert sorted(os.listdir(ck)) == ["init", "step_100", "step_5", "x"]  # other names untouched
+    r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=step_6", "checkpoint.keep_last=1",
+             f"hydra.run.dir={tmp_path}/r6"])
+    assert r.returncode == 0, _tail(r)
+    # step_100 is the newest by its recorded step; step_6 was just committed: both stay
+    assert sorted(os.listdir(ck)) == ["init", "step_100", "step_6", "x"]
+    m = metrics(tmp_path / "r6")["result"]
+    assert m["removed_by_retention"] == ["step_5"] and m["series"] == "step_{step}" and m["step"] == 6
+    # a series pattern with {step}: quoted for Hydra's override grammar
+    r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name='run_{step}'", "checkpoint.step=3",
+             f"hydra.run.dir={tmp_path}/r7"])
+    assert r.returncode == 0 and (ck / "run_3" / "metadata.json").is_file(), _tail(r)
+    # resume=latest picks the newest of the train job's series by recorded step: step_100, written
+    # by the save job, holds no optimizer state: an error naming it, not a silent pick of another
+    r = cli(["+job=train", "job.steps=2", f"checkpoint.dir={ck}", "checkpoint.resume=latest",
+             f"hydra.run.dir={tmp_path}/t"])
+    assert r.returncode != 0 and f"{ck}/step_100 does not fit this job's state" in r.stderr, _tail(r)
+    assert "Traceback" not in r.stderr
+
+

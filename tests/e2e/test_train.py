@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 
+import torch
+
+from hpdcp_runner.dcp import save
+
 from tests.e2e.conftest import metrics
 from tests.e2e.test_cli import _tail
 
@@ -29,6 +33,10 @@ def test_train_kill_resume_reproduces_losses(cli, tmp_path):
     (ck / ".step_15.tmp-deadbeef").mkdir()
     (ck / ".step_3.trash-0123").mkdir()
     (ck / "step_99").mkdir()
+    # ... and committed checkpoints that are not of this series: other names, and one named like a
+    # step but recording no series (another tool or an older version)
+    for name in ("step_50", "best"):
+        save({"w": torch.zeros(2)}, checkpoint_id=ck / name)
 
     r = cli(COMMON + [f"hydra.run.dir={tmp_path}/resumed", f"checkpoint.dir={ck}", "checkpoint.resume=latest",
                       f"job.compare_losses={ref}/losses.json"], nproc=2)

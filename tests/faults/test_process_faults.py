@@ -14,10 +14,11 @@ import torch
 
 from hpdcp_runner.dcp import ShapeMismatchError, save
 from hpdcp_runner.dcp.inspection import full_tensor_digests, verify
-from hpdcp_runner.dcp.retention import apply_retention, latest_checkpoint, list_checkpoints
+from hpdcp_runner.dcp.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
 from tests.faults.conftest import loads_bitwise, state
 from tests.multiproc.harness import run_ranks
 
+SERIES = "step_{step}"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -59,7 +60,7 @@ def test_rank_killed_mid_save_and_mid_load(tmp_path, fault_row):
     # error about the lost peer), so only the outcome is asserted here.
     assert r.returncode != 0, r.stderr[-2000:]
     intact = full_tensor_digests(ck / "step_1") == before and verify(ck / "step_1").ok
-    assert intact and latest_checkpoint(ck) == str(ck / "step_1")
+    assert intact and latest_checkpoint(ck, SERIES) == str(ck / "step_1")
     fault_row("rank 1 SIGKILLed while writing (overwriting step_1), torchrun", "process faults",
               "job fails; nothing committed; the old checkpoint stays latest and verifies; staging is ignored",
               "SIGKILL (torchrun reports exit -9)", "rank", intact, None, None)
@@ -143,30 +144,37 @@ def _python_async(code, faults=None):
 
 def test_crash_mid_commit_and_mid_retention(tmp_path, fault_row):
     for k in (1, 2, 3):
-        save(state(k), checkpoint_id=tmp_path / f"step_{k}")
+        save(state(k), checkpoint_id=tmp_path / f"step_{k}", extra=series_extra(SERIES, k))
     r = _python(f"""
         from hpdcp_runner.dcp import save
+        from hpdcp_runner.dcp.retention import series_extra
         from tests.faults.conftest import state
-        save(state(9), checkpoint_id={str(tmp_path / 'step_3')!r}, overwrite=True)
+        save(state(9), checkpoint_id={str(tmp_path / 'step_3')!r}, overwrite=True, extra=series_extra({SERIES!r}, 3))
     """, faults="commit.rename:kill")
     assert r.returncode == -9
     intact = loads_bitwise(tmp_path / "step_3", 3)
-    assert intact and list_checkpoints(tmp_path) == ["step_1", "step_2", "step_3"] and _staging(tmp_path)
+    assert intact and _names(tmp_path) == ["step_1", "step_2", "step_3"] and _staging(tmp_path)
     fault_row("process killed just before the commit renames (overwrite)", "process faults",
               "the old checkpoint stays under its name; the staging dir is ignored by discovery", "SIGKILL", None,
               intact, None, None)
 
+    save(state(0), checkpoint_id=tmp_path / "init")  # another name in the directory: never retention's
     r = _python(f"""
         from hpdcp_runner.dcp.retention import apply_retention
-        apply_retention({str(tmp_path)!r}, 1)
+        apply_retention({str(tmp_path)!r}, 1, series={SERIES!r}, keep=["step_3"])
     """, faults="retention.delete:kill")
     assert r.returncode == -9
     trash = [n for n in os.listdir(tmp_path) if ".trash-" in n]
-    listed = list_checkpoints(tmp_path)
+    listed = _names(tmp_path)
     intact = loads_bitwise(tmp_path / "step_3", 3) and loads_bitwise(tmp_path / "step_2", 2)
     assert trash and listed == ["step_2", "step_3"] and intact
-    assert apply_retention(tmp_path, 1) == ["step_2"]
-    assert not [n for n in os.listdir(tmp_path) if ".trash-" in n] and list_checkpoints(tmp_path) == ["step_3"]
+    assert apply_retention(tmp_path, 1, series=SERIES, keep=["step_3"]) == ["step_2"]
+    assert not [n for n in os.listdir(tmp_path) if ".trash-" in n] and _names(tmp_path) == ["step_3"]
+    assert loads_bitwise(tmp_path / "step_3", 3) and loads_bitwise(tmp_path / "init", 0)
     fault_row("process killed in the middle of retention (after the rename to trash)", "process faults",
-              "no half-deleted checkpoint under a real name; trash ignored, cleared by the next retention", "SIGKILL",
-              None, intact, None, None)
+              "no half-deleted checkpoint under a real name; trash ignored, cleared by the next retention; "
+              "the checkpoint just committed and other names untouched", "SIGKILL", None, intact, None, None)
+
+
+def _names(root):
+    return [e.name for e in list_checkpoints(root, SERIES)]

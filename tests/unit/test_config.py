@@ -73,7 +73,7 @@ def test_experiments_compose_and_open_with_their_launch_command(name):
 
 GOLDEN_KEYS = sorted("""
 checkpoint.dir checkpoint.keep_last checkpoint.name checkpoint.overwrite checkpoint.path
-checkpoint.rank_state checkpoint.resume
+checkpoint.rank_state checkpoint.resume checkpoint.step
 dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode
 dcp.storage.max_read_bytes_per_s dcp.storage.segment_bytes dcp.storage.shared
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
