@@ -12,14 +12,15 @@ from .async_persist import AsyncSaveResponse, async_save, release_staging_buffer
 from .broadcast import BroadcastOptions, release_broadcast_groups
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CollectiveTimeoutError, ConfigError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, KeyMismatchError,
-                     MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError)
+                     MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
+                     StorageAccessError)
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .metadata import Metadata
 from .planner import LoadPlanner, SavePlanner
 from .ragged import FlatShard, LocalShard
 from .standard_planner import (MinimumRankLoadPlanner, MinimumRankSavePlanner, StandardLoadPlanner,
                                StandardSavePlanner)
-from .state_dict import get_optim_state_dict, set_optim_state_dict
+from .state_dict import get_model_state_dict, get_optim_state_dict, set_model_state_dict, set_optim_state_dict
 from .storage import StorageReader, StorageWriter
 
 SAVE_PLANNERS = {"standard": StandardSavePlanner, "minimum_rank": MinimumRankSavePlanner}
@@ -27,11 +28,12 @@ LOAD_PLANNERS = {"standard": StandardLoadPlanner, "minimum_rank": MinimumRankLoa
 
 __all__ = [
     "save", "load", "read_metadata", "async_save", "AsyncSaveResponse", "wait_for_async_saves",
-    "release_staging_buffers", "get_optim_state_dict", "set_optim_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
+    "release_staging_buffers", "get_optim_state_dict", "set_optim_state_dict", "get_model_state_dict",
+    "set_model_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
     "LOAD_PLANNERS", "LoadResult", "Metadata",
     "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
     "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "FlatShard", "LocalShard",
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",
-    "CoverageError", "PickleNotAllowedError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError",
+    "CoverageError", "PickleNotAllowedError", "StorageAccessError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError",
 ]

@@ -26,6 +26,7 @@ from .dedup import CompactPlan, GlobalSavePlan
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .replica_plan import Batch, CompactShards, batch_ops
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
+from .state_dict import restore_stateful, stateful_to_state_dict
 from .storage import ReadRequest, StorageReader, StorageWriter, WriteResult
 from .utils import PhaseTimer, get_logger, pauses_gc
 
@@ -57,12 +58,15 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
          timer: PhaseTimer | None = None) -> Metadata:
     """Save ``state_dict`` as one checkpoint; every rank of ``process_group`` must call it.
 
-    Replicated chunks are written once. The checkpoint appears under its name only when
+    Replicated chunks are written once. Top-level ``Stateful`` values (an ``nn.Module``, an
+    optimizer wrapper, anything with ``state_dict()``/``load_state_dict()``) are saved through
+    their ``state_dict()``, never pickled. The checkpoint appears under its name only when
     complete; an existing one is refused unless ``overwrite`` and stays loadable until then.
     ``verify_replicas`` compares checksums of replicated chunks across their holders.
     ``timeout`` (seconds) bounds every collective. Returns the committed metadata.
     """
     path = _checkpoint_path(checkpoint_id, storage_writer)
+    state_dict = stateful_to_state_dict(state_dict)[0]
     comm = Comm.create(process_group, timeout)
     writer = storage_writer or FileSystemWriter(path)
     planner = planner or StandardSavePlanner()
@@ -167,12 +171,17 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
 
     Works for any saved layout and world size: each destination shard is assembled from the
     saved chunks it intersects. ``strict`` makes missing keys (on any rank) and checkpoint keys
-    that no rank asked for one ``KeyMismatchError``; otherwise they are returned. A shard held by
+    that no rank asked for one ``KeyMismatchError``; ``strict=False`` loads the keys both have and
+    returns the rest in ``LoadResult.missing_keys`` / ``unexpected_keys``: that is how to load a
+    subset, e.g. ``load({"model": model.state_dict()}, ..., strict=False)`` from a model+optimizer
+    checkpoint. Top-level ``Stateful`` values (``state_dict()``/``load_state_dict()``, e.g. an
+    ``nn.Module``) are loaded through their state dict and restored in place. A shard held by
     several ranks is read once and broadcast to the others per ``broadcast`` (mode auto: only
     across nodes or from storage declared shared/slow).
     """
     options = broadcast or BroadcastOptions()
     path = _checkpoint_path(checkpoint_id, storage_reader)
+    caller, (state_dict, stateful) = state_dict, stateful_to_state_dict(state_dict)
     comm = Comm.create(process_group, timeout)
     reader = storage_reader or FileSystemReader(path, files_kept=files_kept)
     planner = planner or StandardLoadPlanner()
@@ -257,6 +266,7 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             comm.agree("load: read", transfer)
     finally:
         reader.close()
+    restore_stateful(stateful, state_dict, caller)
     return LoadResult(tuple(own.missing), tuple(unexpected), reader.counters.as_dict(), dict(timer.seconds))
 
 

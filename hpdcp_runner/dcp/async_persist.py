@@ -39,6 +39,7 @@ from .errors import CollectiveTimeoutError, ConfigError
 from .metadata import Metadata
 from .ragged import FlatShard, LocalShard
 from .standard_planner import local_pieces
+from .state_dict import stateful_to_state_dict
 from .utils import TENSOR_LEAVES, gc_paused, get_logger
 
 log = get_logger(__name__)
@@ -178,7 +179,7 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
     t0 = time.perf_counter()
     group = _persist_group(process_group, timeout)
     with gc_paused(threading.current_thread() is threading.main_thread()):  # see utils.gc_paused
-        staged = stage_state_dict(state_dict)
+        staged = stage_state_dict(stateful_to_state_dict(state_dict)[0])
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # non-blocking device-to-pinned copies done before we return
     path = None if checkpoint_id is None else str(checkpoint_id)

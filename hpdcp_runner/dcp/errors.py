@@ -25,6 +25,11 @@ class CheckpointExistsError(HpdcpError, FileExistsError):
     """The save target already exists and ``overwrite`` was not given."""
 
 
+class StorageAccessError(HpdcpError, OSError):
+    """The storage refused an operation: permission denied, read-only file system, a file where a
+    directory should be, no space left. Bad input or environment, not a failed peer."""
+
+
 class MetadataError(HpdcpError, ValueError):
     """``metadata.json`` is malformed, too large, inconsistent or of an unknown version."""
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .errors import MetadataError, PickleNotAllowedError, StateDictError
+from .state_dict import is_stateful
 
 _MAX_DEPTH = 200
 
@@ -25,6 +26,11 @@ def encode(value: Any, *, key: str, allow_pickle: bool = False) -> Any:
         return _enc(value, 0)
     except _NeedsPickle as e:
         if not allow_pickle:
+            if is_stateful(value):
+                raise StateDictError(
+                    f"state-dict key {key!r} holds a {e.type_name}, a Stateful object (state_dict/load_state_dict): "
+                    f"put it at the top level of the state dict, where it is saved through its state_dict(), or "
+                    f"pass its state_dict() here")
             raise PickleNotAllowedError(
                 f"state-dict key {key!r} holds a {e.type_name}, which can only be saved with pickle; "
                 f"pass allow_pickle=True to save (and to load) it, or convert it to plain data"

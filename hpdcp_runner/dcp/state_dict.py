@@ -1,4 +1,6 @@
-"""Optimizer state keyed by parameter FQN, so it saves and reshards like the model's own state.
+"""Model and optimizer state keyed by parameter FQN, and torch's ``Stateful`` protocol.
+
+Optimizer state keyed by parameter FQN saves and reshards like the model's own state.
 
 ``torch.optim.Optimizer.state_dict()`` keys state by parameter *index*, which breaks as soon as
 the model is wrapped, split or resharded. torch's public helpers
@@ -78,3 +80,65 @@ def set_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
         set_optimizer_state_dict(model, optimizer, optim_state_dict, options=_options(False, False, strict))
     except (KeyError, RuntimeError, ValueError) as e:
         raise StateDictError(f"cannot load the optimizer state: {type(e).__name__}: {e}") from e
+
+
+def get_model_state_dict(model: torch.nn.Module, *, full_state_dict: bool = False,
+                         cpu_offload: bool = False) -> dict[str, Any]:
+    """The model's state keyed by FQN through torch's helper, which strips wrapper prefixes
+    (``_orig_mod.``, FSDP/DDP wrappers) so the keys stay the same however the model is wrapped;
+    sharded parameters stay DTensors unless ``full_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict as torch_get
+
+    try:
+        return torch_get(model, options=_options(full_state_dict, cpu_offload, True))
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise StateDictError(f"cannot build the model state dict: {type(e).__name__}: {e}") from e
+
+
+def set_model_state_dict(model: torch.nn.Module, model_state_dict: dict[str, Any], *, strict: bool = True) -> Any:
+    """Load an FQN-keyed model state (as loaded by ``load``) into ``model``; returns torch's
+    ``(missing_keys, unexpected_keys)``. ``strict`` makes any mismatch a ``StateDictError``."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict as torch_set
+
+    if not isinstance(model_state_dict, dict):
+        raise StateDictError(f"model state dict must be a dict, got {type(model_state_dict).__name__}")
+    try:
+        return torch_set(model, model_state_dict, options=_options(False, False, strict))
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise StateDictError(f"cannot load the model state: {type(e).__name__}: {e}") from e
+
+
+def is_stateful(value: Any) -> bool:
+    """torch's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()`` (an ``nn.Module``,
+    an optimizer, a dataloader or trainer object). Saved through its state dict, never pickled."""
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def stateful_to_state_dict(state_dict: Any) -> tuple[Any, dict[str, Any]]:
+    """Replace top-level ``Stateful`` values by their ``state_dict()`` (as torch DCP does).
+    Returns the plain state dict and the objects that were replaced, by key."""
+    if not isinstance(state_dict, dict):
+        return state_dict, {}
+    objs = {k: v for k, v in state_dict.items() if is_stateful(v)}
+    if not objs:
+        return state_dict, {}
+    plain = dict(state_dict)
+    for k, v in objs.items():
+        plain[k] = v.state_dict()
+    return plain, objs
+
+
+def restore_stateful(objs: dict[str, Any], loaded: dict[str, Any], caller: Any) -> None:
+    """After a load into the plain state dict: hand each object its loaded state, in place, and
+    give the caller's dict the other top-level values (objects were replaced in the copy)."""
+    if not objs:
+        return
+    for k, v in loaded.items():
+        if k not in objs:
+            caller[k] = v
+    for k, obj in objs.items():
+        try:
+            obj.load_state_dict(loaded[k])
+        except Exception as e:
+            raise StateDictError(f"state-dict key {k!r}: {type(obj).__name__}.load_state_dict() refused the loaded "
+                                 f"state: {type(e).__name__}: {e}") from e
