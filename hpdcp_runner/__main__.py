@@ -20,6 +20,13 @@ def _task(cfg: DictConfig):
 
 
 def main() -> None:
+    import sys
+
+    from .cli_help import handle_early_flags
+
+    code = handle_early_flags(sys.argv[1:], runtime.env_rank())
+    if code is not None:
+        raise SystemExit(code)
     runtime.remember_launch_dir()
     runtime.agree_run_stamp()
     runtime.register_resolvers()

@@ -3,6 +3,7 @@ cross-field validation that reports every problem at once."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -13,7 +14,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .dcp.errors import ConfigError
 
-JOBS = ("save", "load", "reshard", "inspect", "verify", "bench", "train", "transform")
+JOB_HELP = {
+    "save": "build the model= state under layout= and save it (checkpoint.dir/checkpoint.name; keep_last)",
+    "load": "load checkpoint.path into the model= state under layout= and check every shard bit for bit",
+    "reshard": "load a checkpoint (job.source.path) under layout= at this world size, save it, verify it",
+    "inspect": "list a checkpoint's tensors, dtypes, shapes, chunks and files (job.format=table|json)",
+    "verify": "recompute every checksum of checkpoint.path; non-zero exit naming every problem",
+    "bench": "time save and load (job.repeats after job.warmup); job.peer=true runs torch DCP beside it",
+    "train": "train a small GPT-like model, checkpoint every job.save_every steps, resume=latest",
+    "transform": "offline conversions, one process: transform=merge_hf|import|from_torch_dcp|to_torch_dcp",
+}
+JOBS = tuple(JOB_HELP)
 TRANSFORMS = ("merge_hf", "import", "to_torch_dcp")
 SOURCE_FORMATS = ("auto", "hf", "safetensors", "pt", "torch_dcp", "hyper_parallel")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -162,6 +173,9 @@ class JobConf:
     repeats: int = 3
     peer: bool = False  # bench: run torch.distributed.checkpoint side by side
     verify: bool = True
+    # load/reshard: false loads the keys the state and the checkpoint share and reports the rest
+    strict: bool = True
+    include: Optional[str] = None  # load: only state keys matching this regex (re.search), e.g. '^model\.'
     fail_on_rank: Optional[int] = None  # fault injection for tests and drills: this rank raises
     # train
     steps: int = 20  # train up to this global step
@@ -371,6 +385,11 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
     if c.job is not None:
         if c.job.name in ("inspect", "verify") and not c.checkpoint.path:
             problems.append(f"checkpoint.path: the {c.job.name} job needs checkpoint.path=<checkpoint dir>")
+        if c.job.include is not None:
+            try:
+                re.compile(c.job.include)
+            except re.error as e:
+                problems.append(f"job.include: bad regex {c.job.include!r} ({e})")
         if c.job.format not in ("table", "json"):
             problems.append(f"job.format: {c.job.format!r} is not table or json")
         if c.job.name == "reshard" and not c.job.source.path and c.job.source.layout not in layouts.preset_names():
@@ -380,6 +399,8 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
             problems += _train_problems(c)
         if c.job.name == "transform":
             problems += _transform_problems(c, world_size)
+        if c.job.name == "bench" and c.job.peer and importlib.util.find_spec("numpy") is None:
+            problems.append("job.peer: the torch.distributed.checkpoint side needs numpy: pip install numpy")
         if c.job.repeats < 1 or c.job.warmup < 0:
             problems.append("job.repeats/job.warmup: repeats must be >= 1 and warmup >= 0")
     if problems:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+from contextlib import contextmanager
+from typing import Iterator
 
 from .dcp.utils import PhaseTimer
-from .runtime import peak_rss_mib
+from .runtime import detail_logger, peak_rss_mib
 
 
 def config_digest(plain_cfg: dict) -> str:
@@ -20,6 +23,20 @@ class Metrics(PhaseTimer):
     def __init__(self) -> None:
         super().__init__()
         self.counters: dict[str, int] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time ``name`` and log its start and end (or failure) to the rank log."""
+        log = detail_logger()
+        log.info("phase %s: started", name)
+        t0 = time.perf_counter()
+        with super().phase(name):
+            try:
+                yield
+            except BaseException as e:
+                log.info("phase %s: failed after %.3f s (%s)", name, time.perf_counter() - t0, type(e).__name__)
+                raise
+        log.info("phase %s: done in %.3f s", name, time.perf_counter() - t0)
 
     def add(self, counters: dict[str, int], prefix: str = "") -> None:
         for k, v in counters.items():
@@ -60,11 +77,24 @@ def summary_table(doc: dict) -> str:
     lines = [f"hpdcp {doc['job']}: world_size={doc['world_size']} layout={doc['layout']} model={doc['model']}"]
     lines.append(f"{'phase':<20}{'seconds(max)':>14}{'bytes':>16}{'GB/s':>10}")
     for p, row in doc["summary"].items():
+        if p.startswith("warmup."):  # timed, kept in metrics.json, not part of the measurement
+            continue
         b = row.get("bytes")
         lines.append(f"{p:<20}{row['seconds_max']:>14.3f}{(str(b) if b is not None else '-'):>16}"
                      f"{(str(row.get('GB_per_s')) if row.get('GB_per_s') is not None else '-'):>10}")
     rss = max(r["peak_rss_mib"] for r in doc["ranks"])
     lines.append(f"peak RSS (max over ranks): {rss:.0f} MiB; metrics: {doc['metrics_path']}")
     for k, v in doc.get("result", {}).items():
-        lines.append(f"{k}: {v}")
+        lines.append(f"{k}: {_readable(v)}")
     return "\n".join(lines)
+
+
+def _readable(v: object) -> str:
+    """Scalars as they are, containers as JSON (not Python reprs), None as 'none'."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple, dict)):
+        return json.dumps(v, default=str)
+    return str(v)

@@ -64,11 +64,22 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("hpdcp.rank0_only", lambda v: v if env_rank() == 0 else None, replace=True)
 
 
+DETAIL_LOGGER = "hpdcp_runner.detail"  # rank log only: phases, failures with their tracebacks
+
+
 class RankZeroFilter(logging.Filter):
-    """Console filter: INFO and below from rank 0 only; WARNING and above from every rank."""
+    """Console filter: INFO and below from rank 0 only; WARNING and above from every rank;
+    records of the ``hpdcp_runner.detail`` logger never (they are for the rank log)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == DETAIL_LOGGER or record.name.startswith(DETAIL_LOGGER + "."):
+            return False
         return env_rank() == 0 or record.levelno >= logging.WARNING
+
+
+def detail_logger() -> logging.Logger:
+    """Where jobs log what only the rank log needs (phases, tracebacks of failures)."""
+    return logging.getLogger(DETAIL_LOGGER)
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,17 @@ def mark_failed() -> None:
     """The job failed: peers may be dead or hung, so teardown must not wait for them."""
     global _FAILED
     _FAILED = True
+
+
+def farewell_barrier(group: object, timeout_s: float = 10.0) -> None:
+    """Every rank raised the same agreed error and is about to exit: wait (bounded) until all got
+    here, so no rank closes its connections while a peer is still finishing the collective that
+    agreed on the error (which would turn the peer's clear error into 'connection closed')."""
+    try:
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.monitored_barrier(group=group, timeout=_dt.timedelta(seconds=timeout_s))
+    except Exception:  # a peer is gone already: nothing left to wait for
+        pass
 
 
 def shutdown_distributed() -> None:

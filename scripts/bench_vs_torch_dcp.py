@@ -7,7 +7,8 @@ every load checked element by element. Cases (each repetition runs them all, our
 in alternating order):
 
 * sharded (Shard(0) DTensors) and replicated (plain tensors on both ranks): save; warm load;
-  cold load (page cache dropped first, when this process may write /proc/sys/vm/drop_caches);
+  cold load (only with ``--drop-caches``: the machine's whole page cache is dropped first, which
+  needs root and slows every other process on the machine, so it is never done unasked);
 * reshard 2->1 (saved Shard(0) by 2 ranks, loaded by rank 0 alone), 1->2 (saved by rank 0 alone,
   loaded Shard(0) by 2 ranks), Shard(0)->Shard(1) on 2 ranks (one read per kept 8 KiB row
   segment by default, and as slab reads), warm: every file is read once and writeback flushed
@@ -160,6 +161,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--dcp-threads", type=int, default=2, help="the second torch DCP thread_count tried")
     ap.add_argument("--out", default=None, help="write the markdown table here (rank 0)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="run the cold-load cases: drop the machine's page cache before each (root; affects "
+                         "every process on the machine)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -185,7 +189,7 @@ def main() -> None:
             for who in order:
                 run_case(res, f"{layout} save|{who}", (lambda: dcp.save(sd, checkpoint_id=paths["ours"])) if who == "ours"
                          else (lambda w=who: dcp_save(sd, paths[w], peers[w])))
-            for temp in ("warm", "cold"):
+            for temp in ("warm", "cold") if args.drop_caches else ("warm",):
                 for who in order:
                     if temp == "cold":
                         cold_ok = drop_caches() and cold_ok
@@ -262,11 +266,13 @@ def report(res: Results, args, ws: int, cold_ok: bool, n_small: int, peers: list
     local = 1.008 * args.scale  # GiB, approximately, of the full state
     lines = ["# Benchmarks: hpdcp_runner.dcp vs torch.distributed.checkpoint", "",
              f"Command: `OMP_NUM_THREADS=1 torchrun --nproc-per-node={ws} scripts/bench_vs_torch_dcp.py "
-             f"--reps {args.reps}{f' --scale {args.scale}' if args.scale != 1 else ''} --out docs/benchmarks.md`", "",
+             f"--reps {args.reps}{f' --scale {args.scale}' if args.scale != 1 else ''}"
+             f"{' --drop-caches' if args.drop_caches else ''} --out docs/benchmarks.md`", "",
              f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, Python "
              f"{platform.python_version()}, torch {torch.__version__}, gloo on CPU, {ws} ranks, local disk; "
              f"state {local:.3f} GiB (15 x 4096x4096 + 64 x 512x512 + 2000 x 1024 fp32). Cold loads: "
-             f"{'page cache dropped before each' if cold_ok else 'page cache could NOT be dropped (not root): cold = warm'}.",
+             + (f"{'page cache dropped before each' if cold_ok else 'page cache could NOT be dropped (not root): cold = warm'}."
+              if args.drop_caches else "not run (pass --drop-caches to drop the page cache before each cold load)."),
              "", "Seconds: median (min-max) over repetitions, max over ranks. Ratio = best torch DCP median / ours "
              "(> 1: we are faster). Read = max over ranks of rchar per rank. RSS+ = max peak RSS growth per rank.", "",
              "| case | ours, s | torch DCP tc=1, s | torch DCP best, s | ratio | read/rank ours | read/rank DCP | RSS+ ours | RSS+ DCP |",

@@ -2,15 +2,21 @@
 
     python scripts/sweep_report.py multirun/2026-12-02_14-15-24_f8584e [--objective result.objective] [--maximize]
 
-Writes ``report.md``, ``report.csv`` and ``report.png`` (the objective against each swept knob)
-into the multirun directory and prints the best point as a ready-to-paste override line.
-Failed points (a ``FAILED`` marker or no ``metrics.json``) are listed, not plotted.
+Writes ``report.md``, ``report.csv`` and ``report.png`` (the objective against each swept knob,
+min-max bars) into the multirun directory. Where the job records the objective's spread
+(``<objective>_range``: the min and max over its repeats, as the bench job does), points whose
+range overlaps the best point's are marked "within noise" and no single best is named from
+noise; otherwise the best point is printed as a ready-to-paste override line. Failed points (a
+``FAILED`` marker or no ``metrics.json``) are listed with their cause, not plotted. The plot
+needs matplotlib (``pip install 'hpdcp_runner[report]'``), checked before anything is written;
+``--no-plot`` skips it.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import sys
@@ -33,16 +39,26 @@ def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
             continue
         with open(ov_path) as f:
             overrides = yaml.safe_load(f) or []
-        row = {"point": name, "overrides": overrides, "objective": None, "status": "ok"}
+        row = {"point": name, "overrides": overrides, "objective": None, "status": "ok", "range": None, "cause": ""}
         for o in overrides:
             k, _, v = o.lstrip("+~").partition("=")
             row[k] = v
         metrics = os.path.join(job, "metrics.json")
-        if os.path.exists(os.path.join(job, "FAILED")) or not os.path.isfile(metrics):
+        marker = os.path.join(job, "FAILED")
+        if os.path.exists(marker) or not os.path.isfile(metrics):
             row["status"] = "failed"
+            if os.path.isfile(marker):
+                with open(marker) as f:
+                    row["cause"] = (f.read().strip().splitlines() or [""])[0]
         else:
             with open(metrics) as f:
-                row["objective"] = float(_get(json.load(f), objective))
+                doc = json.load(f)
+            row["objective"] = float(_get(doc, objective))
+            try:
+                lo, hi = _get(doc, objective + "_range")
+                row["range"] = (float(lo), float(hi))
+            except (KeyError, IndexError, TypeError, ValueError):
+                pass
         rows.append(row)
     swept = {}
     for r in rows:
@@ -65,11 +81,34 @@ def _sort_key(v: str):
             return (1, v)
 
 
-def write(root: str, rows: list[dict], knobs: list[str], objective: str, maximize: bool) -> dict | None:
+def _noise_verdicts(ok: list[dict]) -> None:
+    """``vs_best`` per point: best, within noise (its min-max overlaps the best's) or a clear
+    difference; '' where the objective has no recorded spread."""
+    if not ok or ok[0]["range"] is None:
+        for r in ok:
+            r["vs_best"] = ""
+        return
+    blo, bhi = ok[0]["range"]
+    ok[0]["vs_best"] = "best"
+    for r in ok[1:]:
+        if r["range"] is None:
+            r["vs_best"] = ""
+        else:
+            lo, hi = r["range"]
+            r["vs_best"] = "within noise" if lo <= bhi and blo <= hi else "clearly different"
+
+
+def write(root: str, rows: list[dict], knobs: list[str], objective: str, maximize: bool,
+          plot: bool = True) -> tuple[dict | None, list[dict]]:
+    """Writes the report; returns (the best point if it stands out of the noise, the points tied
+    with it within noise)."""
     ok = [r for r in rows if r["status"] == "ok"]
     ok.sort(key=lambda r: -r["objective"] if maximize else r["objective"])
     failed = [r for r in rows if r["status"] != "ok"]
-    cols = ["point", *knobs, "objective", "status"]
+    _noise_verdicts(ok)
+    for r in ok:
+        r["min_max"] = f"{r['range'][0]:.4g}-{r['range'][1]:.4g}" if r["range"] else ""
+    cols = ["point", *knobs, "objective", "min_max", "vs_best", "status", "cause"]
     with open(os.path.join(root, "report.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
@@ -79,13 +118,19 @@ def write(root: str, rows: list[dict], knobs: list[str], objective: str, maximiz
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in ok + failed:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
-    best = ok[0] if ok else None
+    tied = [r for r in ok if r.get("vs_best") == "within noise"]
+    best = ok[0] if ok and not tied else None
     if best:
         lines += ["", "Best point:", "", "```", " ".join(o for o in best["overrides"]), "```"]
+    elif tied:
+        lines += ["", f"No single best point: {len(tied)} point(s) are within the measured noise (min-max overlap) "
+                  f"of the lowest median, point {ok[0]['point']}: {', '.join(r['point'] for r in tied)}. "
+                  f"Repeat with more job.repeats to separate them."]
     with open(os.path.join(root, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    _plot(os.path.join(root, "report.png"), ok, knobs, objective)
-    return best
+    if plot:
+        _plot(os.path.join(root, "report.png"), ok, knobs, objective)
+    return best, ([ok[0], *tied] if tied else [])
 
 
 def _plot(path: str, ok: list[dict], knobs: list[str], objective: str) -> None:
@@ -94,19 +139,30 @@ def _plot(path: str, ok: list[dict], knobs: list[str], objective: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    unit = " (s)" if objective.endswith(("objective", "_s")) else ""
     n = max(1, len(knobs))
-    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(4.8 * n, 3.9), squeeze=False)
     for ax, knob in zip(axes[0], knobs or ["point"]):
         values = sorted({r[knob] for r in ok}, key=_sort_key)
         xs = {v: i for i, v in enumerate(values)}
-        ax.scatter([xs[r[knob]] for r in ok], [r["objective"] for r in ok])
-        for v in values:  # the best objective at each value of this knob
+        x = [xs[r[knob]] for r in ok]
+        y = [r["objective"] for r in ok]
+        if all(r["range"] for r in ok):
+            err = [[r["objective"] - r["range"][0] for r in ok], [r["range"][1] - r["objective"] for r in ok]]
+            ax.errorbar(x, y, yerr=err, fmt="o", capsize=3, label="median, min-max over repeats")
+        else:
+            ax.scatter(x, y, label="objective per point")
+        for i, v in enumerate(values):  # the best objective at each value of this knob
             best = min(r["objective"] for r in ok if r[knob] == v)
-            ax.plot([xs[v] - 0.25, xs[v] + 0.25], [best, best], color="tab:red")
+            ax.plot([xs[v] - 0.25, xs[v] + 0.25], [best, best], color="tab:red",
+                    label="best at this value" if i == 0 else None)
         ax.set_xticks(range(len(values)), values, rotation=30)
         ax.set_xlabel(knob)
-        ax.set_ylabel(objective)
+        ax.set_ylabel(objective + unit)
+        ax.set_title(f"{objective} vs {knob}")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"sweep of {len(ok)} points (lower is better)" if ok else "sweep")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -117,17 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("multirun_dir")
     ap.add_argument("--objective", default="result.objective", help="dotted path into metrics.json")
     ap.add_argument("--maximize", action="store_true")
+    ap.add_argument("--no-plot", action="store_true", help="skip report.png (no matplotlib needed)")
     args = ap.parse_args(argv)
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
+        print("the sweep plot needs matplotlib: pip install 'hpdcp_runner[report]' (or pass --no-plot); "
+              "nothing was written", file=sys.stderr)
+        return 2
     rows, knobs = collect(args.multirun_dir, args.objective)
     if not rows:
         print(f"no sweep jobs under {args.multirun_dir}", file=sys.stderr)
         return 2
-    best = write(args.multirun_dir, rows, knobs, args.objective, args.maximize)
+    best, tied = write(args.multirun_dir, rows, knobs, args.objective, args.maximize, plot=not args.no_plot)
     print(open(os.path.join(args.multirun_dir, "report.md")).read())
-    if best is None:
+    if not any(r["status"] == "ok" for r in rows):
         print("every point failed", file=sys.stderr)
         return 1
-    print("best:", " ".join(best["overrides"]))
+    if best is not None:
+        print("best:", " ".join(best["overrides"]))
+    else:
+        print("within noise:", "; ".join(" ".join(r["overrides"]) for r in tied))
     return 0
 
 

@@ -16,7 +16,7 @@ import os
 import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -204,13 +204,16 @@ class SafetensorsStreamWriter:
 
 
 def write_file(path: str, entries: Sequence[tuple[str, torch.Tensor]], *, meta: dict[str, str] | None = None,
-               fsync: bool = True) -> WrittenFile:
-    """Write contiguous CPU tensors as one safetensors file; returns offsets and checksums."""
+               fsync: bool = True, on_tensor: Callable[[int], None] | None = None) -> WrittenFile:
+    """Write contiguous CPU tensors as one safetensors file; returns offsets and checksums.
+    ``on_tensor(nbytes)`` is called after each tensor is appended (progress)."""
     w = SafetensorsStreamWriter(path, [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in entries],
                                 meta=meta, fsync=fsync)
     try:
         for key, t in entries:
             w.append(key, t)
+            if on_tensor is not None:
+                on_tensor(t.numel() * t.element_size())
     except BaseException:
         w.abort()
         raise

@@ -181,7 +181,17 @@ class Comm:
     def agree(self, phase: str, fn: Callable[[], Any]) -> list[Any]:
         """Run ``fn`` here, gather every rank's value; if any rank failed, raise on all ranks."""
         payload, local_exc = _attempt(phase, fn)
-        gathered = self.all_gather_json(payload, phase)
+        try:
+            gathered = self.all_gather_json(payload, phase)
+        except CollectiveTimeoutError as timeout:
+            if local_exc is None:
+                raise
+            # this rank's own failure is the news, not that the peers (busy elsewhere) never came
+            kind, message = payload["err"]
+            err = agreed_error(phase, {self.rank: [kind, f"{message} (the other ranks did not reach '{phase}' "
+                                                         f"to hear of it: {str(timeout).split(': ', 1)[-1][:200]})"]})
+            err.partial = True
+            raise err from local_exc
         failures = {r: g["err"] for r, g in enumerate(gathered) if "err" in g}
         if failures:
             raise agreed_error(phase, failures) from local_exc

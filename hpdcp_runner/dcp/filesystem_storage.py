@@ -31,7 +31,8 @@ import torch
 from . import faults
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest, naming, pread_into, write_file
-from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError,
+                     StorageAccessError)
 from .geometry import contiguous_runs, flat_span, row_major_strides
 from .metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
                        dtype_from_name, element_size)
@@ -85,6 +86,14 @@ def remove_tree_safely(path: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def storage_access_error(e: OSError, what: str) -> StorageAccessError:
+    """``what`` failed for a reason the user fixes (permissions, a file in the way, no space)."""
+    where = f" ({e.filename})" if e.filename else ""
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        return StorageAccessError(f"{what}: a file is in the way where a directory should be{where}")
+    return StorageAccessError(f"{what}: {e.strerror or e}{where}")
+
+
 def open_regular(full: str) -> int:
     """Open a checkpoint file for reading: no symlinks, no FIFOs or devices (which could hang or
     read outside the checkpoint), only a regular file. Returns the fd."""
@@ -96,6 +105,8 @@ def open_regular(full: str) -> int:
         if e.errno == errno.ELOOP:
             raise CorruptCheckpointError(f"{full} is a symbolic link; checkpoint files must be regular files inside "
                                          f"the checkpoint directory") from None
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise storage_access_error(e, "cannot read the checkpoint") from None
         raise CorruptCheckpointError(f"cannot open checkpoint file {full}: {e.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -152,10 +163,13 @@ class FileSystemWriter(StorageWriter):
             raise CheckpointExistsError(f"checkpoint {self.path} already exists; pass overwrite=True to replace it "
                                         f"(the old one stays loadable until the new one commits)")
         self.overwrite = overwrite
-        os.makedirs(self.parent, exist_ok=True)
         token = f".{self.name}{STAGING_MARK}{uuid.uuid4().hex[:12]}"
+        try:
+            os.makedirs(self.parent, exist_ok=True)
+            os.mkdir(os.path.join(self.parent, token))
+        except OSError as e:
+            raise storage_access_error(e, f"cannot create the checkpoint {self.path}") from None
         self.staging = os.path.join(self.parent, token)
-        os.mkdir(self.staging)
         return token
 
     def attach(self, token: str, *, rank: int, world_size: int) -> None:
@@ -166,7 +180,11 @@ class FileSystemWriter(StorageWriter):
         files, chunks, objs = [], {}, {}
         if tensors:
             name = rank_file(self.rank, "safetensors")
-            wf = write_file(os.path.join(self.staging, name), tensors, meta={"format": "pt"}, fsync=self.fsync)
+            counted = self.counters.bytes_written
+            # bytes_written grows tensor by tensor (progress); the file's total is settled below
+            wf = write_file(os.path.join(self.staging, name), tensors, meta={"format": "pt"}, fsync=self.fsync,
+                            on_tensor=self._count_tensor)
+            self.counters.bytes_written = counted
             files.append(FileMeta(name, wf.size, wf.checksum, self.rank))
             for e in wf.entries:
                 chunks[e.key] = (name, e.byte_offset, e.checksum)
@@ -186,6 +204,9 @@ class FileSystemWriter(StorageWriter):
         self.counters.bytes_written += sum(f.size for f in files)
         self.counters.files_written += len(files)
         return WriteResult(self.rank, tuple(files), chunks, objs)
+
+    def _count_tensor(self, nbytes: int) -> None:
+        self.counters.bytes_written += nbytes
 
     def commit(self, metadata: Metadata) -> None:
         body = metadata.to_json().encode()
@@ -257,6 +278,8 @@ class FileSystemReader(StorageReader):
 
     def read_metadata_text(self) -> str:
         mpath = os.path.join(self.path, METADATA_FILE)
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise CheckpointNotFoundError(f"{self.path} is a file, not a checkpoint directory")
         if not os.path.isdir(self.path) or not os.path.lexists(mpath):
             raise self._not_found()
         fd = open_regular(mpath)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -101,8 +101,9 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(path: str | os.PathLike) -> VerifyReport:
-    """Recompute every checksum and cross-check files against the metadata; collect all problems."""
+def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None = None) -> VerifyReport:
+    """Recompute every checksum and cross-check files against the metadata; collect all problems.
+    ``on_file(name, size)`` is called after each file (progress)."""
     problems: list[str] = []
     abspath = os.path.abspath(os.fspath(path))
     try:
@@ -135,6 +136,8 @@ def verify(path: str | os.PathLike) -> VerifyReport:
             with open(full, "rb") as f:
                 if digest(f.read()) != fm.checksum:
                     problems.append(f"{name}: checksum mismatch")
+        if on_file is not None:
+            on_file(name, size)
     extra = sorted(set(os.listdir(abspath)) - set(md.files) - {METADATA_FILE})
     problems += [f"{n}: not listed in {METADATA_FILE}" for n in extra]
     return VerifyReport(abspath, tuple(problems), checked, nbytes)

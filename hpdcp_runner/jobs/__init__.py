@@ -15,18 +15,31 @@ from omegaconf import DictConfig
 
 from .. import runtime
 from ..config import JOBS, to_plain, validate
-from ..dcp.errors import ConfigError, HpdcpError
+from ..dcp.errors import CollectiveTimeoutError, ConfigError, DistributedError, HpdcpError
 from ..dcp.utils import get_logger
 from ..metrics import config_digest, summarize, summary_table, write_metrics
 from .context import JobContext
 
 log = get_logger("hpdcp_runner")
+detail = runtime.detail_logger()
+FAILED_MARKER = "FAILED"
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, *, every_rank: bool = False, run_dir: str | None = None,
+          logged: bool = False) -> None:
+    """One line on the console (from rank 0 alone when every rank has the same error), the cause
+    in ``<run dir>/FAILED`` (what a sweep reports for the point), the exit code."""
     runtime.mark_failed()
-    sys.stderr.write(f"[rank{runtime.env_rank()}] {message}\n")
-    sys.stderr.flush()
+    if not logged:
+        detail.error("%s", message)
+    rank = runtime.env_rank()
+    prefix = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    if every_rank or rank == 0:
+        sys.stderr.write(f"{prefix}error: {message}\n")
+        sys.stderr.flush()
+    if (every_rank or rank == 0) and run_dir and os.path.isdir(run_dir):
+        with open(os.path.join(run_dir, FAILED_MARKER), "a") as f:
+            f.write(f"{prefix}{message}\n" if every_rank or rank == 0 else "")
     raise SystemExit(code)
 
 
@@ -35,22 +48,29 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
     job's objective (for sweepers)."""
     if cfg.get("job") is None:
         _fail("no job given. Run one with +job=<name>, one of: " + ", ".join(JOBS)
-              + "\n  e.g. python -m hpdcp_runner +job=reshard", 2)
+              + "\n  e.g. python -m hpdcp_runner +job=reshard   (python -m hpdcp_runner --help lists them)", 2)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        c = validate(cfg, world_size)
-    except ConfigError as e:
-        _fail(f"ConfigError: {e}", 2)
     if run_dir is None:
         from hydra.core.hydra_config import HydraConfig
 
         run_dir = HydraConfig.get().runtime.output_dir
+        internal = [f"{g}={v}" for g, v in HydraConfig.get().runtime.choices.items()
+                    if isinstance(v, str) and v.endswith("_schema") and g != "hpdcp_schema"]
+        if internal:
+            _fail(f"ConfigError: {', '.join(internal)}: the *_schema entries are internal type schemas, not choices; "
+                  f"python -m hpdcp_runner --help lists the choices", 2, run_dir=run_dir)
+    try:
+        c = validate(cfg, world_size)
+    except ConfigError as e:
+        _fail(f"ConfigError: {e}", 2, run_dir=run_dir)
     info = runtime.init_distributed(c.runtime.backend, c.runtime.device, c.runtime.timeout_s)
     ctx = JobContext(c, to_plain(cfg), info, run_dir)
+    detail.info("job %s: world size %d, run dir %s, launched from %s", c.job.name, info.world_size, run_dir,
+                runtime.launch_dir())
     digests = ctx.comm.all_gather_json(config_digest(ctx.plain), "config digest")
     if len(set(digests)) > 1:
         _fail(f"ConfigError: the resolved config differs across ranks (digests {digests}); "
-              f"a rank-dependent interpolation or override is in use", 2)
+              f"a rank-dependent interpolation or override is in use", 2, run_dir=run_dir)
     module = importlib.import_module(f"{__name__}.{c.job.name}")
 
     def body() -> Any:
@@ -61,18 +81,51 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
     try:
         result = ctx.comm.agree(f"job {c.job.name}", body)[ctx.info.rank]
     except HpdcpError as e:
-        _record(e)
-        cause = e.__cause__
-        if cause is not None and not isinstance(cause, HpdcpError):  # a bug, not bad input: show where
-            sys.stderr.write("".join(traceback.format_exception(cause)))
-        _fail(f"{type(e).__name__}: {e}", 1)
+        if not _unagreed(e):  # every rank has this error: leave together
+            runtime.farewell_barrier(ctx.comm.control)
+        _job_failed(e, run_dir)
+    detail.info("job %s: done", c.job.name)
     _report(ctx, result, digests[0])
     return result.get("objective") if isinstance(result, dict) else None
 
 
+def describe_failure(e: HpdcpError) -> str:
+    """One line for an agreed failure: the cause once when every failing rank reports the same,
+    else each rank's own."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return f"{type(e).__name__}: {e}"
+    messages = sorted(set(failures.values()))
+    if len(messages) == 1:
+        where = "" if len(failures) > 1 or int(os.environ.get("WORLD_SIZE", "1")) == 1 else f" (rank {min(failures)})"
+        return f"{type(e).__name__}: {messages[0]}{where}"
+    return f"{type(e).__name__}: " + "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+
+
+def _job_failed(e: HpdcpError, run_dir: str) -> None:
+    """User mistakes and bad checkpoints: one line, no traceback (the rank log has it). Bugs (a
+    non-hpdcp exception on some rank): also the traceback, on the console and in torchrun's
+    error summary."""
+    local = e.__cause__
+    bug = isinstance(e, DistributedError) or (local is not None and not isinstance(local, HpdcpError))
+    detail.error("job failed: %s", describe_failure(e), exc_info=local or e)
+    if bug:
+        _record(local or e)
+        if local is not None and not isinstance(local, HpdcpError):
+            sys.stderr.write("".join(traceback.format_exception(local)))
+    # a rank that lost its peers may be the only one left to say so
+    _fail(describe_failure(e), 2 if isinstance(e, ConfigError) else 1,
+          every_rank=_unagreed(e), run_dir=run_dir, logged=True)
+
+
+def _unagreed(e: HpdcpError) -> bool:
+    """A failure the ranks could not agree on (a peer gone or busy elsewhere): each rank reports
+    its own, since rank 0 may not know it."""
+    return isinstance(e, CollectiveTimeoutError) or getattr(e, "partial", False)
+
+
 def _record(e: BaseException) -> None:
-    """Give torchrun's error summary the real traceback (Hydra would otherwise swallow it)."""
-    log.debug("job failed:\n%s", "".join(traceback.format_exception(e)))
+    """Give torchrun's error summary the real traceback of a bug (not of a user mistake)."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -89,4 +142,6 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
            "summary": summarize(records), "result": result,
            "engine": ctx.engine_knobs()}
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
-    print(summary_table(doc), flush=True)
+    # a job that prints machine-readable output keeps stdout for it alone
+    machine = ctx.cfg.job.name == "inspect" and ctx.cfg.job.format == "json"
+    print(summary_table(doc), file=sys.stderr if machine else sys.stdout, flush=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+import sys
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -51,27 +53,61 @@ class JobContext:
             return self.abspath(self.cfg.checkpoint.path)
         return os.path.join(self.checkpoint_dir, name or self.series[0])
 
-    def progress(self, iterable: Any, desc: str, total: int | None = None) -> Any:
-        """A progress bar on rank 0 when attached to a terminal (``runtime.progress``)."""
-        import sys
+    def show_progress(self) -> bool:
+        """Progress bars on rank 0, on a terminal only (never in logs or under CI)."""
+        return (self.info.rank == 0 and self.cfg.runtime.progress and sys.stderr.isatty()
+                and not os.environ.get("CI"))
 
-        if self.info.rank != 0 or not self.cfg.runtime.progress or not sys.stderr.isatty():
+    def progress(self, iterable: Any, desc: str, total: int | None = None) -> Any:
+        """A progress bar over ``iterable`` (see ``show_progress``)."""
+        if not self.show_progress():
             return iterable
         from tqdm import tqdm
 
         return tqdm(iterable, desc=desc, total=total, leave=False)
+
+    @contextlib.contextmanager
+    def byte_progress(self, desc: str, done: Callable[[], tuple[int, int]]) -> Iterator[None]:
+        """While the body runs, a bar of rank 0's bytes and files done and the rate, polled from
+        ``done() -> (bytes, files)``; shown only once the phase has run for 2 s."""
+        if not self.show_progress():
+            yield
+            return
+        from tqdm import tqdm
+
+        bar = tqdm(desc=f"{desc} (rank 0)", unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False)
+        stop = threading.Event()
+
+        def poll() -> None:
+            shown = 0
+            while not stop.wait(0.25):
+                nbytes, files = done()
+                bar.set_postfix_str(f"{files} files", refresh=False)
+                bar.update(nbytes - shown)
+                shown = nbytes
+
+        t = threading.Thread(target=poll, name="hpdcp-progress", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+            bar.close()
 
     def placer(self, layout: Any = None) -> Placer:
         return Placer(layout or self.cfg.layout, self.info.rank, self.info.world_size, self.info.device)
 
     # -- engine calls with the configured knobs ----------------------------------------------
     def save(self, state: Any, path: str, phase: str = "save", overwrite: bool | None = None,
-             series: tuple[str, int | None] | None = None) -> dcp.Metadata:
+             series: tuple[str, int | None] | None = None, key: str = "checkpoint.dir") -> dcp.Metadata:
         """``dcp.save`` with the configured knobs; ``series`` = (pattern, step) records the
         checkpoint as a member of that series (for retention and resume=latest)."""
         d = self.cfg.dcp
         writer = FileSystemWriter(path, fsync=d.storage.fsync)
-        with self.metrics.phase(phase), self.user_errors():
+        c = writer.counters
+        with self.metrics.phase(phase), self.user_errors(key), \
+                self.byte_progress(phase, lambda: (c.bytes_written, c.files_written)):
             md = dcp.save(state, storage_writer=writer, checkpoint_id=path,
                           planner=dcp.SAVE_PLANNERS[d.planner.name](),
                           overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
@@ -82,7 +118,8 @@ class JobContext:
 
     def async_save(self, state: Any, path: str, phase: str = "async_save", callback: Any = None,
                    overwrite: bool | None = None,
-                   series: tuple[str, int | None] | None = None) -> dcp.AsyncSaveResponse:
+                   series: tuple[str, int | None] | None = None,
+                   key: str = "checkpoint.dir") -> dcp.AsyncSaveResponse:
         """``dcp.async_save`` with the configured knobs; ``phase`` times only the blocking part.
         ``callback(metadata)`` runs in the background after the commit (never after a failure)."""
         d = self.cfg.dcp
@@ -93,14 +130,15 @@ class JobContext:
             if callback is not None:
                 callback(md)
 
-        with self.metrics.phase(phase), self.user_errors():
+        with self.metrics.phase(phase), self.user_errors(key):
             return dcp.async_save(state, storage_writer=writer, checkpoint_id=path,
                                   planner=dcp.SAVE_PLANNERS[d.planner.name](),
                                   overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                                   allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s,
                                   callback=done, extra=series_extra(*series) if series else None)
 
-    def load(self, state: Any, path: str, phase: str = "load", strict: bool = True) -> dcp.LoadResult:
+    def load(self, state: Any, path: str, phase: str = "load", strict: bool = True,
+             key: str = "checkpoint.path") -> dcp.LoadResult:
         d = self.cfg.dcp
         cap = d.storage.max_read_bytes_per_s
         reader = FileSystemReader(path, files_kept=d.storage.files_kept, verify_checksums=d.storage.verify_checksums,
@@ -108,7 +146,9 @@ class JobContext:
                                   shared_storage=d.storage.shared,
                                   segment_bytes=max(1, parse_size(d.storage.segment_bytes, "dcp.storage.segment_bytes")),
                                   max_read_bytes_per_s=parse_size(cap) if cap is not None else None)
-        with self.metrics.phase(phase), self.user_errors():
+        c = reader.counters
+        with self.metrics.phase(phase), self.user_errors(key), \
+                self.byte_progress(phase, lambda: (c.bytes_read, c.files_opened)):
             res = dcp.load(state, storage_reader=reader, checkpoint_id=path, planner=dcp.LOAD_PLANNERS[d.planner.name](), strict=strict,
                            allow_pickle=d.allow_pickle, allow_cast=d.allow_cast, timeout=d.timeout_s,
                            broadcast=self.broadcast_options())
@@ -137,21 +177,23 @@ class JobContext:
         return apply_retention(directory, self.cfg.checkpoint.keep_last, series=series, keep=[just_committed])
 
     @contextlib.contextmanager
-    def user_errors(self) -> Iterator[None]:
-        """Engine errors a user fixes from the command line say which config key to change."""
+    def user_errors(self, key: str) -> Iterator[None]:
+        """Engine errors a user fixes from the command line say which config ``key`` to change."""
         try:
             yield
         except dcp.CheckpointExistsError as e:
             raise dcp.CheckpointExistsError(
-                f"{_first_line(e)} To replace it, add checkpoint.overwrite=true (the old checkpoint stays "
+                f"{_first_line(e)}. To replace it, add checkpoint.overwrite=true (the old checkpoint stays "
                 f"loadable until the new one commits), or pick another checkpoint.name / checkpoint.dir.") from None
+        except (dcp.CheckpointNotFoundError, dcp.StorageAccessError) as e:
+            raise type(e)(f"{_first_line(e)} (check {key})") from None
 
 
 def _first_line(e: BaseException) -> str:
     """The cause of an agreed error, without the per-rank wrapping or the Python keyword hint."""
     failures = getattr(e, "failures", None)
     text = next(iter(failures.values())) if failures else str(e)
-    return text.split("; pass overwrite=True")[0].rstrip(".") + "."
+    return text.split("; pass overwrite=True")[0].rstrip(".")
 
 
 def compare_state(got: Any, expect: Any, prefix: str = "") -> list[str]:

@@ -1,24 +1,56 @@
-"""load: build a zeroed target under the layout, load, verify every local shard bitwise."""
+"""load: build a zeroed target under the layout, load, verify every local shard bitwise.
+
+``job.include`` keeps only the state keys matching a regex (e.g. the model of a model+optimizer
+checkpoint); ``job.strict=false`` loads the keys the state and the checkpoint share and reports
+the others instead of failing.
+"""
 
 from __future__ import annotations
 
-from ..dcp.errors import HpdcpError
+import re
+from typing import Any
+
+from ..dcp.errors import HpdcpError, KeyMismatchError
+from ..dcp.utils import flatten_state_dict
 from ..layouts import place_state
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext, compare_state
 
 
+def select(state: dict, pattern: str | None) -> dict:
+    """The nested state with only the leaves whose dotted key matches ``pattern``."""
+    if pattern is None:
+        return state
+    rx = re.compile(pattern)
+    out: dict[str, Any] = {}
+    for fqn, path in flatten_state_dict(state)[1].items():
+        if rx.search(fqn):
+            node, src = out, state
+            for k in path[:-1]:
+                src, node = src[k], node.setdefault(k, {})
+            node[path[-1]] = src[path[-1]]
+    if not out:
+        raise HpdcpError(f"job.include={pattern!r} matches none of the state's keys")
+    return out
+
+
 def run(ctx: JobContext) -> dict:
-    placer = ctx.placer()
+    placer, job = ctx.placer(), ctx.cfg.job
     with ctx.metrics.phase("build"):
-        ref = reference_state(ctx.cfg.model)
+        ref = select(reference_state(ctx.cfg.model), job.include)
         target = place_state(zeros_like_state(ref), placer)
     path = ctx.checkpoint_path()
-    ctx.load(target, path)
+    try:
+        res = ctx.load(target, path, strict=job.strict)
+    except KeyMismatchError as e:
+        text = str(e).replace("(pass strict=False to load the common keys)",
+                              "(add job.strict=false to load the common keys, or job.include=<regex> to pick keys)")
+        raise KeyMismatchError(text, e.missing, e.unexpected) from None
     problems = []
-    if ctx.cfg.job.verify:
+    if job.verify:
         with ctx.metrics.phase("verify"):
             problems = compare_state(target, place_state(ref, placer))
     if problems:
         raise HpdcpError(f"loaded state differs from the reference ({len(problems)} problems): {problems[:10]}")
-    return {"checkpoint": path, "verified": bool(ctx.cfg.job.verify)}
+    return {"checkpoint": path, "verified": bool(job.verify), "loaded_keys": len(flatten_state_dict(ref)[0]),
+            "missing_keys": list(res.missing_keys), "unused_checkpoint_keys": list(res.unexpected_keys)}

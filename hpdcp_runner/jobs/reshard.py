@@ -27,9 +27,9 @@ def run(ctx: JobContext) -> dict:
         del state
     with ctx.metrics.phase("build"):
         target = place_state(zeros_like_state(ref), ctx.placer())
-    ctx.load(target, source, phase="reshard.load")
+    ctx.load(target, source, phase="reshard.load", key="job.source.path" if job.source.path else "checkpoint.dir")
     output = ctx.abspath(job.output) if job.output else ctx.checkpoint_path("resharded")
-    ctx.save(target, output, phase="reshard.save")
+    ctx.save(target, output, phase="reshard.save", key="job.output" if job.output else "checkpoint.dir")
     result = {"source": source, "output": output, "source_layout": job.source.layout if not job.source.path else None,
               "target_layout": ctx.cfg.layout.name}
     if job.verify and ctx.info.rank == 0:

@@ -81,7 +81,7 @@ def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float]) 
                          f"checkpoint.rank_state=reseed")
     target = _state(tr, rank, {}, with_rank_state=same)
     try:
-        res = ctx.load(target, path, phase="train.resume", strict=same)
+        res = ctx.load(target, path, phase="train.resume", strict=same, key="checkpoint.resume")
     except KeyMismatchError as e:
         raise KeyMismatchError(f"{path} does not fit this job's state (model, optimizer and training state of "
                                f"layout={ctx.cfg.layout.name}, model={ctx.cfg.model.name}): {e}", e.missing,

@@ -10,8 +10,14 @@ from .context import JobContext
 def run(ctx: JobContext) -> dict:
     if ctx.info.rank != 0:
         return {}
-    with ctx.metrics.phase("verify"):
-        report = verify(ctx.checkpoint_path())
+    done = [0, 0]
+
+    def on_file(name: str, size: int) -> None:
+        done[0] += size
+        done[1] += 1
+
+    with ctx.metrics.phase("verify"), ctx.byte_progress("verify", lambda: (done[0], done[1])):
+        report = verify(ctx.checkpoint_path(), on_file=on_file)
     if not report.ok:
         raise CorruptCheckpointError(f"{report.path}: {len(report.problems)} problem(s):\n  - "
                                      + "\n  - ".join(report.problems))

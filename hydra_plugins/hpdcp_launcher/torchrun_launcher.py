@@ -114,9 +114,16 @@ class TorchrunLauncher(Launcher):
         try:
             elastic_launch(lc, run_worker)(plain, run_dir)
         except Exception as e:  # ChildFailedError: the agent already stopped every worker of this point
-            msg = f"sweep point {run_dir} failed: {e}"
-            with open(os.path.join(run_dir, "FAILED"), "w") as f:
-                f.write(str(e) + "\n")
+            marker = os.path.join(run_dir, "FAILED")
+            cause = ""
+            if os.path.isfile(marker):  # rank 0 wrote the job's own error there
+                with open(marker) as f:
+                    cause = f.read().strip()
+            if not cause:  # a worker died without saying why (killed, crashed): torchrun's summary
+                cause = f"a worker died: {e}"
+                with open(marker, "w") as f:
+                    f.write(cause + "\n")
+            msg = f"sweep point {run_dir} failed: {cause}"
             if self.conf.on_failure == "stop":
                 raise
             log.error(msg)

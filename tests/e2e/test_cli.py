@@ -44,7 +44,8 @@ def test_save_load_inspect_verify_chain(cli, tmp_path):
     assert metrics(tmp_path / "r2")["result"]["verified"] is True
     r = cli(["+job=inspect", f"checkpoint.path={ck}/step_1", "job.format=json", f"hydra.run.dir={tmp_path}/r3"])
     assert r.returncode == 0, _tail(r)
-    desc = json.loads(r.stdout[: r.stdout.index("hpdcp inspect:")])
+    desc = json.loads(r.stdout)  # stdout is JSON alone; the summary goes to stderr
+    assert "hpdcp inspect:" in r.stderr
     assert desc["world_size"] == 2 and desc["state"] == "committed"
     assert "model.0.weight" in desc["tensors"] and "optim.param_groups" in desc["objects"]
     r = cli(["+job=verify", f"checkpoint.path={ck}/step_1", f"hydra.run.dir={tmp_path}/r4"])

@@ -1,0 +1,99 @@
+"""What the CLI answers before Hydra runs: ``--help`` (jobs and the choices of each config group,
+written for users, without the internal ``*_schema`` entries), shell completion that works for
+``python -m hpdcp_runner`` as well as ``hpdcp``, and print-only flags answered once under torchrun
+(rank 0), not once per rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .config import JOB_HELP
+from .paths import find_conf_dir
+
+# Hydra flags that print something and run no job: under torchrun only rank 0 runs them.
+PRINT_ONLY_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve", "-p", "--package",
+                    "--shell-completion", "-sc")
+GROUPS_SHOWN = ("layout", "model", "planner", "storage", "transform", "experiment")
+
+
+def _first_comment(path: str) -> str:
+    """The first comment line of a config file that is not a usage line: its one-line description."""
+    with open(path) as f:
+        for line in f:
+            text = line.strip()
+            if text.startswith("#") and not text.startswith(("# @package", "# python ", "# torchrun ")):
+                return text.lstrip("# ").rstrip()
+    return ""
+
+
+def group_choices(conf_dir: str, group: str) -> list[tuple[str, str]]:
+    """(choice, description) of one config group, from its YAML files."""
+    d = os.path.join(conf_dir, group)
+    names = sorted(n[:-5] for n in os.listdir(d) if n.endswith(".yaml")) if os.path.isdir(d) else []
+    return [(n, _first_comment(os.path.join(d, n + ".yaml"))) for n in names]
+
+
+def render_help(prog: str) -> str:
+    conf = find_conf_dir()
+    lines = [f"usage: {prog} +job=<name> [group=choice ...] [key=value ...]",
+             f"       torchrun --nproc-per-node=N -m hpdcp_runner +job=<name> [...]", "",
+             "Jobs (+job=<name>):"]
+    lines += [f"  {name:<10} {text}" for name, text in JOB_HELP.items()]
+    for group in GROUPS_SHOWN:
+        choices = group_choices(conf, group)
+        if not choices:
+            continue
+        prefix = "+" if group == "experiment" else ""
+        lines += ["", f"{prefix}{group}=<choice>:"]
+        lines += [f"  {n:<22} {t}" for n, t in choices]
+    lines += ["", "Any key is overridable: e.g. checkpoint.dir=./ck checkpoint.keep_last=3 dcp.broadcast.batch_bytes=64MiB",
+              f"Show the composed config: {prog} +job=save --cfg job      Sweep: {prog} -m key=a,b",
+              f"Shell completion: eval \"$({prog} -sc install=bash)\"     Hydra's own flags: --hydra-help"]
+    return "\n".join(lines)
+
+
+# One bash function for both ways of running the CLI; it asks the CLI itself (Hydra's query mode)
+# for the candidates of the word under the cursor, then hands bash the part after the last break
+# character ('=' or ':'), as bash's own word splitting expects.
+COMPLETION_SCRIPT = r'''_hpdcp_runner_complete() {
+    local line=${COMP_LINE:0:$COMP_POINT} rest
+    local -a prog
+    if [[ $line =~ ^[[:space:]]*(hpdcp)([[:space:]].*)?$ ]]; then
+        prog=(hpdcp); rest=${BASH_REMATCH[2]}
+    elif [[ $line =~ ^[[:space:]]*([^[:space:]]*python[0-9.]*)[[:space:]]+-m[[:space:]]+hpdcp_runner([[:space:]].*)?$ ]]; then
+        prog=("${BASH_REMATCH[1]}" -m hpdcp_runner); rest=${BASH_REMATCH[2]}
+    else
+        return 1
+    fi
+    [[ -z $rest ]] && return 0
+    local word=${rest##*[[:space:]]}
+    local choices
+    choices=$(COMP_LINE="hpdcp$rest" COMP_POINT=$((5 + ${#rest})) "${prog[@]}" -sc query=bash 2>/dev/null)
+    COMPREPLY=($(compgen -W "$choices" -- "$word"))
+    local piece=${COMP_WORDS[COMP_CWORD]}
+    [[ $piece == "=" || $piece == ":" ]] && piece=""
+    local cut=$(( ${#word} - ${#piece} ))
+    local i
+    for i in "${!COMPREPLY[@]}"; do COMPREPLY[$i]=${COMPREPLY[$i]:$cut}; done
+}
+complete -o nospace -o default -F _hpdcp_runner_complete hpdcp python python3
+'''
+
+
+def handle_early_flags(argv: list[str], rank: int) -> int | None:
+    """Answer what needs no Hydra run; returns an exit code when handled, else None."""
+    if rank != 0 and any(a.split("=")[0] in PRINT_ONLY_FLAGS for a in argv):
+        return 0  # torchrun: rank 0 prints it once
+    if any(a in ("--help", "-h") for a in argv):
+        prog = "hpdcp" if os.path.basename(sys.argv[0]) == "hpdcp" else "python -m hpdcp_runner"
+        print(render_help(prog))
+        return 0
+    for i, a in enumerate(argv):
+        if a in ("-sc", "--shell-completion") and i + 1 < len(argv) and argv[i + 1] == "install=bash":
+            print(COMPLETION_SCRIPT)
+            return 0
+        if a in ("-sc", "--shell-completion") and i + 1 < len(argv) and argv[i + 1] == "uninstall=bash":
+            print("complete -r hpdcp python python3 2>/dev/null; unset -f _hpdcp_runner_complete")
+            return 0
+    return None

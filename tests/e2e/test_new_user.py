@@ -1,0 +1,198 @@
+"""The CLI as a new user meets it: relative paths, one-line errors naming the CLI key, rank logs,
+help and completion, machine-readable output, progress on a terminal, no stray warnings."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+
+from tests.e2e.conftest import ROOT, _env, metrics
+from tests.e2e.test_cli import _tail
+
+
+def test_relative_paths_resolve_against_the_launch_directory(cli, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    r = cli(["+job=save", "checkpoint.dir=rel_ck", "checkpoint.name=step_1", f"hydra.run.dir={tmp_path}/r1"],
+            cwd=str(work))
+    assert r.returncode == 0, _tail(r)
+    assert (work / "rel_ck" / "step_1" / "metadata.json").is_file()
+    assert not (tmp_path / "r1" / "rel_ck").exists()  # the run dir holds only the run's own outputs
+    r = cli(["+job=reshard", "job.source.path=rel_ck/step_1", "job.output=out/resharded", "layout=tp",
+             f"hydra.run.dir={tmp_path}/r2"], cwd=str(work), nproc=2)
+    assert r.returncode == 0, _tail(r)
+    assert (work / "out" / "resharded" / "metadata.json").is_file()
+    assert metrics(tmp_path / "r2")["result"]["source"] == str(work / "rel_ck" / "step_1")
+    r = cli(["+job=transform", "transform.src=rel_ck/step_1", "transform.dst=hf_out", f"hydra.run.dir={tmp_path}/r3"],
+            cwd=str(work))
+    assert r.returncode == 0 and (work / "hf_out" / "model.safetensors").is_file(), _tail(r)
+    # the default checkpoint.dir is the run's own outputs
+    r = cli(["+job=save", f"hydra.run.dir={tmp_path}/r4"], cwd=str(work))
+    assert r.returncode == 0 and (tmp_path / "r4" / "checkpoints" / "step_0" / "metadata.json").is_file(), _tail(r)
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if " error: " in f" {ln}" or ln.startswith("error: ")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def test_user_mistakes_are_one_line_naming_the_cli_key(cli, tmp_path):
+    ck = tmp_path / "ck"
+    r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=step_1", f"hydra.run.dir={tmp_path}/r0"])
+    assert r.returncode == 0, _tail(r)
+    # an existing checkpoint, under torchrun: one line from rank 0, the CLI key, no Python keyword,
+    # no traceback of ours and no torchrun error-file dump (its own launcher summary remains)
+    r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=step_1", f"hydra.run.dir={tmp_path}/r1"], nproc=2)
+    assert r.returncode != 0
+    line = _one_error_line(r.stderr)
+    assert "CheckpointExistsError" in line and "checkpoint.overwrite=true" in line and str(ck / "step_1") in line
+    assert "overwrite=True" not in r.stderr and "hpdcp_runner/jobs" not in r.stderr, r.stderr[-3000:]
+    # the rank log has the phases and the failure with its traceback; FAILED holds the cause
+    log1 = (tmp_path / "r1" / "hpdcp_rank1.log").read_text()
+    assert "phase save: started" in log1 and "job failed: CheckpointExistsError" in log1 and "Traceback" in log1
+    assert "checkpoint.overwrite=true" in (tmp_path / "r1" / "FAILED").read_text()
+    # one process: no traceback at all
+    for args, words in (
+        ([f"checkpoint.path={tmp_path}/nope"], ["CheckpointNotFoundError", f"{tmp_path}/nope", "checkpoint.path"]),
+        ([f"checkpoint.path={ck}/step_1/metadata.json"], ["is a file, not a checkpoint directory", "checkpoint.path"]),
+    ):
+        r = cli(["+job=load", *args, f"hydra.run.dir={tmp_path}/r2"])
+        assert r.returncode == 1 and "Traceback" not in r.stderr, _tail(r)
+        line = _one_error_line(r.stderr)
+        assert all(w in line for w in words), line
+    (tmp_path / "a_file").write_text("x")
+    for where, words in ((tmp_path / "a_file", ["a file is in the way", "checkpoint.dir"]),
+                         ("/sys/hpdcp_no_such_dir", ["StorageAccessError", "/sys/hpdcp_no_such_dir", "checkpoint.dir"])):
+        r = cli(["+job=save", f"checkpoint.dir={where}", f"hydra.run.dir={tmp_path}/r3"])
+        assert r.returncode == 1 and "Traceback" not in r.stderr, _tail(r)
+        line = _one_error_line(r.stderr)
+        assert "DistributedError" not in line and all(w in line for w in words), line
+
+
+def test_help_completion_and_schema_entries(cli, tmp_path):
+    r = cli(["--help"], nproc=2)  # under torchrun: printed once
+    assert r.returncode == 0 and r.stdout.count("Jobs (+job=<name>):") == 1, _tail(r)
+    for job in ("save", "load", "reshard", "inspect", "verify", "bench", "train", "transform"):
+        assert f"\n  {job} " in r.stdout
+    assert "_schema" not in r.stdout and "fsdp" in r.stdout and "mlp_adamw" in r.stdout
+    r = cli(["+job=save", "--cfg", "job"], nproc=2)
+    assert r.returncode == 0 and r.stdout.count("checkpoint:") == 1, _tail(r)
+    for bad in (["+job=job_schema"], ["+job=save", "layout=layout_schema"]):
+        r = cli(bad + [f"hydra.run.dir={tmp_path}/x"])
+        assert r.returncode == 2 and "internal type schemas" in r.stderr, _tail(r)
+    script = tmp_path / "comp.sh"
+    script.write_text(f"""cd {tmp_path}
+eval "$({sys.executable} -m hpdcp_runner -sc install=bash)"
+COMP_LINE="{sys.executable} -m hpdcp_runner +job=sa"; COMP_POINT=${{#COMP_LINE}}
+COMP_WORDS=({sys.executable} -m hpdcp_runner +job = sa); COMP_CWORD=5
+_hpdcp_runner_complete; echo "job:${{COMPREPLY[*]}}"
+COMP_LINE="{sys.executable} -m hpdcp_runner checkpoint.keep_la"; COMP_POINT=${{#COMP_LINE}}
+COMP_WORDS=({sys.executable} -m hpdcp_runner checkpoint.keep_la); COMP_CWORD=3
+_hpdcp_runner_complete; echo "key:${{COMPREPLY[*]}}"
+""")
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env=_env())
+    assert "job:save" in out.stdout and "key:checkpoint.keep_last=" in out.stdout, out.stdout + out.stderr
+
+
+def test_bench_table_leaves_out_warmups_and_records_noise(cli, tmp_path):
+    r = cli(["+job=bench", "job.warmup=1", "job.repeats=2", f"hydra.run.dir={tmp_path}/b"])
+    assert r.returncode == 0, _tail(r)
+    table = r.stdout.split("peak RSS")[0]
+    assert "\nsave " in table and "\nload " in table and "warmup" not in table
+    m = metrics(tmp_path / "b")
+    assert "warmup.save" in m["summary"] and m["result"]["load"]["n"] == 2
+    lo, hi = m["result"]["objective_range"]
+    assert lo <= m["result"]["objective"] <= hi
+
+
+def test_first_run_prints_no_warnings(tmp_path):
+    env = _env()
+    env.pop("PYTHONWARNINGS", None)
+    r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=save"], capture_output=True, text=True,
+                       timeout=240, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, _tail(r)
+    assert "Warning" not in r.stderr and "Failed to initialize NumPy" not in r.stderr, r.stderr
+
+
+def test_progress_on_a_terminal_only(tmp_path):
+    """A load throttled to ~4 s shows rank 0's bytes, files and rate on a terminal; piped, nothing."""
+    ck = tmp_path / "ck"
+    env = _env()
+    env.pop("CI", None)
+    base = [sys.executable, "-m", "hpdcp_runner"]
+    model = ["model.vocab=2048", "model.hidden=128", "model.ffn=512"]  # 3.7 MB in 20 tensors
+    subprocess.run(base + ["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=s", *model], check=True, env=env,
+                   cwd=str(tmp_path), capture_output=True, timeout=240)
+    load = base + ["+job=load", f"checkpoint.path={ck}/s", "dcp.storage.max_read_bytes_per_s=1MiB", *model]
+    pid, fd = pty.fork()
+    if pid == 0:  # child: stdout/stderr are the terminal, 24 x 100 like a real one
+        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        os.chdir(tmp_path)
+        os.execvpe(load[0], load, env)
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, shown[-2000:]
+    assert "load (rank 0)" in shown and "B/s" in shown and "files" in shown, shown[-2000:]
+    piped = subprocess.run(load, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=240)
+    assert piped.returncode == 0 and "(rank 0)" not in piped.stderr + piped.stdout
+
+
+def _fake_sweep(root, points):
+    for i, (ov, obj, rng) in enumerate(points):
+        d = root / str(i)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in ov))
+        if obj is None:
+            (d / "FAILED").write_text("StorageAccessError: cannot create the checkpoint /x: Permission denied\n")
+        else:
+            (d / "metrics.json").write_text(json.dumps({"result": {"objective": obj, "objective_range": rng}}))
+
+
+def _report(root, *extra):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sweep_report.py"), str(root), *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_sweep_report_marks_noise_instead_of_naming_a_best(tmp_path):
+    noisy = tmp_path / "noisy"
+    _fake_sweep(noisy, [(["k=1"], 1.00, [0.90, 1.20]), (["k=2"], 1.05, [0.95, 1.30]), (["k=3"], 2.0, [1.9, 2.1]),
+                        (["k=4"], None, None)])
+    r = _report(noisy, "--no-plot")
+    assert r.returncode == 0, r.stderr
+    assert "best:" not in r.stdout and "within noise: k=1; k=2" in r.stdout
+    md = (noisy / "report.md").read_text()
+    assert "No single best point" in md and "clearly different" in md and "Permission denied" in md
+    assert not (noisy / "report.png").exists()
+    clear = tmp_path / "clear"
+    _fake_sweep(clear, [(["k=1"], 1.0, [0.9, 1.1]), (["k=2"], 2.0, [1.9, 2.1])])
+    r = _report(clear)
+    assert r.returncode == 0 and "best: k=1" in r.stdout, r.stderr
+    assert (clear / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("fmt", ["json"])
+def test_inspect_json_is_alone_on_stdout(cli, tmp_path, fmt):
+    ck = tmp_path / "ck"
+    assert cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=s", f"hydra.run.dir={tmp_path}/a"]).returncode == 0
+    r = cli(["+job=inspect", f"checkpoint.path={ck}/s", f"job.format={fmt}", f"hydra.run.dir={tmp_path}/b"])
+    assert r.returncode == 0, _tail(r)
+    assert json.loads(r.stdout)["state"] == "committed"
+    assert "hpdcp inspect:" in r.stderr
