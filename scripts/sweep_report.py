@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -168,6 +168,14 @@ def _plot(path: str, ok: list[dict], knobs: list[str], objective: str) -> None:
     plt.close(fig)
 
 
+def _have(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("multirun_dir")
@@ -175,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--maximize", action="store_true")
     ap.add_argument("--no-plot", action="store_true", help="skip report.png (no matplotlib needed)")
     args = ap.parse_args(argv)
-    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
+    if not args.no_plot and not _have("matplotlib"):
         print("the sweep plot needs matplotlib: pip install 'hpdcp_runner[report]' (or pass --no-plot); "
               "nothing was written", file=sys.stderr)
         return 2

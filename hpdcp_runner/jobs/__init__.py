@@ -39,7 +39,7 @@ def _fail(message: str, code: int, *, every_rank: bool = False, run_dir: str | N
         sys.stderr.flush()
     if (every_rank or rank == 0) and run_dir and os.path.isdir(run_dir):
         with open(os.path.join(run_dir, FAILED_MARKER), "a") as f:
-            f.write(f"{prefix}{message}\n" if every_rank or rank == 0 else "")
+            f.write(f"{prefix}{message}\n")
     raise SystemExit(code)
 
 

@@ -186,6 +186,43 @@ def test_sweep_report_marks_noise_instead_of_naming_a_best(tmp_path):
     r = _report(clear)
     assert r.returncode == 0 and "best: k=1" in r.stdout, r.stderr
     assert (clear / "report.png").read_bytes()[:4] == b"\x89PNG"
+    # without matplotlib: said up front, nothing written
+    bare = tmp_path / "bare"
+    _fake_sweep(bare, [(["k=1"], 1.0, [0.9, 1.1])])
+    code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+            f"sys.argv = ['sweep_report.py', {str(bare)!r}]; "
+            f"runpy.run_path({os.path.join(ROOT, 'scripts', 'sweep_report.py')!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "needs matplotlib" in r.stderr and "--no-plot" in r.stderr, r.stderr
+    assert not (bare / "report.md").exists() and not (bare / "report.csv").exists()
+
+
+@pytest.mark.slow
+def test_bench_script_drops_the_page_cache_only_when_asked(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           os.path.join(ROOT, "scripts", "bench_vs_torch_dcp.py"), "--reps", "1", "--scale", "0.002",
+           "--dir", str(tmp_path / "d"), "--out", str(tmp_path / "b.md")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+    assert r.returncode == 0, _tail(r)
+    text = (tmp_path / "b.md").read_text()
+    assert "Cold loads: not run" in text and "load cold" not in text
+
+
+def test_load_a_subset_from_the_cli(cli, tmp_path):
+    ck = tmp_path / "ck"
+    r = cli(["+job=save", "model=mlp_adamw", f"checkpoint.dir={ck}", "checkpoint.name=s", f"hydra.run.dir={tmp_path}/a"])
+    assert r.returncode == 0, _tail(r)
+    r = cli(["+job=load", "model=mlp_adamw", f"checkpoint.path={ck}/s", "job.include='^model\\.'",
+             f"hydra.run.dir={tmp_path}/b"])
+    assert r.returncode == 1 and "job.strict=false" in r.stderr and "strict=False" not in r.stderr, _tail(r)
+    r = cli(["+job=load", "model=mlp_adamw", f"checkpoint.path={ck}/s", "job.include='^model\\.'", "job.strict=false",
+             f"hydra.run.dir={tmp_path}/c"])
+    assert r.returncode == 0, _tail(r)
+    res = metrics(tmp_path / "c")["result"]
+    assert res["verified"] and res["missing_keys"] == [] and res["loaded_keys"] == 4
+    assert res["unused_checkpoint_keys"] and all(k.startswith(("optim.", "meta.")) for k in res["unused_checkpoint_keys"])
+    # results print as JSON values, not Python reprs
+    assert 'unused_checkpoint_keys: ["' in r.stdout and "verified: true" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("fmt", ["json"])
