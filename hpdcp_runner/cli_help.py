@@ -37,7 +37,7 @@ def group_choices(conf_dir: str, group: str) -> list[tuple[str, str]]:
 def render_help(prog: str) -> str:
     conf = find_conf_dir()
     lines = [f"usage: {prog} +job=<name> [group=choice ...] [key=value ...]",
-             f"       torchrun --nproc-per-node=N -m hpdcp_runner +job=<name> [...]", "",
+             "       torchrun --nproc-per-node=N -m hpdcp_runner +job=<name> [...]", "",
              "Jobs (+job=<name>):"]
     lines += [f"  {name:<10} {text}" for name, text in JOB_HELP.items()]
     for group in GROUPS_SHOWN:

@@ -10,7 +10,7 @@ No Hydra, no OmegaConf: usable from any training script.
 from .api import LoadResult, load, read_metadata, save
 from .async_persist import AsyncSaveResponse, async_save, release_staging_buffers, wait_for_async_saves
 from .broadcast import BroadcastOptions, release_broadcast_groups
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, CollectiveTimeoutError, ConfigError,
+from .errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, KeyMismatchError,
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
                      StorageAccessError)
@@ -34,6 +34,7 @@ __all__ = [
     "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
     "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "FlatShard", "LocalShard",
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
+    "CommitDurabilityError", "CheckpointChangedError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",
     "CoverageError", "PickleNotAllowedError", "StorageAccessError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError",
 ]

@@ -141,8 +141,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
 
 def read_metadata(checkpoint_id: str | os.PathLike, **reader_kwargs: Any) -> Metadata:
     """Read and validate a checkpoint's metadata (single process, no collectives)."""
-    reader = FileSystemReader(checkpoint_id, **reader_kwargs)
-    return Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+    return FileSystemReader(checkpoint_id, **reader_kwargs).read_metadata_once()
 
 
 def _bitmap(keys: list[str], requested: frozenset[str]) -> str:
@@ -192,11 +191,11 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             # Rank 0 reads, every rank parses and validates in parallel; a rank whose validation
             # fails reports it in the plan agreement below, so every rank raises it.
             source = os.path.join(path, METADATA_FILE) if path else METADATA_FILE
-            text = comm.agree_root("load: metadata", reader.read_metadata_text)
+            got = comm.agree_root("load: metadata", lambda: {"text": reader.read_metadata_text(), "pin": reader.pin()})
             md_or_error: Metadata | Exception
             try:
-                md_or_error = Metadata.from_json(text, source=source)
-                reader.attach_metadata(md_or_error)
+                md_or_error = Metadata.from_json(got["text"], source=source)
+                reader.attach_metadata(md_or_error, pin=got["pin"])
             except Exception as e:
                 md_or_error = e
 
@@ -255,6 +254,9 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                 req = ReadRequest(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes),
                                   planner.acquire_tensor(it))
                 reads.append((batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes)), req))
+            # every file this rank reads exists, is regular and has its recorded size before any
+            # data moves into the caller's tensors
+            reader.check_files(sorted({r.chunk.file for _, r in reads} | {md.objects[f].file for f in own.objects}))
             run_load_transfers(batches, rank=comm.rank, group=comm.group, control=comm.control,
                                timeout=comm.timeout, options=options, destination=planner.destination,
                                counters=reader.counters, reads=reads, read=reader.read_tensors, needed=needed)

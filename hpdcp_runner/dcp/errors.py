@@ -30,6 +30,15 @@ class StorageAccessError(HpdcpError, OSError):
     directory should be, no space left. Bad input or environment, not a failed peer."""
 
 
+class CheckpointChangedError(HpdcpError, OSError):
+    """The checkpoint being loaded was replaced or deleted by another process during the load."""
+
+
+class CommitDurabilityError(HpdcpError, OSError):
+    """The checkpoint was committed (complete, loadable under its name) but making the commit
+    durable failed (fsync of its directory): it may not survive a machine crash."""
+
+
 class MetadataError(HpdcpError, ValueError):
     """``metadata.json`` is malformed, too large, inconsistent or of an unknown version."""
 

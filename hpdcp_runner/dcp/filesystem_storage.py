@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -31,8 +32,8 @@ import torch
 from . import faults
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest, naming, pread_into, write_file
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError,
-                     StorageAccessError)
+from .errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CorruptCheckpointError,
+                     MetadataError, StorageAccessError)
 from .geometry import contiguous_runs, flat_span, row_major_strides
 from .metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
                        dtype_from_name, element_size)
@@ -41,7 +42,9 @@ from .utils import get_logger, rank_of_env
 
 log = get_logger(__name__)
 STAGING_MARK = ".tmp-"
+STAGING_LOCK = ".lock"  # suffix of the lock file beside a staging directory
 TRASH_MARK = ".trash-"
+DISPLACED_MARK = ".old-"  # an overwritten checkpoint between the two renames of a non-atomic swap
 DEFAULT_FILES_KEPT = 8
 DEFAULT_SEGMENT_BYTES = 4 << 10  # shortest run read on its own (see _read_runs)
 
@@ -86,6 +89,38 @@ def remove_tree_safely(path: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def hold_staging_lock(staging: str) -> int:
+    """The coordinator holds an exclusive flock on ``<staging>.lock`` (beside the staging
+    directory, so it is never part of the checkpoint) from begin until after the commit; the
+    kernel drops it when the process dies, which is how cleanup tells a dead save's staging
+    directory from one in progress."""
+    fd = os.open(staging + STAGING_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def staging_is_abandoned(staging: str, *, unlocked_age_s: float = 3600.0) -> bool:
+    """True when no live process saves into ``staging``: its lock is free, or it has no lock
+    (a version without one, or an early crash) and was last touched over ``unlocked_age_s`` ago."""
+    lock = staging + STAGING_LOCK
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        try:
+            return time.time() - os.stat(staging).st_mtime > unlocked_age_s
+        except OSError:
+            return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def storage_access_error(e: OSError, what: str) -> StorageAccessError:
     """``what`` failed for a reason the user fixes (permissions, a file in the way, no space)."""
     where = f" ({e.filename})" if e.filename else ""
@@ -94,11 +129,13 @@ def storage_access_error(e: OSError, what: str) -> StorageAccessError:
     return StorageAccessError(f"{what}: {e.strerror or e}{where}")
 
 
-def open_regular(full: str) -> int:
+def open_regular(full: str, dir_fd: int | None = None) -> int:
     """Open a checkpoint file for reading: no symlinks, no FIFOs or devices (which could hang or
-    read outside the checkpoint), only a regular file. Returns the fd."""
+    read outside the checkpoint), only a regular file. With ``dir_fd``, the file's base name is
+    opened inside that (pinned) directory. Returns the fd."""
     try:
-        fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(os.path.basename(full), flags, dir_fd=dir_fd) if dir_fd is not None else os.open(full, flags)
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -120,7 +157,8 @@ def publish_dir(staging: str, path: str, *, overwrite: bool, fsync: bool = True)
     Without ``overwrite`` an existing ``path`` is never replaced, also one that another writer
     committed while this one was staging (rename() onto a non-empty directory fails, so there is
     no window). With it, the two are swapped atomically where the kernel can (renameat2), so the
-    old one stays loadable until the new one is in place, then the old one goes to trash.
+    old one stays loadable until the new one is in place, then the old one goes to trash. Where
+    it cannot (some FUSE and network file systems), see :func:`_swap_by_renames`.
     """
     parent, name = os.path.split(path)
     faults.point("commit.rename", path=path)
@@ -136,16 +174,76 @@ def publish_dir(staging: str, path: str, *, overwrite: bool, fsync: bool = True)
                                         f"it first); nothing was committed") from None
     elif os.path.lexists(path):
         if not _exchange(staging, path):
-            old = os.path.join(parent, f".{name}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
-            os.rename(path, old)
-            os.rename(staging, path)
-            shutil.rmtree(old, ignore_errors=True)
+            _swap_by_renames(staging, path)
         else:
             remove_tree_safely(staging)  # the staging name now holds the old one
     else:
         os.rename(staging, path)
     if fsync:
-        _fsync_dir(parent)
+        try:
+            faults.point("commit.dir_fsync", path=parent)
+            _fsync_dir(parent)
+        except OSError as e:
+            raise CommitDurabilityError(
+                f"checkpoint {path} IS committed (complete and loadable under its name), but syncing its directory "
+                f"{parent} failed ({e.strerror or e}): the commit may not survive a crash of the machine; check the "
+                f"storage. Saving it again needs overwrite.") from None
+
+
+def _swap_by_renames(staging: str, path: str) -> None:
+    """Overwrite without an atomic exchange: the old checkpoint is first renamed to a *displaced*
+    name (``.NAME.old-<id>``), never to trash, then staging becomes ``NAME``. If the second rename
+    fails, the old one is put back at once; if the process dies in between, the next access of
+    ``NAME`` (load, save, retention) finds it missing and renames the displaced one back
+    (:func:`recover_displaced`). Trash cleanup never touches displaced directories."""
+    parent, name = os.path.split(path)
+    displaced = os.path.join(parent, f".{name}{DISPLACED_MARK}{uuid.uuid4().hex[:8]}")
+    os.rename(path, displaced)
+    try:
+        faults.point("commit.displaced", path=path)
+        os.rename(staging, path)
+    except BaseException:
+        try:
+            os.rename(displaced, path)
+        except OSError:
+            pass  # recover_displaced restores it on the next access
+        raise
+    try:
+        remove_tree_safely(displaced)
+    except FileNotFoundError:
+        pass  # a concurrent recovery already cleared it: the commit stands
+
+
+def recover_displaced(path: str) -> bool:
+    """Finish what a crashed rename-swap of ``path`` left: restore the displaced old checkpoint
+    when ``path`` is missing, delete displaced copies once ``path`` exists. Returns whether
+    ``path`` was restored. Best effort: a concurrent swap or recovery makes a step fail harmlessly."""
+    parent, name = os.path.split(os.path.abspath(path))
+    prefix = f".{name}{DISPLACED_MARK}"
+    try:
+        # (a displaced directory being deleted was renamed to trash: never a candidate)
+        found = sorted(n for n in os.listdir(parent) if n.startswith(prefix) and TRASH_MARK not in n)
+    except OSError:
+        return False
+    restored = False
+    if found and not os.path.lexists(path):
+        complete = [n for n in found if os.path.isfile(os.path.join(parent, n, METADATA_FILE))]
+        if complete:
+            newest = max(complete, key=lambda n: os.stat(os.path.join(parent, n, METADATA_FILE)).st_mtime_ns)
+            try:
+                os.rename(os.path.join(parent, newest), path)
+                restored = True
+                log.warning("restored %s from %s: an overwrite had been interrupted between its renames", path, newest)
+            except OSError:
+                return False
+            found.remove(newest)
+    if os.path.lexists(path):
+        for n in found:
+            try:
+                remove_tree_safely(os.path.join(parent, n))
+            except OSError:
+                pass
+    return restored
 
 
 class FileSystemWriter(StorageWriter):
@@ -159,6 +257,7 @@ class FileSystemWriter(StorageWriter):
         self.counters = IOCounters()
 
     def begin(self, *, overwrite: bool) -> str:
+        recover_displaced(self.path)
         if os.path.lexists(self.path) and not overwrite:
             raise CheckpointExistsError(f"checkpoint {self.path} already exists; pass overwrite=True to replace it "
                                         f"(the old one stays loadable until the new one commits)")
@@ -170,6 +269,7 @@ class FileSystemWriter(StorageWriter):
         except OSError as e:
             raise storage_access_error(e, f"cannot create the checkpoint {self.path}") from None
         self.staging = os.path.join(self.parent, token)
+        self._lock_fd = hold_staging_lock(self.staging)
         return token
 
     def attach(self, token: str, *, rank: int, world_size: int) -> None:
@@ -217,13 +317,27 @@ class FileSystemWriter(StorageWriter):
                 os.fsync(f.fileno())
         if self.fsync:
             _fsync_dir(self.staging)
-        publish_dir(self.staging, self.path, overwrite=self.overwrite, fsync=self.fsync)
+        try:
+            publish_dir(self.staging, self.path, overwrite=self.overwrite, fsync=self.fsync)
+        finally:
+            if not os.path.isdir(self.staging):  # published: the lock has nothing left to guard
+                self._release_lock()
         self.staging = None
 
     def abort(self) -> None:
         if self.staging and os.path.isdir(self.staging):
             shutil.rmtree(self.staging, ignore_errors=True)
+        self._release_lock()
         self.staging = None
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            try:
+                os.unlink(self.staging + STAGING_LOCK)
+            except OSError:
+                pass
+            os.close(fd)
 
 
 class _TokenBucket:
@@ -267,6 +381,7 @@ class FileSystemReader(StorageReader):
         self.counters = IOCounters()
         self.metadata: Metadata | None = None
         self._fds: OrderedDict[str, int] = OrderedDict()
+        self._dir_fd: int | None = None  # the pinned checkpoint directory
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def _not_found(self) -> CheckpointNotFoundError:
@@ -280,9 +395,15 @@ class FileSystemReader(StorageReader):
         mpath = os.path.join(self.path, METADATA_FILE)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"{self.path} is a file, not a checkpoint directory")
+        if not os.path.lexists(self.path):
+            recover_displaced(self.path)
         if not os.path.isdir(self.path) or not os.path.lexists(mpath):
             raise self._not_found()
-        fd = open_regular(mpath)
+        self._pin_directory()
+        try:
+            fd = open_regular(mpath, self._dir_fd)
+        except FileNotFoundError:
+            raise self._not_found() from None
         try:
             size = os.fstat(fd).st_size
             if size > self.max_metadata_bytes:
@@ -293,8 +414,33 @@ class FileSystemReader(StorageReader):
             os.close(fd)
         return body.decode("utf-8", errors="replace")
 
-    def attach_metadata(self, metadata: Metadata) -> None:
+    def _pin_directory(self) -> None:
+        """Hold the checkpoint directory open and open every file through it: an overwrite or a
+        retention that renames the directory away mid-load cannot mix two checkpoints; this load
+        keeps reading the one it started with, or fails saying it changed."""
+        if self._dir_fd is None:
+            try:
+                self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise self._not_found() from None
+            except OSError as e:
+                raise storage_access_error(e, f"cannot open the checkpoint {self.path}") from None
+
+    def pin(self) -> Any:
+        """The identity of the directory whose metadata was read (its inode), for other ranks."""
+        return os.fstat(self._dir_fd).st_ino if self._dir_fd is not None else None
+
+    def attach_metadata(self, metadata: Metadata, pin: Any = None) -> None:
+        """``pin``: the coordinator's :meth:`pin`; this rank's directory must be the same one."""
         self.metadata = metadata
+        self._pin_directory()
+        if pin is not None and os.fstat(self._dir_fd).st_ino != pin:
+            raise self._changed("it was replaced between the coordinator reading its metadata and this rank "
+                                "opening it")
+
+    def _changed(self, how: str) -> CheckpointChangedError:
+        return CheckpointChangedError(f"checkpoint {self.path} changed during the load ({how}: overwritten, moved "
+                                      f"or deleted by another process); nothing loaded from it can be trusted")
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -303,9 +449,12 @@ class FileSystemReader(StorageReader):
             return fd
         check_file_name(name)
         full = os.path.join(self.path, name)
+        self._pin_directory()
         try:
-            fd = open_regular(full)
+            fd = open_regular(full, self._dir_fd)
         except FileNotFoundError:
+            if os.fstat(self._dir_fd).st_nlink == 0:
+                raise self._changed("its directory was deleted") from None
             raise CheckpointNotFoundError(f"checkpoint file {full} is missing (listed in {METADATA_FILE})") from None
         expected = self.metadata.files[name].size if self.metadata else None
         actual = os.fstat(fd).st_size
@@ -322,6 +471,24 @@ class FileSystemReader(StorageReader):
     def close(self) -> None:
         while self._fds:
             os.close(self._fds.popitem()[1])
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def __del__(self) -> None:  # a reader dropped without close() must not leak descriptors
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def read_metadata_once(self) -> Metadata:
+        """Read, validate and attach the metadata, then release the directory (one-shot callers)."""
+        try:
+            md = Metadata.from_json(self.read_metadata_text(), source=os.path.join(self.path, METADATA_FILE))
+        finally:
+            self.close()
+        self.metadata = md
+        return md
 
     def _scratch_view(self, nbytes: int) -> torch.Tensor:
         if self._scratch.numel() < nbytes:

@@ -34,7 +34,7 @@ def commit_state(path: str | os.PathLike) -> str:
 def describe(path: str | os.PathLike) -> dict:
     """A JSON-able summary: format, world size, files, and per tensor dtype/shape/chunks/bytes."""
     reader = FileSystemReader(path)
-    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+    md = reader.read_metadata_once()
     tensors = {k: {"dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes,
                    "files": sorted({c.file for c in t.chunks})} for k, t in md.tensors.items()}
     return {"path": reader.path, "state": commit_state(path), "format_version": md.format_version,
@@ -107,7 +107,7 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
     problems: list[str] = []
     abspath = os.path.abspath(os.fspath(path))
     try:
-        md = Metadata.from_json(FileSystemReader(path).read_metadata_text(), source=os.path.join(abspath, METADATA_FILE))
+        md = FileSystemReader(path).read_metadata_once()
     except HpdcpError as e:
         return VerifyReport(abspath, (str(e),), 0, 0)
     by_file: dict[str, dict[str, object]] = {}

@@ -43,7 +43,7 @@ for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
         DTYPES[_name] = (getattr(torch, _name), _code)
 _DTYPE_NAMES = {dt: name for name, (dt, _) in DTYPES.items()}
 
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: '$' would admit a trailing newline
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,7 +72,7 @@ def element_size(name: str) -> int:
 
 def check_file_name(name: Any) -> str:
     """File names are plain names inside the checkpoint directory: no separators, no dot-dot."""
-    if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name:
         raise MetadataError(f"file name {name!r} is not a plain file name inside the checkpoint directory")
     return name
 
@@ -213,8 +213,18 @@ def _path(v: Any, source: str, key: str) -> tuple[str | int, ...]:
     return tuple(v)
 
 
+_TENSOR_FIELDS = {"dtype", "shape", "path", "chunks"}
+_TOP_FIELDS = {"format", "format_version", "world_size", "checksum_algorithm", "files", "tensors", "objects", "extra"}
+
+
 def _parse(doc: Any, source: str) -> Metadata:
+    """Unknown fields are rejected, not ignored: a reader that skipped a field it does not
+    understand could load something other than what was written. Additions go into ``extra``
+    (kept and round-tripped) or come with a new format version."""
     _need(isinstance(doc, dict), source, "top level must be an object")
+    unknown = sorted(set(doc) - _TOP_FIELDS)
+    _need(not unknown, source, f"unknown field(s) {unknown[:5]} (this build reads format version {FORMAT_VERSION}; "
+                               f"additions belong in 'extra')")
     _need(doc.get("format") == FORMAT_NAME, source, f"not an hpdcp checkpoint (format={doc.get('format')!r})")
     version = doc.get("format_version")
     _need(version == FORMAT_VERSION, source,
@@ -231,7 +241,8 @@ def _parse(doc: Any, source: str) -> Metadata:
             check_file_name(name)
         except MetadataError as e:
             raise MetadataError(f"{source}: {e}") from None
-        _need(isinstance(f, dict) and type(f.get("size")) is int and f["size"] >= 0
+        _need(isinstance(f, dict) and set(f) == {"size", "checksum", "rank"} and type(f.get("size")) is int
+              and f["size"] >= 0
               and isinstance(f.get("checksum"), str) and type(f.get("rank")) is int,
               source, f"file {name!r}: bad entry {f!r:.120}")
         files[name] = FileMeta(name, f["size"], f["checksum"], f["rank"])
@@ -240,7 +251,8 @@ def _parse(doc: Any, source: str) -> Metadata:
     objects: dict[str, ObjectMeta] = {}
     for k, o in doc["objects"].items():
         _need(k not in tensors, source, f"key {k!r} is both a tensor and an object")
-        _need(isinstance(o, dict) and o.get("file") in files and isinstance(o.get("checksum"), str),
+        _need(isinstance(o, dict) and set(o) <= {"file", "checksum", "path"} and o.get("file") in files
+              and isinstance(o.get("checksum"), str),
               source, f"object {k!r}: bad entry or unknown file {o!r:.120}")
         objects[k] = ObjectMeta(o["file"], o["checksum"], _path(o.get("path"), source, k))
     extra = doc.get("extra", {})
@@ -251,7 +263,10 @@ def _parse(doc: Any, source: str) -> Metadata:
 def _parse_tensor(key: str, t: Any, files: Mapping[str, FileMeta], source: str) -> TensorMeta:
     """One tensor entry, every chunk validated. Messages are built only on failure: formatting
     them eagerly cost ~20 us per chunk, which at 1,000 ranks x 2,000 tensors was 40 s per rank."""
-    _need(isinstance(t, dict), source, f"tensor {key!r}: entry must be an object")
+    if not (isinstance(t, dict) and t.keys() <= _TENSOR_FIELDS):
+        got = sorted(map(str, t))[:6] if isinstance(t, dict) else t
+        raise MetadataError(f"{source}: tensor {key!r}: entry must be an object with fields {sorted(_TENSOR_FIELDS)}, "
+                            f"got {got!r:.100}")
     dtype = t.get("dtype")
     _need(dtype in DTYPES, source, f"tensor {key!r}: unknown dtype {dtype!r}")
     shape = _int_list(t.get("shape"), source, f"tensor {key!r} shape")

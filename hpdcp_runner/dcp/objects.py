@@ -9,14 +9,18 @@ never attempted without it, so loading an untrusted checkpoint runs no code.
 from __future__ import annotations
 
 import base64
+import json
 import pickle
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from .errors import MetadataError, PickleNotAllowedError, StateDictError
 from .state_dict import is_stateful
+from .utils import get_logger
 
+log = get_logger(__name__)
 _MAX_DEPTH = 200
 
 
@@ -67,6 +71,8 @@ def _enc(v: Any, depth: int) -> Any:
         return ["S", [int(x) for x in v]]
     if t is dict:
         return ["d", [[_enc(k, depth + 1), _enc(x, depth + 1)] for k, x in v.items()]]
+    if t is OrderedDict:  # an ordered map: no pickle needed, its order and type round-trip
+        return ["o", [[_enc(k, depth + 1), _enc(x, depth + 1)] for k, x in v.items()]]
     if isinstance(v, torch.dtype):
         return ["D", str(v).removeprefix("torch.")]
     raise _NeedsPickle(t.__qualname__)
@@ -75,7 +81,10 @@ def _enc(v: Any, depth: int) -> Any:
 def decode(data: Any, *, key: str, source: str, allow_pickle: bool = False) -> Any:
     """Decode data written by :func:`encode`; malformed data is a MetadataError naming the key."""
     try:
-        return _dec(data, 0, allow_pickle)
+        value = _dec(data, 0, allow_pickle)
+        if allow_pickle and '["p",' in json.dumps(data, separators=(",", ":")):
+            log.warning("%s: key %r was unpickled (allow_pickle=True): this ran code from the checkpoint", source, key)
+        return value
     except PickleNotAllowedError:
         raise PickleNotAllowedError(
             f"{source}: key {key!r} was saved with pickle; refusing to unpickle it without "
@@ -109,8 +118,8 @@ def _dec(d: Any, depth: int, allow_pickle: bool) -> Any:
         return items if tag == "l" else tuple(items)
     if tag == "S" and isinstance(arg, list):
         return torch.Size([int(x) for x in arg])
-    if tag == "d" and isinstance(arg, list):
-        out = {}
+    if tag in ("d", "o") and isinstance(arg, list):
+        out = {} if tag == "d" else OrderedDict()
         for pair in arg:
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ValueError("bad dict item")

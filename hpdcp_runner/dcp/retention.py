@@ -16,6 +16,7 @@ crash never leaves half a checkpoint under a real name; the next retention clear
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from .errors import ConfigError
-from .filesystem_storage import TRASH_MARK, open_regular, remove_tree_safely
+from .filesystem_storage import (DISPLACED_MARK, STAGING_LOCK, STAGING_MARK, TRASH_MARK, open_regular, recover_displaced,
+                                 remove_tree_safely, staging_is_abandoned)
 from .metadata import METADATA_FILE
 from .utils import get_logger
 
@@ -82,6 +84,9 @@ def _recorded_extra(path: str) -> dict | None:
 def _committed(directory: str) -> Iterable[str]:
     if not os.path.isdir(directory):
         return []
+    for n in os.listdir(directory):  # finish overwrites interrupted between their two renames
+        if n.startswith(".") and DISPLACED_MARK in n and TRASH_MARK not in n:
+            recover_displaced(os.path.join(directory, n[1:n.rindex(DISPLACED_MARK)]))
     return sorted(n for n in os.listdir(directory)
                   if not n.startswith(".") and os.path.isfile(os.path.join(directory, n, METADATA_FILE)))
 
@@ -118,12 +123,20 @@ def latest_checkpoint(directory: str | os.PathLike, series: str) -> str | None:
 
 
 def clear_trash(directory: str | os.PathLike) -> None:
-    """Delete trash left by a deletion or overwrite that crashed half-way."""
+    """Delete trash left by a deletion or overwrite that crashed half-way, and the staging
+    directories of saves whose coordinator died (its lock is free); saves in progress keep theirs."""
     d = os.fspath(directory)
     if os.path.isdir(d):
         for n in os.listdir(d):
             if n.startswith(".") and TRASH_MARK in n:
                 shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+            elif n.startswith(".") and STAGING_MARK in n and not n.endswith(STAGING_LOCK):
+                staging = os.path.join(d, n)
+                if staging_is_abandoned(staging):
+                    log.info("removing %s: the save that staged it is no longer running", staging)
+                    remove_tree_safely(staging)
+                    with contextlib.suppress(OSError):
+                        os.unlink(staging + STAGING_LOCK)
 
 
 def apply_retention(directory: str | os.PathLike, keep_last: int, *, series: str,

@@ -10,7 +10,7 @@ import torch
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest
 from .dedup import CompactPlan, GlobalSavePlan, assign_owners
-from .errors import CoverageError, ShapeMismatchError, StateDictError
+from .errors import CoverageError, MetadataError, ShapeMismatchError, StateDictError
 from .geometry import Box, BoxIndex, dtensor_local_box, intersect, narrow, relative, whole
 from .metadata import Metadata, dtype_name
 from .planner import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
@@ -80,6 +80,10 @@ class StandardSavePlanner(SavePlanner):
         for fqn, v in self.flat.items():
             if is_tensor_leaf(v):
                 shape, dt = leaf_shape_dtype(v)
+                try:
+                    dtype_name(dt)
+                except MetadataError as e:
+                    raise StateDictError(f"key {fqn!r}: {e}") from None
                 pieces = local_pieces(v)
                 self._pieces[fqn] = pieces
                 for i, (box, t) in enumerate(pieces):
@@ -135,6 +139,9 @@ class StandardLoadPlanner(LoadPlanner):
                 requested.add(fqn)
                 items.extend(self._tensor_reads(fqn, v))
             elif fqn in md.objects:
+                if is_tensor_leaf(v):
+                    raise StateDictError(f"key {fqn!r} is a non-tensor object in the checkpoint but a "
+                                         f"{type(v).__name__} in the target; loading would replace the tensor")
                 requested.add(fqn)
                 objs.append(fqn)
             else:

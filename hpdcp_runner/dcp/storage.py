@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -107,8 +107,18 @@ class StorageReader(ABC):
         """The raw metadata document (size-capped)."""
 
     @abstractmethod
-    def attach_metadata(self, metadata: Metadata) -> None:
-        """Every rank: the validated metadata, used to check files before reading them."""
+    def attach_metadata(self, metadata: Metadata, pin: Any = None) -> None:
+        """Every rank: the validated metadata, used to check files before reading them, and the
+        coordinator's ``pin()`` (None: no check), so every rank reads the checkpoint rank 0 read."""
+
+    def check_files(self, names: Iterable[str]) -> None:
+        """Check these files (exist, readable, recorded size) before any data is read; a storage
+        that cannot check cheaply may do nothing."""
+
+    def pin(self) -> Any:
+        """Coordinator, after ``read_metadata_text``: a JSON-able identity of what was read (None:
+        the storage cannot tell)."""
+        return None
 
     @abstractmethod
     def read_tensors(self, requests: Sequence[ReadRequest], on_done: Callable[[int], None] | None = None,

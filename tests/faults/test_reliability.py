@@ -1,0 +1,201 @@
+"""Reliability round 2: no lost checkpoint where the file system cannot swap directories
+atomically, commits reported as they happened, type mismatches and small format holes refused."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from hpdcp_runner.dcp import (CommitDurabilityError, MetadataError, StateDictError, faults, load, save)
+from hpdcp_runner.dcp import filesystem_storage as fs
+from hpdcp_runner.dcp.metadata import check_file_name
+from hpdcp_runner.dcp.retention import apply_retention, list_checkpoints, series_extra
+from tests.faults.conftest import loads_bitwise, state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SERIES = "step_{step}"
+
+
+def _eio(path, **_):
+    faults.fail(OSError(errno.EIO, os.strerror(errno.EIO), str(path)))
+
+
+@pytest.fixture
+def no_exchange(monkeypatch):
+    """A file system without renameat2(RENAME_EXCHANGE) (some FUSE and network file systems)."""
+    monkeypatch.setattr(fs, "_exchange", lambda a, b: False)
+
+
+def test_fallback_overwrite_failing_between_its_renames_keeps_the_old_checkpoint(tmp_path, no_exchange, fault_row):
+    ck = tmp_path / "step_2"
+    save(state(2), checkpoint_id=ck)
+    with faults.armed("commit.displaced", _eio), pytest.raises(Exception, match="Input/output error"):
+        save(state(5), checkpoint_id=ck, overwrite=True)
+    intact = loads_bitwise(ck, 2)
+    assert intact and sorted(os.listdir(tmp_path)) == ["step_2"]  # no staging, no displaced copy left
+    save(state(5), checkpoint_id=ck, overwrite=True)  # and a later overwrite works
+    assert loads_bitwise(ck, 5) and sorted(os.listdir(tmp_path)) == ["step_2"]
+    fault_row("EIO between the two renames of an overwrite without RENAME_EXCHANGE", "storage faults",
+              "save fails; the old checkpoint is renamed back at once and stays loadable under its name",
+              "OSError (EIO)", "file", intact, None, None)
+
+
+def test_fallback_overwrite_killed_between_its_renames_is_recovered(tmp_path, fault_row):
+    for k in (1, 2):
+        save(state(k), checkpoint_id=tmp_path / f"step_{k}", extra=series_extra(SERIES, k))
+    code = f"""
+        from hpdcp_runner.dcp import save, filesystem_storage as fs
+        from hpdcp_runner.dcp.retention import series_extra
+        from tests.faults.conftest import state
+        fs._exchange = lambda a, b: False
+        save(state(9), checkpoint_id={str(tmp_path / 'step_2')!r}, overwrite=True, extra=series_extra({SERIES!r}, 2))
+    """
+    env = dict(os.environ, HPDCP_FAULTS="commit.displaced:kill", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=ROOT)
+    assert r.returncode == -9, r.stderr
+    left = sorted(os.listdir(tmp_path))
+    assert "step_2" not in left and any(n.startswith(".step_2.old-") for n in left), left  # killed in between
+    # retention's trash cleanup must not take the only copy; the first access restores it
+    apply_retention(tmp_path, 5, series=SERIES)
+    assert [e.name for e in list_checkpoints(tmp_path, SERIES)] == ["step_1", "step_2"]
+    intact = loads_bitwise(tmp_path / "step_2", 2) and loads_bitwise(tmp_path / "step_1", 1)
+    assert intact and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    fault_row("process killed between the two renames of an overwrite without RENAME_EXCHANGE", "process faults",
+              "the old checkpoint waits under a displaced name that no cleanup deletes; the next load, save or "
+              "retention of that name renames it back", "SIGKILL", None, intact, None, None)
+
+
+def test_a_load_restores_a_displaced_checkpoint_itself(tmp_path):
+    save(state(3), checkpoint_id=tmp_path / "ck")
+    os.rename(tmp_path / "ck", tmp_path / ".ck.old-1234abcd")  # as a swap killed in between leaves it
+    assert loads_bitwise(tmp_path / "ck", 3)
+
+
+def test_commit_durability_failure_says_the_checkpoint_is_committed(tmp_path, fault_row):
+    ck = tmp_path / "step_1"
+    with faults.armed("commit.dir_fsync", _eio), pytest.raises(CommitDurabilityError) as ei:
+        save(state(1), checkpoint_id=ck)
+    msg = str(ei.value)
+    assert "IS committed" in msg and str(ck) in msg and "Input/output error" in msg
+    assert loads_bitwise(ck, 1)
+    fault_row("EIO from fsync of the parent directory after the commit rename", "storage faults",
+              "CommitDurabilityError saying the checkpoint IS committed (loadable) but may not be durable",
+              "CommitDurabilityError", "file", True, None, None)
+
+
+def test_object_in_checkpoint_never_replaces_a_tensor_and_vice_versa(tmp_path, fault_row):
+    save({"step": 3, "w": torch.ones(2)}, checkpoint_id=tmp_path / "a")
+    target = {"step": torch.zeros(1), "w": torch.zeros(2)}
+    with pytest.raises(StateDictError, match="'step' is a non-tensor object in the checkpoint but a Tensor"):
+        load(target, checkpoint_id=tmp_path / "a")
+    assert isinstance(target["step"], torch.Tensor) and torch.equal(target["w"], torch.zeros(2))
+    with pytest.raises(StateDictError, match="'w' is a tensor in the checkpoint but a int"):
+        load({"step": 0, "w": 5}, checkpoint_id=tmp_path / "a")
+    fault_row("checkpoint object loaded into a tensor (or a tensor into an object)", "tampered metadata",
+              "refused at planning naming the key; the target is untouched", "StateDictError", "key", None, None, None)
+
+
+def test_small_format_holes(tmp_path, caplog):
+    with pytest.raises(MetadataError):
+        check_file_name("rank00000.safetensors\n")  # '$' matched before a trailing newline
+    # complex tensors: the error names the key
+    with pytest.raises(StateDictError, match="'z'"):
+        save({"z": torch.zeros(2, dtype=torch.complex64)}, checkpoint_id=tmp_path / "c")
+    # OrderedDict leaves round-trip as ordered maps, no pickle
+    od = OrderedDict([("b", 1), ("a", [2, 3])])
+    save({"w": torch.ones(1), "cfg": [od]}, checkpoint_id=tmp_path / "o")
+    tgt = {"w": torch.zeros(1), "cfg": None}
+    load(tgt, checkpoint_id=tmp_path / "o")
+    assert type(tgt["cfg"][0]) is OrderedDict and list(tgt["cfg"][0].items()) == [("b", 1), ("a", [2, 3])]
+    # unknown fields in metadata.json are refused, naming them
+    md = tmp_path / "o" / "metadata.json"
+    doc = json.loads(md.read_text())
+    doc["chunk_index"] = "v2.bin"
+    md.write_text(json.dumps(doc))
+    with pytest.raises(MetadataError, match="unknown field.*chunk_index"):
+        load({"w": torch.zeros(1), "cfg": None}, checkpoint_id=tmp_path / "o")
+    # an actual unpickle is logged as a warning
+    save({"obj": {1, 2}}, checkpoint_id=tmp_path / "p", allow_pickle=True)
+    with caplog.at_level(logging.WARNING):
+        got = {"obj": None}
+        load(got, checkpoint_id=tmp_path / "p", allow_pickle=True)
+    assert got["obj"] == {1, 2} and any("was unpickled" in r.getMessage() for r in caplog.records)
+
+
+def _save_two_rank_files(rank, ws, path, value):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ws,))
+    save({"w": distribute_tensor(torch.full((8, 4), float(value)), mesh, [Shard(0)])}, checkpoint_id=path)
+    return True
+
+
+def test_a_load_racing_an_overwrite_never_mixes_two_checkpoints(tmp_path, fault_row):
+    from tests.multiproc.harness import run_ranks
+
+    ck, new = tmp_path / "ck", tmp_path / "new"
+    assert run_ranks(2, _save_two_rank_files, str(ck), 1.0) == [True, True]
+    assert run_ranks(2, _save_two_rank_files, str(new), 2.0) == [True, True]
+    fired = []
+
+    def overwrite_once(file, **_):
+        if not fired:  # while the load reads its first file, another process commits a new checkpoint
+            fired.append(file)
+            os.rename(ck, tmp_path / "moved")
+            os.rename(new, ck)
+            import shutil
+            shutil.rmtree(tmp_path / "moved")
+
+    # every file is opened (through the pinned directory) before data moves: the old one, whole
+    target = {"w": torch.zeros(8, 4)}
+    with faults.armed("load.read", overwrite_once):
+        load(target, checkpoint_id=ck)
+    assert fired and torch.equal(target["w"], torch.full((8, 4), 1.0))
+    # with one open file at a time, a deleted file must be reopened: the load says it changed
+    assert run_ranks(2, _save_two_rank_files, str(new), 2.0) == [True, True]
+    fired.clear()
+    target = {"w": torch.zeros(8, 4)}
+    with faults.armed("load.read", overwrite_once), pytest.raises(Exception) as ei:
+        load(target, storage_reader=fs.FileSystemReader(ck, files_kept=1), checkpoint_id=ck)
+    msg = str(ei.value)
+    assert "changed during the load" in msg and str(ck) in msg, msg
+    fault_row("a load racing an overwrite (the directory is replaced and the old one deleted mid-load)",
+              "process faults", "the load keeps reading the directory it pinned, or fails saying the checkpoint "
+              "changed; it never mixes rows of two checkpoints", "CheckpointChangedError", "file", None, None, None)
+    # an overwrite that leaves the old files in place (trash not yet deleted): the pinned one is read whole
+    assert run_ranks(2, _save_two_rank_files, str(new), 3.0) == [True, True]
+    fired.clear()
+
+    def swap_keep(file, **_):
+        if not fired:
+            fired.append(file)
+            os.rename(ck, tmp_path / "old")
+            os.rename(new, ck)
+
+    target = {"w": torch.zeros(8, 4)}
+    with faults.armed("load.read", swap_keep):
+        load(target, storage_reader=fs.FileSystemReader(ck, files_kept=1), checkpoint_id=ck)
+    assert torch.equal(target["w"], torch.full((8, 4), 2.0))  # all of the checkpoint it started with
+
+
+def test_a_missing_file_is_found_before_any_data_moves(tmp_path):
+    from tests.multiproc.harness import run_ranks
+
+    ck = tmp_path / "ck"
+    assert run_ranks(2, _save_two_rank_files, str(ck), 1.0) == [True, True]
+    (ck / "rank00001.safetensors").unlink()
+    target = {"w": torch.full((8, 4), 7.0)}
+    with pytest.raises(Exception, match="rank00001.safetensors is missing"):
+        load(target, checkpoint_id=ck)
+    assert torch.equal(target["w"], torch.full((8, 4), 7.0))  # rank00000's rows were not copied in first
