@@ -206,6 +206,11 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             planner.configure(state_dict, md_or_error, rank=comm.rank, world_size=comm.world_size,
                               allow_cast=allow_cast)
             own = planner.create_local_plan()
+            # every file this rank may read exists, is regular and has its recorded size, checked
+            # here (an agreed step) before any data moves into the caller's tensors
+            md = md_or_error
+            reader.check_files(sorted({md.tensors[it.fqn].chunks[it.chunk].file for it in own.items}
+                                      | {md.objects[f].file for f in own.objects}))
             return {"missing": list(own.missing), "requested": _bitmap(md_or_error.keys(), own.requested),
                     # no broadcasts without replicas to share: the coordinator need not see shards
                     "shards": CompactShards.from_summaries(() if options.mode == "never" else own.shards).to_wire(),
@@ -254,9 +259,6 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                 req = ReadRequest(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes),
                                   planner.acquire_tensor(it))
                 reads.append((batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes)), req))
-            # every file this rank reads exists, is regular and has its recorded size before any
-            # data moves into the caller's tensors
-            reader.check_files(sorted({r.chunk.file for _, r in reads} | {md.objects[f].file for f in own.objects}))
             run_load_transfers(batches, rank=comm.rank, group=comm.group, control=comm.control,
                                timeout=comm.timeout, options=options, destination=planner.destination,
                                counters=reader.counters, reads=reads, read=reader.read_tensors, needed=needed)

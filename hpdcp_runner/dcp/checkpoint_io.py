@@ -48,12 +48,25 @@ def digest(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+BLOCK_BYTES = 1 << 20  # chunks larger than this also get one checksum per block (verified partial reads)
+
+
+def block_digests(view: memoryview, block: int = BLOCK_BYTES) -> str:
+    """Concatenated 16-hex-digit digests of each ``block`` bytes of ``view`` ('' for one block or
+    less: the chunk's own checksum covers it)."""
+    n = len(view)
+    if n <= block:
+        return ""
+    return "".join(xxhash.xxh3_64_hexdigest(view[i:i + block]) for i in range(0, n, block))
+
+
 @dataclass(frozen=True)
 class WrittenEntry:
     key: str
     byte_offset: int
     nbytes: int
     checksum: str
+    blocks: str = ""  # per-block digests (see block_digests)
 
 
 @dataclass(frozen=True)
@@ -171,7 +184,7 @@ class SafetensorsStreamWriter:
         view = byte_view(t)
         with naming(self.path):
             self._f.write(view)
-        e = WrittenEntry(key, self._base + self._starts[i], len(view), digest(view))
+        e = WrittenEntry(key, self._base + self._starts[i], len(view), digest(view), block_digests(view))
         self.entries.append(e)
         self._next += 1
         if self._wb:

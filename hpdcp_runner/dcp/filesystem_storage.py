@@ -287,7 +287,7 @@ class FileSystemWriter(StorageWriter):
             self.counters.bytes_written = counted
             files.append(FileMeta(name, wf.size, wf.checksum, self.rank))
             for e in wf.entries:
-                chunks[e.key] = (name, e.byte_offset, e.checksum)
+                chunks[e.key] = (name, e.byte_offset, e.checksum, e.blocks)
         if objects:
             name = rank_file(self.rank, "objects.json")
             texts = {k: json.dumps(v, separators=(",", ":")) for k, v in objects.items()}
@@ -514,10 +514,30 @@ class FileSystemReader(StorageReader):
                 on_done(k)
 
     def check_files(self, names: Iterable[str]) -> None:
-        """Open (and so size-check) these files now: callers that allocate from metadata shapes
-        do this first, so a tampered shape cannot make them allocate more than is on disk."""
+        """Check these files now (inside the pinned directory: each a regular file of its recorded
+        size) without opening them: a load checks every file it needs before any data moves, and
+        callers that allocate from metadata shapes first make sure the bytes are really there."""
+        self._pin_directory()
         for name in names:
-            self._fd(name)
+            if name in self._fds:
+                continue
+            check_file_name(name)
+            full = os.path.join(self.path, name)
+            try:
+                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if os.fstat(self._dir_fd).st_nlink == 0:
+                    raise self._changed("its directory was deleted") from None
+                raise CheckpointNotFoundError(f"checkpoint file {full} is missing (listed in {METADATA_FILE})") from None
+            if stat.S_ISLNK(st.st_mode):
+                raise CorruptCheckpointError(f"{full} is a symbolic link; checkpoint files must be regular files "
+                                             f"inside the checkpoint directory")
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{full} is not a regular file")
+            expected = self.metadata.files[name].size if self.metadata and name in self.metadata.files else None
+            if expected is not None and st.st_size != expected:
+                raise CorruptCheckpointError(f"checkpoint file {full} is {st.st_size} bytes but {METADATA_FILE} "
+                                             f"records {expected} (truncated or modified)")
 
     def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype, span: int) -> None:
         faults.point("load.read", rank=rank_of_env(), path=self.path, file=name)
@@ -525,6 +545,9 @@ class FileSystemReader(StorageReader):
         whole_chunk = r.sub.sizes == r.chunk.sizes
         exact = span == r.sub.numel
         dest = r.dest
+        if not whole_chunk and self.verify_checksums:
+            self._read_part_verified(fd, name, r, dt)
+            return
         direct = exact and dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
         if direct:
             view = byte_view(dest)
@@ -547,6 +570,42 @@ class FileSystemReader(StorageReader):
         if not direct:
             src = buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), 0)
             dest.copy_(src)
+
+    def _read_part_verified(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype) -> None:
+        """Part of a chunk, every byte copied verified: read the whole blocks the part touches (the
+        whole chunk when it has no block digests: a chunk of one block, or a checkpoint written
+        before them), check each digest, then copy the part out. Costs the blocks' extra bytes:
+        up to one block at each end of a row range, the whole chunk for a column split."""
+        esize = torch.empty(0, dtype=dt).element_size()
+        start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
+        chunk_bytes = r.chunk.box.numel * esize
+        md = self.metadata
+        hexes = md.blocks.get((name, r.chunk.key), "") if md is not None else ""
+        block = md.block_bytes if hexes else chunk_bytes
+        first, last = (start * esize) // block, -(-(stop * esize) // block)
+        lo, hi = first * block, min(last * block, chunk_bytes)
+        buf = self._scratch_view(hi - lo)
+        view = byte_view(buf)
+        pread_into(fd, r.chunk.byte_offset + lo, view, name=name)
+        self.counters.bytes_read += hi - lo
+        self.counters.reads += 1
+        if self.throttle:
+            self.throttle.take(hi - lo)
+        full = os.path.join(self.path, name)
+        if hexes:
+            for b in range(first, last):
+                piece = view[(b - first) * block:min((b + 1 - first) * block, hi - lo)]
+                if digest(piece) != hexes[16 * b:16 * b + 16]:
+                    raise CorruptCheckpointError(f"checkpoint file {full}: key {r.chunk.key!r} fails the checksum of "
+                                                 f"its block {b} (bytes {r.chunk.byte_offset + b * block}.."
+                                                 f"{r.chunk.byte_offset + b * block + len(piece)}; corrupted data)")
+        elif digest(view) != r.chunk.checksum:
+            raise CorruptCheckpointError(f"checkpoint file {full}: key {r.chunk.key!r} fails its checksum "
+                                         f"(corrupted data)")
+        self.counters.chunks_verified += 1
+        rel = start - lo // esize  # the part's first element, counted from the first byte read
+        src = buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), rel)
+        r.dest.copy_(src)
 
     def _read_runs(self, fd: int, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> bool:
         """Read only the sub-box's bytes, one pread per contiguous run, when the span around it

@@ -6,17 +6,21 @@ tensor whatever the checkpoint size.
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from .checkpoint_io import digest, file_checksum, read_header
-from .errors import HpdcpError
+from .checkpoint_io import block_digests, digest, file_checksum, read_header
+from . import objects as objcodec
+from .errors import HpdcpError, PickleNotAllowedError
 from .filesystem_storage import STAGING_MARK, TRASH_MARK, FileSystemReader
 from .geometry import Box, narrow
-from .metadata import METADATA_FILE, Metadata, dtype_from_name
+from .metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from .storage import ReadRequest
 
 
@@ -110,10 +114,17 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
         md = FileSystemReader(path).read_metadata_once()
     except HpdcpError as e:
         return VerifyReport(abspath, (str(e),), 0, 0)
-    by_file: dict[str, dict[str, object]] = {}
-    for t in md.tensors.values():
+    by_file: dict[str, dict[str, tuple]] = {}
+    for k, t in md.tensors.items():
         for c in t.chunks:
-            by_file.setdefault(c.file, {})[c.key] = c
+            by_file.setdefault(c.file, {})[c.key] = (c, t.dtype, k)
+    objects_by_file: dict[str, list[str]] = {}
+    for k, o in md.objects.items():
+        objects_by_file.setdefault(o.file, []).append(k)
+    blocks_by_file: dict[str, dict[str, str]] = {}
+    for (f, k), hexes in md.blocks.items():
+        blocks_by_file.setdefault(f, {})[k] = hexes
+    problems += _rank_problems(md)
     checked = nbytes = 0
     for name, fm in sorted(md.files.items()):
         full = os.path.join(abspath, name)
@@ -131,11 +142,14 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
         checked += 1
         nbytes += size
         if name.endswith(".safetensors"):
-            problems += _verify_tensor_file(full, name, fm.checksum, by_file.get(name, {}))
+            problems += _verify_tensor_file(full, name, fm.checksum, by_file.get(name, {}),
+                                            blocks_by_file.get(name, {}), md.block_bytes)
         else:
             with open(full, "rb") as f:
-                if digest(f.read()) != fm.checksum:
-                    problems.append(f"{name}: checksum mismatch")
+                body = f.read()
+            if digest(body) != fm.checksum:
+                problems.append(f"{name}: checksum mismatch")
+            problems += _object_file_problems(name, body, objects_by_file.get(name, []), md)
         if on_file is not None:
             on_file(name, size)
     extra = sorted(set(os.listdir(abspath)) - set(md.files) - {METADATA_FILE})
@@ -143,7 +157,46 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
     return VerifyReport(abspath, tuple(problems), checked, nbytes)
 
 
-def _verify_tensor_file(full: str, name: str, checksum: str, chunks: dict) -> list[str]:
+def _rank_problems(md: Metadata) -> list[str]:
+    """Each file's recorded rank is inside the world size and matches its rank file name."""
+    out = []
+    for name, fm in sorted(md.files.items()):
+        m = re.fullmatch(r"rank(\d{5,})\.(safetensors|objects\.json)", name)
+        if not 0 <= fm.rank < md.world_size:
+            out.append(f"{name}: recorded rank {fm.rank} is outside world_size {md.world_size}")
+        elif m and int(m.group(1)) != fm.rank:
+            out.append(f"{name}: recorded rank {fm.rank} differs from the rank in its name")
+    return out
+
+
+def _object_file_problems(name: str, body: bytes, keys: list[str], md: Metadata) -> list[str]:
+    """The objects file is JSON holding every key listed for it, each a well-formed encoding with
+    its recorded checksum (pickled values are checked for form only: never unpickled here)."""
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        return [f"{name}: not valid JSON ({e})"]
+    if not isinstance(doc, dict):
+        return [f"{name}: not a JSON object"]
+    out = []
+    for k in sorted(keys):
+        if k not in doc:
+            out.append(f"{name}: object {k!r} listed in the metadata is not in the file")
+            continue
+        text = json.dumps(doc[k], separators=(",", ":")).encode()
+        if digest(text) != md.objects[k].checksum:
+            out.append(f"{name}: object {k!r} fails its checksum")
+        try:
+            objcodec.decode(doc[k], key=k, source=name, allow_pickle=False)
+        except PickleNotAllowedError:
+            pass
+        except HpdcpError as e:
+            out.append(str(e))
+    return out
+
+
+def _verify_tensor_file(full: str, name: str, checksum: str, chunks: dict, blocks: dict[str, str],
+                        block_bytes: int) -> list[str]:
     problems = []
     try:
         header, entries = read_header(full)
@@ -153,13 +206,21 @@ def _verify_tensor_file(full: str, name: str, checksum: str, chunks: dict) -> li
     with open(full, "rb") as f:
         for e in entries:
             f.seek(e.byte_offset)
-            d = digest(f.read(e.nbytes))
+            data = f.read(e.nbytes)
+            d = digest(data)
             digests.append(d)
-            c = chunks.get(e.key)
-            if c is None:
+            found = chunks.get(e.key)
+            if found is None:
                 problems.append(f"{name}: key {e.key!r} is not in the metadata")
+                continue
+            c, dtype, tensor = found
+            if e.dtype != dtype or e.shape != c.sizes or e.nbytes != math.prod(c.sizes) * element_size(dtype):
+                problems.append(f"{name}: key {e.key!r} is {e.dtype} {list(e.shape)} ({e.nbytes} bytes) in the file "
+                                f"but {METADATA_FILE} records tensor {tensor!r} as {dtype} chunk {list(c.sizes)}")
             elif c.checksum != d or c.byte_offset != e.byte_offset:
                 problems.append(f"{name}: key {e.key!r} fails its checksum")
+            elif e.key in blocks and block_digests(memoryview(data), block_bytes) != blocks[e.key]:
+                problems.append(f"{name}: key {e.key!r}: its block checksums do not match its bytes")
     missing = sorted(set(chunks) - {e.key for e in entries})
     problems += [f"{name}: key {k!r} listed in the metadata is not in the file" for k in missing]
     if file_checksum(header, digests) != checksum:

@@ -129,6 +129,10 @@ class Metadata:
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: chunks larger than ``block_bytes`` also carry one digest per block, so a read of part of
+    #: the chunk verifies the blocks it touches: (file, chunk key) -> concatenated 16-hex digests
+    block_bytes: int = 0
+    blocks: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
     def keys(self) -> list[str]:
         return sorted({*self.tensors, *self.objects})
@@ -157,6 +161,11 @@ class Metadata:
             "objects": {k: {"file": o.file, "checksum": o.checksum, "path": list(o.path)} for k, o in sorted(self.objects.items())},
             "extra": dict(self.extra),
         }
+        if self.blocks:  # an optional field: readers before it ignored it and verified less
+            by_file: dict[str, dict[str, str]] = {}
+            for (f, k), hexes in sorted(self.blocks.items()):
+                by_file.setdefault(f, {})[k] = hexes
+            doc["block_checksums"] = {"block_bytes": self.block_bytes, "chunks": by_file}
         return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
     @classmethod
@@ -214,7 +223,9 @@ def _path(v: Any, source: str, key: str) -> tuple[str | int, ...]:
 
 
 _TENSOR_FIELDS = {"dtype", "shape", "path", "chunks"}
-_TOP_FIELDS = {"format", "format_version", "world_size", "checksum_algorithm", "files", "tensors", "objects", "extra"}
+_TOP_FIELDS = {"format", "format_version", "world_size", "checksum_algorithm", "files", "tensors", "objects", "extra",
+               "block_checksums"}
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 def _parse(doc: Any, source: str) -> Metadata:
@@ -257,7 +268,35 @@ def _parse(doc: Any, source: str) -> Metadata:
         objects[k] = ObjectMeta(o["file"], o["checksum"], _path(o.get("path"), source, k))
     extra = doc.get("extra", {})
     _need(isinstance(extra, dict), source, "'extra' must be an object")
-    return Metadata(ws, tensors, objects, files, version, algo, extra)
+    block_bytes, blocks = _parse_blocks(doc.get("block_checksums"), tensors, source)
+    return Metadata(ws, tensors, objects, files, version, algo, extra, block_bytes, blocks)
+
+
+def _parse_blocks(raw: Any, tensors: Mapping[str, TensorMeta], source: str) -> tuple[int, dict]:
+    """``block_checksums``: every entry names a stored chunk and has one digest per block."""
+    if raw is None:
+        return 0, {}
+    _need(isinstance(raw, dict) and set(raw) == {"block_bytes", "chunks"} and isinstance(raw["chunks"], dict),
+          source, "'block_checksums' must be {block_bytes, chunks}")
+    bb = raw["block_bytes"]
+    _need(type(bb) is int and bb > 0, source, f"block_checksums.block_bytes must be a positive integer, got {bb!r}")
+    wanted = {(f, k) for f, ks in raw["chunks"].items() if isinstance(ks, dict) for k in ks}
+    nbytes = {}
+    for t in tensors.values():
+        for c in t.chunks:
+            if (c.file, c.key) in wanted:
+                nbytes[(c.file, c.key)] = math.prod(c.sizes) * element_size(t.dtype)
+    blocks = {}
+    for f, ks in raw["chunks"].items():
+        _need(isinstance(ks, dict), source, f"block_checksums.chunks[{f!r}] must be an object")
+        for k, hexes in ks.items():
+            n = nbytes.get((f, k))
+            if n is None:
+                raise MetadataError(f"{source}: block_checksums: {f}:{k!r} is not a stored chunk")
+            if not (isinstance(hexes, str) and len(hexes) == 16 * -(-n // bb) and _HEX.fullmatch(hexes)):
+                raise MetadataError(f"{source}: block_checksums: {f}:{k!r} must be {-(-n // bb)} 16-hex-digit digests")
+            blocks[(f, k)] = hexes
+    return bb, blocks
 
 
 def _parse_tensor(key: str, t: Any, files: Mapping[str, FileMeta], source: str) -> TensorMeta:

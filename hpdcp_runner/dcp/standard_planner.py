@@ -220,12 +220,14 @@ def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_
     """Combine the global plan with every rank's write result (pure; runs on the coordinator).
     One pass over the owned rows as plain lists: at 2M chunks this is the coordinator's largest
     cost after the gather, so no Box or helper objects per chunk."""
+    from .checkpoint_io import BLOCK_BYTES
     from .metadata import ChunkMeta, ObjectMeta, TensorMeta
 
     by_rank = {w.rank: w for w in results}
     keys = gplan.keys
     chunks: dict[str, list[ChunkMeta]] = {k.fqn: [] for k in keys if k.kind == TENSOR}
     objects: dict[str, ObjectMeta] = {}
+    blocks: dict[tuple[str, str], str] = {}
     d = (gplan.owned.shape[1] - 2) // 2
     for row in gplan.owned.tolist():
         key = keys[row[0]]
@@ -240,8 +242,10 @@ def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_
             continue  # empty chunks are not stored
         offs = tuple(row[2:2 + nd])
         ck = f"{key.fqn}@{','.join(map(str, offs))}"  # chunk_key, inlined
-        file, off, csum = res.chunks[ck]
+        file, off, csum, *more = res.chunks[ck]
         chunks[key.fqn].append(ChunkMeta(offs, sizes, file, ck, off, csum))
+        if more and more[0]:
+            blocks[(file, ck)] = more[0]
     tmetas = {}
     for k in keys:
         if k.kind == TENSOR:
@@ -250,4 +254,5 @@ def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_
                 cs.sort(key=lambda c: c.offsets)
             tmetas[k.fqn] = TensorMeta(k.dtype, tuple(k.shape), tuple(cs), k.path)
     files = {f.name: f for w in results for f in w.files}
-    return Metadata(world_size, tmetas, objects, files, extra=dict(extra or {}))
+    return Metadata(world_size, tmetas, objects, files, extra=dict(extra or {}),
+                    block_bytes=BLOCK_BYTES if blocks else 0, blocks=blocks)

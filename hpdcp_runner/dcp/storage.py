@@ -23,7 +23,8 @@ class WriteResult:
 
     rank: int
     files: tuple[FileMeta, ...]
-    chunks: Mapping[str, tuple[str, int, str]]  # safetensors key -> (file, byte offset, checksum)
+    # safetensors key -> (file, byte offset, checksum[, per-block digests])
+    chunks: Mapping[str, tuple]
     objects: Mapping[str, tuple[str, str]]  # fqn -> (file, checksum)
 
     @property

@@ -157,17 +157,9 @@ def test_a_load_racing_an_overwrite_never_mixes_two_checkpoints(tmp_path, fault_
             import shutil
             shutil.rmtree(tmp_path / "moved")
 
-    # every file is opened (through the pinned directory) before data moves: the old one, whole
-    target = {"w": torch.zeros(8, 4)}
-    with faults.armed("load.read", overwrite_once):
-        load(target, checkpoint_id=ck)
-    assert fired and torch.equal(target["w"], torch.full((8, 4), 1.0))
-    # with one open file at a time, a deleted file must be reopened: the load says it changed
-    assert run_ranks(2, _save_two_rank_files, str(new), 2.0) == [True, True]
-    fired.clear()
     target = {"w": torch.zeros(8, 4)}
     with faults.armed("load.read", overwrite_once), pytest.raises(Exception) as ei:
-        load(target, storage_reader=fs.FileSystemReader(ck, files_kept=1), checkpoint_id=ck)
+        load(target, checkpoint_id=ck)
     msg = str(ei.value)
     assert "changed during the load" in msg and str(ck) in msg, msg
     fault_row("a load racing an overwrite (the directory is replaced and the old one deleted mid-load)",
@@ -199,3 +191,115 @@ def test_a_missing_file_is_found_before_any_data_moves(tmp_path):
     with pytest.raises(Exception, match="rank00001.safetensors is missing"):
         load(target, checkpoint_id=ck)
     assert torch.equal(target["w"], torch.full((8, 4), 7.0))  # rank00000's rows were not copied in first
+
+
+def test_verify_checks_every_claim_of_the_metadata(tmp_path, fault_row):
+    from hpdcp_runner.dcp.inspection import verify
+
+    def fresh(name):
+        save({"w": torch.arange(12, dtype=torch.float32).view(3, 4), "meta": {"step": 3, "tag": "x"}},
+             checkpoint_id=tmp_path / name)
+        return tmp_path / name, json.loads((tmp_path / name / "metadata.json").read_text())
+
+    def rewrite(ck, doc):
+        (ck / "metadata.json").write_text(json.dumps(doc))
+
+    assert verify(fresh("ok")[0]).ok
+    ck, doc = fresh("dtype")  # a dtype that reinterprets the same bytes
+    doc["tensors"]["w"]["dtype"] = "int32"
+    rewrite(ck, doc)
+    assert any("records tensor 'w' as int32" in p for p in verify(ck).problems)
+    ck, doc = fresh("shape")  # same element count, another shape
+    doc["tensors"]["w"]["shape"] = [4, 3]
+    doc["tensors"]["w"]["chunks"][0][1] = [4, 3]
+    rewrite(ck, doc)
+    assert any("chunk [4, 3]" in p for p in verify(ck).problems)
+    ck, doc = fresh("ranks")
+    doc["world_size"] = 1
+    doc["files"]["rank00000.safetensors"]["rank"] = 3
+    rewrite(ck, doc)
+    assert any("outside world_size" in p for p in verify(ck).problems)
+    ck, doc = fresh("objects")  # the objects file lacks a listed key, though its checksum is updated
+    from hpdcp_runner.dcp.checkpoint_io import digest
+    body = b'{"meta.step":["i","3"]}'
+    (ck / "rank00000.objects.json").write_bytes(body)
+    doc["files"]["rank00000.objects.json"].update(size=len(body), checksum=digest(body))
+    rewrite(ck, doc)
+    assert any("'meta.tag' listed in the metadata is not in the file" in p for p in verify(ck).problems)
+    ck, doc = fresh("notjson")
+    body = b"not json"
+    (ck / "rank00000.objects.json").write_bytes(body)
+    doc["files"]["rank00000.objects.json"].update(size=len(body), checksum=digest(body))
+    rewrite(ck, doc)
+    assert any("not valid JSON" in p for p in verify(ck).problems)
+    fault_row("metadata.json tampered consistently (dtype, shape, ranks) or an objects file rewritten with "
+              "matching file checksums", "tampered metadata", "verify reports each claim the bytes do not bear out",
+              None, "file and key", None, None, "reports the problem")
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_partial_reads_are_verified_block_by_block(tmp_path, fault_row):
+    from hpdcp_runner.dcp import CorruptCheckpointError, LocalShard
+    from hpdcp_runner.dcp.checkpoint_io import BLOCK_BYTES
+
+    full = torch.arange(1024 * 1024, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB: 4 blocks
+    ck = tmp_path / "c"
+    save({"w": full}, checkpoint_id=ck)
+    doc = json.loads((ck / "metadata.json").read_text())
+    [(key, hexes)] = doc["block_checksums"]["chunks"]["rank00000.safetensors"].items()
+    assert doc["block_checksums"]["block_bytes"] == BLOCK_BYTES and len(hexes) == 4 * 16
+    byte0 = doc["tensors"]["w"]["chunks"][0][4]
+
+    def part(a, b):  # rows a..b: a dim-0 reshard's share
+        t = torch.zeros(b - a, 1024)
+        return t, load({"w": LocalShard(t, (a, 0), (1024, 1024))}, checkpoint_id=ck)
+
+    t, res = part(300, 600)  # rows 300..599 touch blocks 1 and 2 only
+    assert torch.equal(t, full[300:600]) and res.counters["bytes_read"] == 2 * BLOCK_BYTES
+    _flip(ck / "rank00000.safetensors", byte0 + 3 * BLOCK_BYTES + 17)  # a bit in block 3: not read
+    t, _ = part(300, 600)
+    assert torch.equal(t, full[300:600])
+    with pytest.raises(CorruptCheckpointError, match="block 3"):
+        part(700, 800)
+    # a column split (every row) reads and verifies every block
+    t = torch.zeros(1024, 512)
+    with pytest.raises(CorruptCheckpointError, match="fails the checksum of its block 3"):
+        load({"w": LocalShard(t, (0, 512), (1024, 1024))}, checkpoint_id=ck)
+    fault_row("a flipped bit inside a chunk read only in part (a reshard)", "corrupted data",
+              "load fails naming the file, key and block; blocks the read does not touch are not read",
+              "CorruptCheckpointError", "file and key", None, None, None)
+
+
+def test_partial_reads_of_small_and_legacy_chunks_verify_the_whole_chunk(tmp_path):
+    from hpdcp_runner.dcp import CorruptCheckpointError, LocalShard
+
+    full = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)  # 16 KiB: one block
+    ck = tmp_path / "c"
+    save({"w": full}, checkpoint_id=ck)
+    doc = json.loads((ck / "metadata.json").read_text())
+    assert "block_checksums" not in doc
+    # a byte_offset off by 4 in a damaged metadata.json: the part read is caught
+    doc["tensors"]["w"]["chunks"][0][4] -= 4
+    (ck / "metadata.json").write_text(json.dumps(doc))
+    t = torch.zeros(64, 32)
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        load({"w": LocalShard(t, (0, 32), (64, 64))}, checkpoint_id=ck)
+
+
+def test_verify_checks_block_checksums(tmp_path):
+    from hpdcp_runner.dcp.inspection import verify
+
+    ck = tmp_path / "c"
+    save({"w": torch.arange(1024 * 1024, dtype=torch.float32)}, checkpoint_id=ck)
+    assert verify(ck).ok
+    doc = json.loads((ck / "metadata.json").read_text())
+    chunks = doc["block_checksums"]["chunks"]["rank00000.safetensors"]
+    key = next(iter(chunks))
+    chunks[key] = "0" * 16 + chunks[key][16:]
+    (ck / "metadata.json").write_text(json.dumps(doc))
+    assert any("block checksums do not match" in p for p in verify(ck).problems)

@@ -176,13 +176,15 @@ def _rchar() -> int:
 
 @pytest.mark.parametrize("segment_bytes,cast", [(1024, False), (1024, True), (64 << 10, False)])
 def test_column_slices_read_only_their_rows_segments_when_rows_are_long_enough(tmp_path, segment_bytes, cast):
+    """Without checksum verification: segment reads. (Verified partial reads read whole blocks:
+    test_partial_reads_are_verified_block_by_block.)"""
     from hpdcp_runner.dcp import FileSystemReader, LocalShard
 
     full = torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)  # rows of 4 KiB
     save({"w": full}, checkpoint_id=tmp_path / "c")
     # columns 256..767 (Shard(1)-like): 2 KiB of every 4 KiB row
     local = torch.zeros(256, 512, dtype=torch.float64 if cast else torch.float32)
-    reader = FileSystemReader(tmp_path / "c", segment_bytes=segment_bytes)
+    reader = FileSystemReader(tmp_path / "c", segment_bytes=segment_bytes, verify_checksums=False)
     before = _rchar()
     res = load({"w": LocalShard(local, (0, 256), (256, 1024))}, storage_reader=reader, allow_cast=cast)
     read = _rchar() - before
