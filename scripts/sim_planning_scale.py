@@ -1,6 +1,7 @@
 """Planning at thousands of ranks, simulated in one process: time and memory per role.
 
     python scripts/sim_planning_scale.py --ranks 8 64 256 1024 --tensors 2000
+    python scripts/sim_planning_scale.py --ranks --hostile 4000 30000   # adversarial tiling only
 
 A save or load gathers every rank's plan on the coordinator (rank 0), which plans once and sends
 each rank its own part (``Comm.coordinate``). One process replays both roles on synthetic plans:
@@ -176,14 +177,42 @@ def row(n: int, t: int, skip_metadata: bool) -> str:
     return f"| {n} | {t} | " + " | ".join(cols) + f" | {per_item:.2f} |"
 
 
+def hostile_strips(n: int) -> str:
+    """The adversarial metadata.json for the tiling check: one tensor tiled by ``n`` column strips
+    of decreasing height plus their complements (2n chunks), which keeps every strip open in a
+    plain sweep (quadratic: 4,000 strips took 12-19 s before the bounded sweep). Returns the
+    time to parse and validate it."""
+    from hpdcp_runner.dcp.metadata import Metadata
+
+    chunks = []
+    for i in range(n):
+        h = n - i
+        chunks.append([[0, i], [h, 1], "rank00000.safetensors", f"w@0,{i}", 0, "0" * 16])
+        chunks.append([[h, i], [n + 1 - h, 1], "rank00000.safetensors", f"w@{h},{i}", 0, "0" * 16])
+    doc = {"format": "hpdcp", "format_version": 1, "world_size": 1, "checksum_algorithm": "xxh3_64",
+           "files": {"rank00000.safetensors": {"size": 1 << 40, "checksum": "0" * 16, "rank": 0}},
+           "tensors": {"w": {"dtype": "uint8", "shape": [n + 1, n], "path": ["w"], "chunks": chunks}},
+           "objects": {}, "extra": {}}
+    text = json.dumps(doc)
+    t0 = time.perf_counter()
+    Metadata.from_json(text)
+    return f"| {n} strips ({2 * n} chunks, {len(text) // 1024} KiB) | {time.perf_counter() - t0:.2f} s |"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
+    ap.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 256, 1024])
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--skip-metadata-above", type=int, default=1 << 30,
                     help="skip the metadata and load columns above this many ranks x tensors")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--hostile", type=int, nargs="*", default=[],
+                    help="also time validating the adversarial strips metadata at these strip counts")
     args = ap.parse_args()
+    if args.hostile:
+        print("| hostile tiling | parse + validate |\n|---|---|")
+        for n in args.hostile:
+            print(hostile_strips(n), flush=True)
     rows = ["| ranks | tensors | save, any rank: plan to wire s (MiB) | save, coordinator: gather parse + dedup s (MiB) "
             "| save, coordinator: metadata build + JSON s (MiB) | metadata parse, per rank s (MiB) "
             "| load, one rank: local plan s (MiB) | load, coordinator: replica plan s (MiB) | coordinator dedup us/item |",

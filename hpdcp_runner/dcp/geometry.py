@@ -186,7 +186,10 @@ def boxes_tile(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
         if not b.within(shape):
             return f"chunk offsets={b.offsets} sizes={b.sizes} lies outside shape {tuple(shape)}"
     vol = sum(b.numel for b in boxes)
-    overlap = first_overlap([b for b in boxes if b.numel])
+    try:
+        overlap = first_overlap([b for b in boxes if b.numel])
+    except IrregularLayoutError as e:
+        return f"cannot check the tiling in bounded time: {e}"
     if overlap is not None:
         a, b = overlap
         return f"chunks {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} overlap"
@@ -273,20 +276,107 @@ class BoxIndex:
         return sorted(i for i in self.order[first:last] if intersect(self.boxes[i], box) is not None)
 
 
+class IrregularLayoutError(Exception):
+    """The chunks vary along three or more dimensions in a way the bounded check cannot decide."""
+
+
 def first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
-    """Two boxes that share an element, or None (a sweep line; see ``boxes_tile``)."""
+    """Two boxes that share an element, or None.
+
+    A sweep along the dimension with the most distinct offsets, comparing each box with those
+    still open there: fast for real layouts (a 1-D sharding keeps one box open, an N x M grid
+    about M). Its work is bounded (~32 comparisons per box): hostile layouts that keep many
+    boxes open (strips of decreasing height) go to an O(n log n) sweep with a segment tree when
+    the boxes vary along two dimensions, and are refused (``IrregularLayoutError``) beyond that.
+    """
     if len(boxes) < 2:
         return None
     ndim = len(boxes[0].offsets)
     if ndim == 0:
         return boxes[0], boxes[1]  # two non-empty scalars
     d = max(range(ndim), key=lambda i: len({b.offsets[i] for b in boxes}))
+    budget = 32 * len(boxes) + 4096
     active: list[tuple[int, Box]] = []  # boxes whose extent along d is still open, with their end
     for b in sorted(boxes, key=lambda b: b.offsets[d]):
         start = b.offsets[d]
         active = [(end, a) for end, a in active if end > start]
+        budget -= len(active) + 1
+        if budget < 0:
+            return _overlap_2d(boxes)
         for _, a in active:
             if intersect(a, b) is not None:
                 return a, b
         active.append((start + b.sizes[d], b))
     return None
+
+
+def _overlap_2d(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
+    """Exact overlap test in O(n log n) for boxes that vary along at most two dimensions: sweep
+    along one, keeping a segment tree (range add, range max) of how many open boxes cover each
+    interval of the other; a box whose range already has cover overlaps an open box."""
+    ndim = len(boxes[0].offsets)
+    varying = [i for i in range(ndim) if len({(b.offsets[i], b.sizes[i]) for b in boxes}) > 1]
+    if len(varying) > 2:
+        raise IrregularLayoutError(f"{len(boxes)} chunks split along {len(varying)} dimensions in an irregular "
+                                   f"pattern (not a grid)")
+    if len(varying) < 2:  # identical along every other dimension: a 1-D check, sorted
+        i = varying[0] if varying else 0
+        ordered = sorted(boxes, key=lambda b: b.offsets[i])
+        for a, b in zip(ordered, ordered[1:]):
+            if b.offsets[i] < a.offsets[i] + a.sizes[i]:
+                return a, b
+        return None
+    x, y = varying
+    ys = sorted({v for b in boxes for v in (b.offsets[y], b.offsets[y] + b.sizes[y])})
+    where = {v: k for k, v in enumerate(ys)}
+    tree = _MaxAddTree(len(ys) - 1)
+    events = []  # (x, 0: close / 1: open, box index): closes first at the same x (half-open boxes)
+    for k, b in enumerate(boxes):
+        events.append((b.offsets[x], 1, k))
+        events.append((b.offsets[x] + b.sizes[x], 0, k))
+    events.sort()
+    open_boxes: set[int] = set()
+    for _, kind, k in events:
+        b = boxes[k]
+        lo, hi = where[b.offsets[y]], where[b.offsets[y] + b.sizes[y]]
+        if kind == 0:
+            tree.add(lo, hi, -1)
+            open_boxes.discard(k)
+            continue
+        if tree.max(lo, hi) > 0:
+            other = next(boxes[j] for j in open_boxes if intersect(boxes[j], b) is not None)
+            return other, b
+        tree.add(lo, hi, 1)
+        open_boxes.add(k)
+    return None
+
+
+class _MaxAddTree:
+    """Segment tree over ``n`` leaves: add a value to a range, query a range's maximum."""
+
+    def __init__(self, n: int) -> None:
+        self.n = max(1, n)
+        self.top = [0] * (4 * self.n)
+        self.lazy = [0] * (4 * self.n)
+
+    def add(self, lo: int, hi: int, v: int, node: int = 1, a: int = 0, b: int | None = None) -> None:
+        b = self.n if b is None else b
+        if hi <= a or b <= lo:
+            return
+        if lo <= a and b <= hi:
+            self.top[node] += v
+            self.lazy[node] += v
+            return
+        m = (a + b) // 2
+        self.add(lo, hi, v, 2 * node, a, m)
+        self.add(lo, hi, v, 2 * node + 1, m, b)
+        self.top[node] = self.lazy[node] + max(self.top[2 * node], self.top[2 * node + 1])
+
+    def max(self, lo: int, hi: int, node: int = 1, a: int = 0, b: int | None = None) -> int:
+        b = self.n if b is None else b
+        if hi <= a or b <= lo:
+            return -(1 << 62)
+        if lo <= a and b <= hi:
+            return self.top[node]
+        m = (a + b) // 2
+        return self.lazy[node] + max(self.max(lo, hi, 2 * node, a, m), self.max(lo, hi, 2 * node + 1, m, b))
