@@ -29,6 +29,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 _WRITE_BUFFER = 1 << 20
 _SAFETENSORS_CODES = {name: code for name, (_, code) in DTYPES.items()}
 _CODE_TO_NAME = {code: name for name, code in _SAFETENSORS_CODES.items()}
+_MAX_INT = 1 << 62  # sizes, offsets and dims beyond this are hostile, not data (and overflow int64)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -279,12 +280,24 @@ def read_header(path: str) -> tuple[bytes, list[HeaderEntry]]:
             continue
         try:
             dtype = _CODE_TO_NAME[v["dtype"]]
-            lo, hi = (int(x) for x in v["data_offsets"])
-            shape = tuple(int(x) for x in v["shape"])
-        except (KeyError, TypeError, ValueError):
+            offsets, shape = v["data_offsets"], v["shape"]
+        except (KeyError, TypeError):
             raise CorruptCheckpointError(f"{name}: bad header entry for {key!r}") from None
-        if not 0 <= lo <= hi or base + hi > size:
+        # exact JSON integers only: int("3") and int(2.5) would quietly accept a malformed header
+        if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
+                and all(type(x) is int and 0 <= x < _MAX_INT for x in (*offsets, *shape))):
+            raise CorruptCheckpointError(f"{name}: entry {key!r}: shape and data_offsets must be non-negative "
+                                         f"integers, got shape={shape!r:.60} data_offsets={offsets!r:.60}")
+        lo, hi = offsets
+        if not lo <= hi or base + hi > size:
             raise CorruptCheckpointError(f"{name}: entry {key!r} bytes [{lo}, {hi}) exceed the file")
-        entries.append(HeaderEntry(key, dtype, shape, base + lo, hi - lo))
+        want = math.prod(shape) * element_size(dtype)
+        if want != hi - lo:
+            raise CorruptCheckpointError(f"{name}: entry {key!r} declares {dtype} {shape} ({want} bytes) but spans "
+                                         f"{hi - lo} bytes")
+        entries.append(HeaderEntry(key, dtype, tuple(shape), base + lo, hi - lo))
     entries.sort(key=lambda e: e.byte_offset)
+    for a, b in zip(entries, entries[1:]):
+        if b.byte_offset < a.byte_offset + a.nbytes:
+            raise CorruptCheckpointError(f"{name}: entries {a.key!r} and {b.key!r} overlap in the file")
     return raw, entries

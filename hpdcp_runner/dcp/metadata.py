@@ -211,9 +211,12 @@ def _need(cond: bool, source: str, what: str) -> None:
         raise MetadataError(f"{source}: {what}")
 
 
+_MAX_INT = 1 << 62  # dims, element counts, sizes and offsets beyond this are hostile (int64 overflow)
+
+
 def _int_list(v: Any, source: str, what: str) -> tuple[int, ...]:
-    _need(isinstance(v, list) and all(type(x) is int and x >= 0 for x in v), source,
-          f"{what} must be a list of non-negative integers, got {v!r:.80}")
+    _need(isinstance(v, list) and all(type(x) is int and 0 <= x < _MAX_INT for x in v), source,
+          f"{what} must be a list of non-negative integers below 2**62, got {v!r:.80}")
     return tuple(v)
 
 
@@ -253,7 +256,7 @@ def _parse(doc: Any, source: str) -> Metadata:
         except MetadataError as e:
             raise MetadataError(f"{source}: {e}") from None
         _need(isinstance(f, dict) and set(f) == {"size", "checksum", "rank"} and type(f.get("size")) is int
-              and f["size"] >= 0
+              and 0 <= f["size"] < _MAX_INT
               and isinstance(f.get("checksum"), str) and type(f.get("rank")) is int,
               source, f"file {name!r}: bad entry {f!r:.120}")
         files[name] = FileMeta(name, f["size"], f["checksum"], f["rank"])
@@ -309,6 +312,7 @@ def _parse_tensor(key: str, t: Any, files: Mapping[str, FileMeta], source: str) 
     dtype = t.get("dtype")
     _need(dtype in DTYPES, source, f"tensor {key!r}: unknown dtype {dtype!r}")
     shape = _int_list(t.get("shape"), source, f"tensor {key!r} shape")
+    _need(math.prod(shape) < _MAX_INT, source, f"tensor {key!r}: shape {list(shape)} has 2**62 elements or more")
     esize = element_size(dtype)
     chunks_raw = t.get("chunks")
     _need(isinstance(chunks_raw, list), source, f"tensor {key!r}: chunks must be a list")

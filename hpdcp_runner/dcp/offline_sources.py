@@ -120,15 +120,17 @@ class SafetensorsSource(TensorSource):
 
     def read(self, key: str, box: Box | None = None) -> torch.Tensor:
         fp = self.files[key]
-        h = self._handles.get(fp)
-        if h is None:
-            h = self._handles[fp] = self._open(fp, framework="pt")
-        if box is None or box == whole(self.specs[key][1]):
-            return h.get_tensor(key)
-        if not box.sizes:
-            return h.get_tensor(key)
-        sl = h.get_slice(key)
-        return sl[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].contiguous()
+        try:
+            h = self._handles.get(fp)
+            if h is None:
+                h = self._handles[fp] = self._open(fp, framework="pt")
+            if box is None or box == whole(self.specs[key][1]) or not box.sizes:
+                return h.get_tensor(key)
+            sl = h.get_slice(key)
+            return sl[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].contiguous()
+        except Exception as e:  # safetensors' own errors carry no file name
+            raise CorruptCheckpointError(f"{fp}: cannot read tensor {key!r} ({type(e).__name__}: "
+                                         f"{str(e)[:200]})") from None
 
     def close(self) -> None:
         self._handles.clear()
@@ -151,8 +153,9 @@ class TorchFileSource(TensorSource):
         except pickle.UnpicklingError as e:
             raise PickleNotAllowedError(f"{self.path}: refused by torch.load(weights_only=True): it holds objects "
                                         f"other than tensors and plain data ({str(e).splitlines()[0]})") from None
-        except (RuntimeError, EOFError, OSError, ValueError) as e:
-            raise CorruptCheckpointError(f"{self.path}: not a readable torch.save file ({e})") from None
+        except Exception as e:  # any other parse failure of a file that is not a torch.save archive
+            raise CorruptCheckpointError(f"{self.path}: not a readable torch.save file "
+                                         f"({type(e).__name__}: {str(e)[:200]})") from None
         if not isinstance(sd, dict):
             raise MetadataError(f"{self.path}: holds a {type(sd).__name__}, expected a state dict")
         flat, self._paths = flatten_state_dict(sd)

@@ -31,7 +31,7 @@ import torch
 
 from . import objects as objcodec
 from .checkpoint_io import SafetensorsStreamWriter
-from .errors import CheckpointExistsError, ConfigError
+from .errors import CheckpointExistsError, ConfigError, CorruptCheckpointError
 from .filesystem_storage import STAGING_MARK, FileSystemReader, FileSystemWriter, publish_dir, rank_file
 from .geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
@@ -96,6 +96,20 @@ class _Staged:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def check_with_safetensors(path: str) -> None:
+    """Open ``path`` with the safetensors library itself (header only): an output file it would
+    refuse is an error here, never a transform reported as done."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key).get_shape()
+    except Exception as e:
+        raise CorruptCheckpointError(f"{path}: the safetensors library refuses the file written "
+                                     f"({type(e).__name__}: {str(e)[:200]}); nothing was published") from None
+
+
 def _read_our_metadata(src: str | os.PathLike) -> tuple[FileSystemReader, Metadata]:
     reader = FileSystemReader(src)
     md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
@@ -132,6 +146,10 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     names = select_keys(sorted(md.tensors), include=include, exclude=exclude, rename=rename)
     if not names:
         raise ConfigError(f"{src}: no tensor is left after include={include!r} exclude={exclude!r}")
+    reserved = sorted(k for k, name in names.items() if name == "__metadata__")
+    if reserved:
+        raise ConfigError(f"{src}: tensor {reserved[0]!r} would be named '__metadata__' in the output, a name the "
+                          f"safetensors format reserves; rename it (transform.rename)")
 
     def out_dtype(key: str) -> str:
         d = md.tensors[key].dtype
@@ -165,6 +183,8 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
                 raise
             w.close()
         total = sum(s for _, s in sizes)
+        for fname in files:  # what we write must be what the real reader accepts
+            check_with_safetensors(os.path.join(out.tmp, fname))
         if n > 1:
             doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             with open(os.path.join(out.tmp, HF_INDEX), "w") as f:

@@ -134,7 +134,7 @@ def clear_trash(directory: str | os.PathLike) -> None:
                 staging = os.path.join(d, n)
                 if staging_is_abandoned(staging):
                     log.info("removing %s: the save that staged it is no longer running", staging)
-                    remove_tree_safely(staging)
+                    shutil.rmtree(staging, ignore_errors=True)  # never a checkpoint: no trash step needed
                     with contextlib.suppress(OSError):
                         os.unlink(staging + STAGING_LOCK)
 

@@ -303,3 +303,67 @@ def test_verify_checks_block_checksums(tmp_path):
     chunks[key] = "0" * 16 + chunks[key][16:]
     (ck / "metadata.json").write_text(json.dumps(doc))
     assert any("block checksums do not match" in p for p in verify(ck).problems)
+
+
+def _safetensors_file(path, header: dict, data: bytes = b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("entry,data,needle", [
+    ({"dtype": "F32", "shape": [2 ** 62], "data_offsets": [0, 8]}, b"\0" * 8, "non-negative integers"),
+    ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, b"\0" * 8, "spans 8 bytes"),
+    ({"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}, b"\0" * 8, "non-negative integers"),
+    ({"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}, b"\0" * 8, "non-negative integers"),
+])
+def test_hostile_safetensors_headers_are_refused_naming_the_file(tmp_path, entry, data, needle):
+    from hpdcp_runner.dcp import CorruptCheckpointError
+    from hpdcp_runner.dcp.offline_transform import import_checkpoint
+
+    src = tmp_path / "evil.safetensors"
+    _safetensors_file(src, {"w": entry}, data)
+    with pytest.raises(CorruptCheckpointError, match=needle) as ei:
+        import_checkpoint(src, tmp_path / "out")
+    assert "evil.safetensors" in str(ei.value) and not (tmp_path / "out").exists()
+
+
+def test_overlapping_tensors_and_a_pt_that_is_a_system_file(tmp_path):
+    from hpdcp_runner.dcp import CorruptCheckpointError
+    from hpdcp_runner.dcp.offline_transform import import_checkpoint
+
+    src = tmp_path / "overlap.safetensors"
+    _safetensors_file(src, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12)
+    with pytest.raises(CorruptCheckpointError, match="'a' and 'b' overlap"):
+        import_checkpoint(src, tmp_path / "out")
+    pt = tmp_path / "model.pt"
+    os.symlink("/etc/passwd", pt)
+    with pytest.raises(CorruptCheckpointError, match="model.pt: not a readable torch.save file"):
+        import_checkpoint(pt, tmp_path / "out2")
+
+
+def test_huge_offsets_in_metadata_are_a_clear_error(tmp_path):
+    from hpdcp_runner.dcp.inspection import describe, verify
+
+    save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / "metadata.json").read_text())
+    doc["tensors"]["w"]["shape"] = [2 ** 63]
+    doc["tensors"]["w"]["chunks"][0][1] = [2 ** 63]
+    (tmp_path / "c" / "metadata.json").write_text(json.dumps(doc))
+    problems = verify(tmp_path / "c").problems
+    assert problems and "below 2**62" in problems[0]
+    with pytest.raises(MetadataError, match="below 2\\*\\*62"):
+        describe(tmp_path / "c")
+
+
+def test_an_output_the_reader_would_refuse_is_never_reported_done(tmp_path):
+    from hpdcp_runner.dcp import ConfigError
+    from hpdcp_runner.dcp.offline_transform import merge_to_hf
+
+    save({"__metadata__": torch.ones(2), "w": torch.ones(2)}, checkpoint_id=tmp_path / "c")
+    with pytest.raises(ConfigError, match="'__metadata__'"):
+        merge_to_hf(tmp_path / "c", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    merge_to_hf(tmp_path / "c", tmp_path / "hf", rename=[("^__metadata__$", "meta_w")])
+    from safetensors.torch import load_file
+    assert set(load_file(tmp_path / "hf" / "model.safetensors")) == {"meta_w", "w"}
