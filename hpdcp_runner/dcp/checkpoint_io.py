@@ -255,8 +255,9 @@ class HeaderEntry:
     nbytes: int
 
 
-def read_header(path: str) -> tuple[bytes, list[HeaderEntry]]:
-    """Parse and validate a safetensors header (used by inspect/verify and offline tools)."""
+def read_header(path: str, max_entries: int | None = None) -> tuple[bytes, list[HeaderEntry]]:
+    """Parse and validate a safetensors header (used by inspect/verify and offline tools).
+    ``max_entries`` bounds the work a foreign file can ask for before anything is read."""
     name = os.path.basename(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -273,6 +274,10 @@ def read_header(path: str) -> tuple[bytes, list[HeaderEntry]]:
         raise CorruptCheckpointError(f"{name}: header is not valid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{name}: header is not a JSON object")
+    declared = len(doc) - ("__metadata__" in doc)
+    if max_entries is not None and declared > max_entries:
+        raise CorruptCheckpointError(f"{name}: header declares {declared} tensors, over the limit of "
+                                     f"{max_entries} per file for imports (each costs time and memory to import)")
     entries = []
     base = 8 + hlen
     for key, v in doc.items():

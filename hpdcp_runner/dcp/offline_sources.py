@@ -33,6 +33,9 @@ from .utils import flatten_state_dict
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 MAX_INDEX_BYTES = 64 << 20
+# Real shards hold at most a few thousand tensors; a hostile header of 300k entries took ~55 s and
+# 1 GiB to import. Raise it here for a genuinely larger file.
+MAX_IMPORT_ENTRIES = 65536
 
 
 class TensorSource:
@@ -102,7 +105,7 @@ class SafetensorsSource(TensorSource):
         for fp in files:
             if not os.path.isfile(fp):
                 raise CheckpointNotFoundError(f"{fp} is listed in {HF_INDEX} but missing")
-            _, entries = read_header(fp)
+            _, entries = read_header(fp, max_entries=MAX_IMPORT_ENTRIES)
             for e in entries:
                 if e.key in self.files:
                     raise MetadataError(f"tensor {e.key!r} appears in both {self.files[e.key]} and {fp}")

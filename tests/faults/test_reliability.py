@@ -367,3 +367,15 @@ def test_an_output_the_reader_would_refuse_is_never_reported_done(tmp_path):
     merge_to_hf(tmp_path / "c", tmp_path / "hf", rename=[("^__metadata__$", "meta_w")])
     from safetensors.torch import load_file
     assert set(load_file(tmp_path / "hf" / "model.safetensors")) == {"meta_w", "w"}
+
+
+def test_an_import_header_declaring_too_many_tensors_is_refused_before_work(tmp_path, monkeypatch):
+    from hpdcp_runner.dcp import CorruptCheckpointError, offline_sources
+    from hpdcp_runner.dcp.offline_transform import import_checkpoint
+
+    monkeypatch.setattr(offline_sources, "MAX_IMPORT_ENTRIES", 100)
+    src = tmp_path / "many.safetensors"
+    _safetensors_file(src, {f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+                            for i in range(101)}, b"\0" * 404)
+    with pytest.raises(CorruptCheckpointError, match="many.safetensors: header declares 101 tensors, over the limit"):
+        import_checkpoint(src, tmp_path / "out")
