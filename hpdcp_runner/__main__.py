@@ -1,5 +1,6 @@
 """Entry point: ``torchrun --nproc-per-node=N -m hpdcp_runner +job=<name> [overrides]``,
-``python -m hpdcp_runner +job=<name>`` (one process) or the ``hpdcp`` console script.
+``python -m hpdcp_runner +job=<name>`` (one process), ``hpdcp --nproc-per-node=N +job=<name>``
+(torchrun's launcher in-process, quiet failures: see rank_launcher) or the ``hpdcp`` console script.
 
 Thin on purpose: agree the run dir across ranks before Hydra starts, then hand over to Hydra.
 """
@@ -23,8 +24,11 @@ def main() -> None:
     import sys
 
     from .cli_help import handle_early_flags
+    from .rank_launcher import launch
 
-    code = handle_early_flags(sys.argv[1:], runtime.env_rank())
+    code = launch(sys.argv[1:])
+    if code is None:
+        code = handle_early_flags(sys.argv[1:], runtime.env_rank())
     if code is not None:
         raise SystemExit(code)
     runtime.remember_launch_dir()

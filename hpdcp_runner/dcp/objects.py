@@ -9,7 +9,6 @@ never attempted without it, so loading an untrusted checkpoint runs no code.
 from __future__ import annotations
 
 import base64
-import json
 import pickle
 from collections import OrderedDict
 from typing import Any
@@ -81,8 +80,9 @@ def _enc(v: Any, depth: int) -> Any:
 def decode(data: Any, *, key: str, source: str, allow_pickle: bool = False) -> Any:
     """Decode data written by :func:`encode`; malformed data is a MetadataError naming the key."""
     try:
-        value = _dec(data, 0, allow_pickle)
-        if allow_pickle and '["p",' in json.dumps(data, separators=(",", ":")):
+        unpickled: list[int] | bool = [] if allow_pickle else False  # a list: allowed, and counts unpickles
+        value = _dec(data, 0, unpickled)
+        if unpickled:
             log.warning("%s: key %r was unpickled (allow_pickle=True): this ran code from the checkpoint", source, key)
         return value
     except PickleNotAllowedError:
@@ -94,7 +94,7 @@ def decode(data: Any, *, key: str, source: str, allow_pickle: bool = False) -> A
         raise MetadataError(f"{source}: key {key!r}: malformed object encoding ({e})") from None
 
 
-def _dec(d: Any, depth: int, allow_pickle: bool) -> Any:
+def _dec(d: Any, depth: int, allow_pickle: list[int] | bool) -> Any:
     if depth > _MAX_DEPTH:
         raise ValueError("nested too deeply")
     if not isinstance(d, list) or not d or not isinstance(d[0], str):
@@ -131,7 +131,9 @@ def _dec(d: Any, depth: int, allow_pickle: bool) -> Any:
             raise ValueError(f"unknown dtype {arg!r}")
         return dt
     if tag == "p" and isinstance(arg, str):
-        if not allow_pickle:
+        if allow_pickle is False:
             raise PickleNotAllowedError("pickle")
+        if isinstance(allow_pickle, list):
+            allow_pickle.append(1)
         return pickle.loads(base64.b64decode(arg, validate=True))
     raise ValueError(f"unknown tag {tag!r}")

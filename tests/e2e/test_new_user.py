@@ -233,3 +233,28 @@ def test_inspect_json_is_alone_on_stdout(cli, tmp_path, fmt):
     assert r.returncode == 0, _tail(r)
     assert json.loads(r.stdout)["state"] == "committed"
     assert "hpdcp inspect:" in r.stderr
+
+
+def test_hpdcp_launches_ranks_and_fails_with_one_line(tmp_path):
+    """``python -m hpdcp_runner --nproc-per-node=2 ...``: torchrun's launcher in-process, so a
+    user mistake ends with the workers' one line and their exit code, no launcher traceback."""
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "hpdcp_runner", "--nproc-per-node=2", "+job=save", f"checkpoint.dir={ck}",
+           "layout=tp"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=str(tmp_path))
+    assert r.returncode == 0 and "hpdcp save: world_size=2" in r.stdout, _tail(r)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=str(tmp_path))
+    assert r.returncode == 1, _tail(r)
+    assert r.stderr.strip().splitlines() == [_one_error_line(r.stderr)], r.stderr  # that line and nothing else
+    assert "checkpoint.overwrite=true" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_launcher_options_are_split_from_the_job_arguments():
+    from hpdcp_runner.rank_launcher import split_launcher_args
+
+    assert split_launcher_args(["--nproc-per-node=4", "--nnodes", "2", "--rdzv-endpoint=h:1", "+job=save", "a=1"]) \
+        == (["--nproc-per-node=4", "--nnodes", "2", "--rdzv-endpoint=h:1"], ["+job=save", "a=1"])
+    assert split_launcher_args(["--nproc-per-node=2", "--cfg", "job", "+job=save"]) == \
+        (["--nproc-per-node=2"], ["--cfg", "job", "+job=save"])
+    assert split_launcher_args(["--nproc-per-node=2", "-m", "+job=bench", "x=1,2"]) == \
+        (["--nproc-per-node=2"], ["-m", "+job=bench", "x=1,2"])

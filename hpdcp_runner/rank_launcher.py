@@ -1,0 +1,59 @@
+"""``hpdcp --nproc-per-node=N +job=...`` (or ``python -m hpdcp_runner --nproc-per-node=N ...``):
+torchrun's own launcher, run in-process, that ends a failed job with the workers' one-line error
+and their exit code instead of torchrun's ``ChildFailedError`` traceback and summary.
+
+Leading options that torchrun knows (``--nproc-per-node``, ``--nnodes``, ``--rdzv-endpoint``,
+...) go to torchrun; everything after them is the job's Hydra command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LAUNCH_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--standalone")
+
+
+def split_launcher_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's options, the job's arguments): leading ``--options`` torchrun's parser knows,
+    with their values, then the rest."""
+    from torch.distributed.run import get_args_parser
+
+    actions = get_args_parser()._option_string_actions
+    i, ours = 0, []
+    while i < len(argv) and argv[i].startswith("--"):
+        name = argv[i].split("=", 1)[0]
+        action = actions.get(name)
+        if action is None or name in ("--help", "--module", "--no-python", "--run-path"):
+            break
+        ours.append(argv[i])
+        if "=" not in argv[i] and action.nargs != 0 and i + 1 < len(argv):
+            ours.append(argv[i + 1])
+            i += 1
+        i += 1
+    return ours, argv[i:]
+
+
+def launch(argv: list[str]) -> int | None:
+    """Launch the workers when ``argv`` starts with a launch option; returns the exit code, or
+    None when this is not a launch (a worker, or a one-process run)."""
+    if not argv or argv[0].split("=", 1)[0] not in LAUNCH_FLAGS:
+        return None
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    launcher, job = split_launcher_args(argv)
+    # torchrun's agent logs its banner and a failure summary at WARNING/ERROR: the workers
+    # already said what went wrong, once
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args([*launcher, "-m", "hpdcp_runner", *job]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode < 0:  # killed by a signal: no worker could say why
+            sys.stderr.write(f"hpdcp: rank {rank} was killed by signal {-failure.exitcode} "
+                             f"({failure.signal_name()}); see its log in the run directory\n")
+            return 1
+        return failure.exitcode
+    return 0
