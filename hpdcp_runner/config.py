@@ -117,6 +117,7 @@ class LayoutConf:
     mesh: list[int] = field(default_factory=lambda: [-1])  # -1: the rest of the world size
     rules: list[RuleConf] = field(default_factory=list)  # first match wins; no match -> replicate
     flat_units: list[int] = field(default_factory=list)  # kind=flat: relative share per rank (empty: even)
+    strict: bool = False  # true: a tensor that no rule names is an error (listing all of them), not replicated
 
 
 @dataclass

@@ -91,12 +91,49 @@ class Placer:
             self._mesh = DeviceMesh(self.device, torch.arange(self.world_size).reshape(self.shape))
         return self._mesh
 
-    def placements_for(self, fqn: str, ndim: int) -> list[str]:
-        for pat, pl in self._rules:
+    def rule_for(self, fqn: str) -> int | None:
+        """Index of the first rule whose pattern matches ``fqn`` in full, or None."""
+        for i, (pat, _) in enumerate(self._rules):
             if pat.fullmatch(fqn):
-                # A shard dim the tensor does not have replicates instead (e.g. biases under tp).
-                return [p if p == "R" or _dim(p, ndim) is not None else "R" for p in pl]
-        return ["R"] * len(self.shape)
+                return i
+        return None
+
+    def placements_for(self, fqn: str, ndim: int) -> list[str]:
+        i = self.rule_for(fqn)
+        if i is None:
+            return ["R"] * len(self.shape)
+        pl = self._rules[i][1]
+        if ndim == 0:  # a scalar (e.g. an optimizer step under its parameter's rule) cannot be split
+            return ["R"] * len(pl)
+        bad = [p for p in pl if p != "R" and _dim(p, ndim) is None]
+        if bad:
+            from .dcp.errors import ConfigError
+
+            raise ConfigError(f"layout {self.layout.name!r} rules[{i}] (pattern {self.layout.rules[i].pattern!r}, "
+                              f"placements {list(pl)}) cannot apply to {fqn!r}: it has {ndim} dimension(s), so "
+                              f"{bad[0]} does not exist; narrow the pattern or add an earlier rule for it")
+        return list(pl)
+
+    def unmatched(self, fqns: Any) -> list[str]:
+        """The tensors no rule names (what ``layout.strict`` refuses)."""
+        return [f for f in fqns if self.rule_for(f) is None]
+
+    def empty(self, fqn: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        """An uninitialised load target for a tensor of ``shape``: this rank's own shard only
+        (never the full tensor), as a DTensor / FlatShard / plain tensor per the layout."""
+        shape = tuple(int(d) for d in shape)
+        if self.layout.kind == "plain" or not shape:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        if self.layout.kind == "flat":
+            a, b = self._flat_cuts(math.prod(shape), self.rank)
+            return FlatShard(torch.empty(b - a, dtype=dtype, device=self.device), shape, a)
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        (box,) = self.boxes(fqn, shape, self.rank)
+        placements = [Replicate() if p == "R" else Shard(_dim(p, len(shape))) for p in self.placements_for(fqn, len(shape))]
+        local = torch.empty(box.sizes, dtype=dtype, device=self.device)
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Mesh coordinate of ``rank`` (row-major over the mesh shape), no mesh needed."""

@@ -1,0 +1,40 @@
+"""Load targets built from a checkpoint's own metadata, for checkpoints the runner did not write:
+every tensor the checkpoint holds, with its saved shape and dtype, placed by ``layout=`` (each
+rank allocates only its own shard), and every object as a placeholder the load fills in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .dcp import Metadata
+from .dcp.errors import ConfigError
+from .dcp.metadata import dtype_from_name
+from .dcp.utils import set_element
+from .layouts import Placer
+
+
+def _ensure_path(root: dict, path: tuple) -> None:
+    """Create the nested dicts leading to ``path`` (lists become dicts keyed by index)."""
+    node = root
+    for k in path[:-1]:
+        node = node.setdefault(k, {})
+
+
+def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False) -> dict[str, Any]:
+    """The nested load target for every key of ``md`` under ``placer``'s layout. With ``strict``,
+    tensors that no layout rule names are one error listing them all."""
+    if strict:
+        unmatched = placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape))
+        if unmatched:
+            shown = ", ".join(repr(k) for k in unmatched[:20])
+            more = f" ... ({len(unmatched) - 20} more)" if len(unmatched) > 20 else ""
+            raise ConfigError(f"layout.strict: no rule of layout {placer.layout.name!r} names {len(unmatched)} "
+                              f"tensor(s): {shown}{more}; add rules for them or set layout.strict=false")
+    root: dict[str, Any] = {}
+    for k, t in sorted(md.tensors.items()):
+        _ensure_path(root, t.path)
+        set_element(root, t.path, placer.empty(k, t.shape, dtype_from_name(t.dtype)))
+    for k, o in sorted(md.objects.items()):
+        _ensure_path(root, o.path)
+        set_element(root, o.path, None)
+    return root

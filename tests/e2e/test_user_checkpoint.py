@@ -1,0 +1,81 @@
+"""Reshard a checkpoint the runner did not write: the target comes from its metadata, placed by a
+model-family layout preset (Hugging Face Llama names here); model= plays no part."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hpdcp_runner.dcp import load, save
+from tests.e2e.conftest import metrics
+from tests.e2e.test_cli import _tail
+
+V, H, F = 96, 32, 80  # vocab, hidden, ffn: not the synthetic presets' shapes
+
+
+def _llama_state() -> dict:
+    g = torch.Generator().manual_seed(3)
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    model = {"model.embed_tokens.weight": t(V, H), "model.norm.weight": t(H), "lm_head.weight": t(V, H)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        model.update({p + "self_attn.q_proj.weight": t(H, H), p + "self_attn.k_proj.weight": t(H // 2, H),
+                      p + "self_attn.v_proj.weight": t(H // 2, H), p + "self_attn.o_proj.weight": t(H, H),
+                      p + "mlp.gate_proj.weight": t(F, H), p + "mlp.up_proj.weight": t(F, H),
+                      p + "mlp.down_proj.weight": t(H, F), p + "input_layernorm.weight": t(H),
+                      p + "post_attention_layernorm.weight": t(H)})
+    q = "model.layers.0.self_attn.q_proj.weight"
+    optim = {"state": {q: {"exp_avg": t(H, H, dtype=torch.float32), "step": torch.tensor(7.0)}}}
+    return {"model": model, "optim": optim, "train": {"step": 7}}
+
+
+def _chunks(path, key):
+    doc = json.loads((path / "metadata.json").read_text())
+    return [(c[0], c[1]) for c in doc["tensors"][key]["chunks"]]
+
+
+def test_reshard_a_llama_checkpoint_under_family_layouts(cli, tmp_path):
+    src = tmp_path / "hf_like"
+    state = _llama_state()
+    save(state, checkpoint_id=src)
+    for nproc, layout in ((2, "llama_tp"), (4, "llama_fsdp_tp")):
+        out = tmp_path / f"out_{layout}"
+        r = cli(["+job=reshard", f"job.source.path={src}", f"layout={layout}", f"job.output={out}",
+                 "layout.strict=true", f"hydra.run.dir={tmp_path}/r_{layout}"], nproc=nproc)
+        assert r.returncode == 0, _tail(r)
+        m = metrics(tmp_path / f"r_{layout}")["result"]
+        assert m["verified_tensors"] == 23  # every tensor bit for bit, including the optimizer's
+        q, o = "model.model.layers.0.self_attn.q_proj.weight", "model.model.layers.1.self_attn.o_proj.weight"
+        if layout == "llama_tp":
+            assert _chunks(out, q) == [([0, 0], [16, 32]), ([16, 0], [16, 32])]  # column-parallel: dim 0
+            assert _chunks(out, o) == [([0, 0], [32, 16]), ([0, 16], [32, 16])]  # row-parallel: dim 1
+            assert len(_chunks(out, "model.model.norm.weight")) == 1  # replicated, written once
+            # optimizer state follows its parameter's rule; its step scalar stays whole
+            assert _chunks(out, "optim.state.model.layers.0.self_attn.q_proj.weight.exp_avg") == _chunks(out, q)
+        else:  # dp=2 x tp=2: both split dim 0 of q_proj, o_proj split by rows (dp) and columns (tp)
+            assert len(_chunks(out, q)) == 4 and len(_chunks(out, o)) == 4
+        tgt = {k: torch.zeros_like(v) for k, v in state["model"].items()}
+        load({"model": tgt}, checkpoint_id=out, strict=False)
+        assert all(torch.equal(tgt[k], state["model"][k]) for k in tgt)
+
+
+def test_layout_rules_are_checked_against_the_checkpoint(cli, tmp_path):
+    src = tmp_path / "hf_like"
+    state = _llama_state()
+    state["model"]["model.layers.0.mystery.weight"] = torch.zeros(4, 4)
+    save(state, checkpoint_id=src)
+    r = cli(["+job=reshard", f"job.source.path={src}", "layout=llama_tp", "layout.strict=true",
+             f"job.output={tmp_path}/o", f"hydra.run.dir={tmp_path}/a"])
+    assert r.returncode != 0 and "layout.strict" in r.stderr and "model.model.layers.0.mystery.weight" in r.stderr, \
+        _tail(r)
+    assert not (tmp_path / "o").exists()
+    # a rule that cannot apply (1-D norms told Shard(1)) names the rule and the tensor
+    r = cli(["+job=reshard", f"job.source.path={src}", "layout=llama_tp",
+             "layout.rules=[{pattern: '.*norm.*', placements: [S1]}]", f"job.output={tmp_path}/o",
+             f"hydra.run.dir={tmp_path}/b"])
+    assert r.returncode != 0 and "rules[0]" in r.stderr and "norm.weight" in r.stderr and "S1" in r.stderr, _tail(r)
+    assert not (tmp_path / "o").exists()
