@@ -79,3 +79,13 @@ def test_layout_rules_are_checked_against_the_checkpoint(cli, tmp_path):
              f"hydra.run.dir={tmp_path}/b"])
     assert r.returncode != 0 and "rules[0]" in r.stderr and "norm.weight" in r.stderr and "S1" in r.stderr, _tail(r)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_foreign_checkpoint_given_as_source_says_what_it_is(cli, tmp_path):
+    import torch.distributed.checkpoint as tdcp
+
+    tdcp.save({"w": torch.ones(4)}, storage_writer=tdcp.FileSystemWriter(str(tmp_path / "tdcp")))
+    r = cli(["+job=reshard", f"job.source.path={tmp_path}/tdcp", f"job.output={tmp_path}/o",
+             f"hydra.run.dir={tmp_path}/a"])
+    assert r.returncode == 1 and "torch.distributed.checkpoint directory" in r.stderr, _tail(r)
+    assert "transform=from_torch_dcp" in r.stderr and not (tmp_path / "o").exists()
