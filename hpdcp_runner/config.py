@@ -17,7 +17,8 @@ from .dcp.errors import ConfigError
 JOB_HELP = {
     "save": "build the model= state under layout= and save it (checkpoint.dir/checkpoint.name; keep_last)",
     "load": "load checkpoint.path into the model= state under layout= and check every shard bit for bit",
-    "reshard": "load a checkpoint (job.source.path) under layout= at this world size, save it, verify it",
+    "reshard": "load a checkpoint (job.source.path: ours, Hugging Face or torch DCP) under layout= at this "
+               "world size, save it (job.output_format=hpdcp|hf), verify it",
     "inspect": "list a checkpoint's tensors, dtypes, shapes, chunks and files (job.format=table|json)",
     "verify": "recompute every checksum of checkpoint.path; non-zero exit naming every problem",
     "bench": "time save and load (job.repeats after job.warmup); job.peer=true runs torch DCP beside it",
@@ -160,8 +161,14 @@ class RuntimeConf:
 
 @dataclass
 class SourceConf:
+    # a checkpoint to read as it is (reshard, load, bench, inspect, verify): the state is built
+    # from its own metadata and placed by layout=; model= plays no part
     path: Optional[str] = None
-    layout: str = "tp"
+    layout: str = "tp"  # reshard without source.path: the layout the demo source is written in
+    format: str = "auto"  # auto | hpdcp | hf | torch_dcp (torch_dcp needs dcp.allow_pickle=true)
+    # [{pattern: <regex>, replace: <text>}, ...]: applied in order to the checkpoint's keys at load
+    # (None, not an empty list: OmegaConf cannot merge a list default under the Optional job node)
+    rename: Optional[list[Any]] = None
 
 
 @dataclass
@@ -170,6 +177,12 @@ class JobConf:
     format: str = "table"  # inspect: table | json
     source: SourceConf = field(default_factory=SourceConf)
     output: Optional[str] = None  # reshard: where the resharded checkpoint goes
+    output_format: str = "hpdcp"  # reshard: hpdcp | hf (Hugging Face shards + index, from_pretrained-ready)
+    hf_max_shard_size: str = "5GB"  # a size (bytes or 64MiB-style; a Union type here breaks OmegaConf merges); output_format=hf: cap per model-*.safetensors file
+    # output_format=hf: directory whose config.json / tokenizer files travel with the output
+    # (default: the source, when it is a Hugging Face directory)
+    hf_files_from: Optional[str] = None
+    ranks: Optional[int] = None  # inspect: show the layout= shards for this many ranks
     warmup: int = 1
     repeats: int = 3
     peer: bool = False  # bench: run torch.distributed.checkpoint side by side
@@ -287,6 +300,33 @@ def _transform_problems(c: Config, world_size: int) -> list[str]:
     return out
 
 
+def _source_problems(c: Config) -> list[str]:
+    """job.source.format / rename and the reshard output options."""
+    from .dcp.foreign_storage import FORMATS
+
+    j, out = c.job, []
+    if j.source.format not in FORMATS:
+        out.append(f"job.source.format: {j.source.format!r} is not one of {', '.join(FORMATS)}")
+    for i, r in enumerate(j.source.rename or []):
+        if not isinstance(r, dict) or set(r) != {"pattern", "replace"} or not all(isinstance(v, str) for v in r.values()):
+            out.append(f"job.source.rename[{i}]: must be {{pattern: <regex>, replace: <text>}}, got {r!r}")
+            continue
+        try:
+            re.compile(r["pattern"]).sub(r["replace"], "")
+        except re.error as e:
+            out.append(f"job.source.rename[{i}]: bad rule {r['pattern']!r} -> {r['replace']!r} ({e})")
+    if j.output_format not in ("hpdcp", "hf"):
+        out.append(f"job.output_format: {j.output_format!r} is not hpdcp or hf")
+    try:
+        if parse_size(j.hf_max_shard_size, "job.hf_max_shard_size") == 0:
+            out.append("job.hf_max_shard_size: must be positive")
+    except ConfigError as e:
+        out.append(str(e))
+    if j.ranks is not None and j.ranks < 1:
+        out.append(f"job.ranks: must be >= 1, got {j.ranks}")
+    return out
+
+
 def _train_problems(c: Config) -> list[str]:
     out = []
     if c.layout.kind == "flat":
@@ -378,14 +418,20 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
         problems.append(f"runtime.device: {c.runtime.device!r} is not cpu or cuda")
     if c.runtime.backend == "nccl" and c.runtime.device == "cpu":
         problems.append("runtime.backend: nccl cannot carry CPU tensors; use runtime.device=cuda or backend gloo")
-    problems += [f"layout.{p}" for p in layouts.problems(c.layout, world_size)]
+    # inspect only describes a layout, at job.ranks ranks when given
+    inspect = c.job is not None and c.job.name == "inspect"
+    layout_ws = c.job.ranks if inspect and c.job.ranks else world_size
+    hint = " (inspect: add job.ranks=<N> to show the layout at N ranks)" if inspect and not c.job.ranks else ""
+    problems += [f"layout.{p}{hint if 'world size' in p else ''}" for p in layouts.problems(c.layout, layout_ws)]
     if c.model.dtype not in ("float32", "bfloat16", "float16"):
         problems.append(f"model.dtype: {c.model.dtype!r} is not float32, bfloat16 or float16")
     if c.model.kind not in ("transformer", "peer", "mlp_adamw"):
         problems.append(f"model.kind: {c.model.kind!r} is not transformer, peer or mlp_adamw")
     if c.job is not None:
-        if c.job.name in ("inspect", "verify") and not c.checkpoint.path:
-            problems.append(f"checkpoint.path: the {c.job.name} job needs checkpoint.path=<checkpoint dir>")
+        if c.job.name in ("inspect", "verify") and not (c.checkpoint.path or c.job.source.path):
+            problems.append(f"checkpoint.path: the {c.job.name} job needs checkpoint.path=<checkpoint dir> "
+                            f"(or job.source.path=)")
+        problems += _source_problems(c)
         if c.job.include is not None:
             try:
                 re.compile(c.job.include)

@@ -74,7 +74,8 @@ def write_metrics(run_dir: str, doc: dict) -> str:
 
 
 def summary_table(doc: dict) -> str:
-    lines = [f"hpdcp {doc['job']}: world_size={doc['world_size']} layout={doc['layout']} model={doc['model']}"]
+    what = f"source={doc['source']}" if doc.get("source") else f"model={doc['model']}"
+    lines = [f"hpdcp {doc['job']}: world_size={doc['world_size']} layout={doc['layout']} {what}"]
     lines.append(f"{'phase':<20}{'seconds(max)':>14}{'bytes':>16}{'GB/s':>10}")
     for p, row in doc["summary"].items():
         if p.startswith("warmup."):  # timed, kept in metrics.json, not part of the measurement

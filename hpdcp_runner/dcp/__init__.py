@@ -15,9 +15,11 @@ from .errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNo
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
                      StorageAccessError)
 from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .foreign_storage import HfReader, TorchDcpReader, open_reader
 from .metadata import Metadata
 from .planner import LoadPlanner, SavePlanner
 from .ragged import FlatShard, LocalShard
+from .renames import rename_keys
 from .standard_planner import (MinimumRankLoadPlanner, MinimumRankSavePlanner, StandardLoadPlanner,
                                StandardSavePlanner)
 from .state_dict import get_model_state_dict, get_optim_state_dict, set_model_state_dict, set_optim_state_dict
@@ -32,7 +34,8 @@ __all__ = [
     "set_model_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
     "LOAD_PLANNERS", "LoadResult", "Metadata",
     "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
-    "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "FlatShard", "LocalShard",
+    "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "HfReader", "TorchDcpReader",
+    "open_reader", "rename_keys", "FlatShard", "LocalShard",
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
     "CommitDurabilityError", "CheckpointChangedError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",

@@ -12,18 +12,20 @@ import dataclasses
 import datetime as _dt
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from . import faults
 from .broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers
 from .collectives import Comm
 from .errors import KeyMismatchError
 from .filesystem_storage import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
+from .foreign_storage import open_reader
 from .geometry import Box, relative
 from .metadata import METADATA_FILE, DeferredMetadata, Metadata
 from .columns import pack_ints, unpack_ints
 from .dedup import CompactPlan, GlobalSavePlan
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from .renames import rename_keys
 from .replica_plan import Batch, CompactShards, batch_ops
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
 from .state_dict import restore_stateful, stateful_to_state_dict
@@ -139,9 +141,23 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     return metadata
 
 
-def read_metadata(checkpoint_id: str | os.PathLike, **reader_kwargs: Any) -> Metadata:
-    """Read and validate a checkpoint's metadata (single process, no collectives)."""
-    return FileSystemReader(checkpoint_id, **reader_kwargs).read_metadata_once()
+def read_metadata(checkpoint_id: str | os.PathLike, *, format: str = "auto", allow_pickle: bool = False,
+                  rename: Sequence[Any] = (), **reader_kwargs: Any) -> Metadata:
+    """Read and validate a checkpoint's metadata (single process, no collectives). ``format``:
+    auto | hpdcp | hf | torch_dcp; ``rename``: the key renames a load with them would see."""
+    reader = open_reader(checkpoint_id, format, allow_pickle=allow_pickle, **reader_kwargs)
+    try:
+        md = Metadata.from_json(reader.read_metadata_text(), source=_metadata_source(reader, checkpoint_id))
+    finally:
+        reader.close()
+    return rename_keys(md, rename, source=os.fspath(checkpoint_id))
+
+
+def _metadata_source(reader: StorageReader, path: Any) -> str:
+    """What a metadata error names: our metadata.json, or the foreign checkpoint directory."""
+    if isinstance(reader, FileSystemReader) and type(reader) is not FileSystemReader:
+        return f"{reader.path} (as {reader.format_name})"  # type: ignore[attr-defined]
+    return os.path.join(os.fspath(path), METADATA_FILE) if path else METADATA_FILE
 
 
 def _bitmap(keys: list[str], requested: frozenset[str]) -> str:
@@ -165,7 +181,7 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
          storage_reader: StorageReader | None = None, planner: LoadPlanner | None = None,
          process_group: Any = None, strict: bool = True, allow_pickle: bool = False, allow_cast: bool = False,
          files_kept: int = DEFAULT_FILES_KEPT, broadcast: BroadcastOptions | None = None, timeout: Timeout = None,
-         timer: PhaseTimer | None = None) -> LoadResult:
+         timer: PhaseTimer | None = None, format: str = "auto", rename: Sequence[Any] = ()) -> LoadResult:
     """Load a checkpoint into ``state_dict`` in place (tensors are filled, other leaves replaced).
 
     Works for any saved layout and world size: each destination shard is assembled from the
@@ -177,12 +193,18 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     ``nn.Module``) are loaded through their state dict and restored in place. A shard held by
     several ranks is read once and broadcast to the others per ``broadcast`` (mode auto: only
     across nodes or from storage declared shared/slow).
+
+    ``format`` (auto | hpdcp | hf | torch_dcp) reads a Hugging Face or torch DCP checkpoint in
+    place, with the same partial reads and broadcasts (torch DCP needs ``allow_pickle``: its
+    metadata is a pickle). ``rename``: ordered ``(pattern, replace)`` regex rules applied to the
+    checkpoint's keys before matching them to the state dict (two keys renamed onto one is an
+    error listing them).
     """
     options = broadcast or BroadcastOptions()
     path = _checkpoint_path(checkpoint_id, storage_reader)
     caller, (state_dict, stateful) = state_dict, stateful_to_state_dict(state_dict)
     comm = Comm.create(process_group, timeout)
-    reader = storage_reader or FileSystemReader(path, files_kept=files_kept)
+    reader = storage_reader or open_reader(path, format, allow_pickle=allow_pickle, files_kept=files_kept)
     planner = planner or StandardLoadPlanner()
     timer = timer or PhaseTimer()
     own: LoadPlan | None = None
@@ -190,12 +212,13 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
         with timer.phase("metadata"):
             # Rank 0 reads, every rank parses and validates in parallel; a rank whose validation
             # fails reports it in the plan agreement below, so every rank raises it.
-            source = os.path.join(path, METADATA_FILE) if path else METADATA_FILE
+            source = _metadata_source(reader, path)
             got = comm.agree_root("load: metadata", lambda: {"text": reader.read_metadata_text(), "pin": reader.pin()})
             md_or_error: Metadata | Exception
             try:
                 md_or_error = Metadata.from_json(got["text"], source=source)
                 reader.attach_metadata(md_or_error, pin=got["pin"])
+                md_or_error = rename_keys(md_or_error, rename, source=path or "checkpoint")
             except Exception as e:
                 md_or_error = e
 

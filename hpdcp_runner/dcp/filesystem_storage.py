@@ -360,6 +360,8 @@ class FileSystemReader(StorageReader):
     the destination memory when the bytes are contiguous on both sides, else into a reused scratch
     buffer and one strided copy. Reads are sorted by file and offset; open files live in an LRU."""
 
+    format_name = "hpdcp"
+
     def __init__(self, path: str | os.PathLike, *, files_kept: int = DEFAULT_FILES_KEPT,
                  max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True,
                  shared_storage: bool = False, max_read_bytes_per_s: int | None = None,

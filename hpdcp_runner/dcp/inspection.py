@@ -21,7 +21,7 @@ from .errors import HpdcpError, PickleNotAllowedError
 from .filesystem_storage import STAGING_MARK, TRASH_MARK, FileSystemReader
 from .geometry import Box, narrow
 from .metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
-from .storage import ReadRequest
+from .storage import ReadRequest, StorageReader
 
 
 def commit_state(path: str | os.PathLike) -> str:
@@ -35,28 +35,36 @@ def commit_state(path: str | os.PathLike) -> str:
     return "missing"
 
 
-def describe(path: str | os.PathLike) -> dict:
-    """A JSON-able summary: format, world size, files, and per tensor dtype/shape/chunks/bytes."""
-    reader = FileSystemReader(path)
-    md = reader.read_metadata_once()
+def describe(path: str | os.PathLike, reader: StorageReader | None = None, md: Metadata | None = None) -> dict:
+    """A JSON-able summary: format, world size, files, and per tensor dtype/shape/chunks/bytes.
+    ``reader``/``md``: a foreign checkpoint (Hugging Face, torch DCP) as its reader describes it."""
+    reader = reader or FileSystemReader(path)
+    if md is None:
+        try:
+            md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+        finally:
+            reader.close()
     tensors = {k: {"dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes,
                    "files": sorted({c.file for c in t.chunks})} for k, t in md.tensors.items()}
-    return {"path": reader.path, "state": commit_state(path), "format_version": md.format_version,
+    fmt = getattr(reader, "format_name", "hpdcp")
+    return {"path": reader.path, "format": fmt, "state": commit_state(path) if fmt == "hpdcp" else "committed",
+            "format_version": md.format_version,
             "world_size": md.world_size, "tensor_bytes": md.total_tensor_bytes,
             "files": {n: {"size": f.size, "rank": f.rank} for n, f in sorted(md.files.items())},
             "tensors": tensors, "objects": sorted(md.objects)}
 
 
 def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
-                      reuse_buffer: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                      reuse_buffer: bool = False, reader: StorageReader | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, full tensor)`` assembled from every chunk, one tensor at a time.
 
     With ``reuse_buffer`` every tensor is a view of one buffer sized for the largest (valid only
     until the next item): memory stays at the largest tensor however the allocator behaves
     (freed multi-MiB blocks otherwise fragment the heap and RSS creeps up).
     """
-    reader = FileSystemReader(path, files_kept=4)
-    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+    reader = reader or FileSystemReader(path, files_kept=4)
+    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(os.fspath(path), METADATA_FILE))
     reader.attach_metadata(md)
     keys = list(keys) if keys is not None else sorted(md.tensors)
     reader.check_files(sorted({c.file for k in keys for c in md.tensors[k].chunks}))  # sizes real before allocating
@@ -89,8 +97,9 @@ def tensor_digest(t: torch.Tensor) -> str:
     return digest(f"{c.dtype}{list(c.shape)}".encode() + bytes(byte_view(c)))
 
 
-def full_tensor_digests(path: str | os.PathLike) -> dict[str, str]:
-    return {k: tensor_digest(t) for k, t in iter_full_tensors(path)}
+def full_tensor_digests(path: str | os.PathLike, reader: StorageReader | None = None) -> dict[str, str]:
+    """{key: digest of the full tensor}, one tensor in memory at a time (``reader``: a foreign one)."""
+    return {k: tensor_digest(t) for k, t in iter_full_tensors(path, reader=reader, reuse_buffer=True)}
 
 
 @dataclass(frozen=True)

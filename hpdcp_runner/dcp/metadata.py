@@ -43,7 +43,7 @@ for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
         DTYPES[_name] = (getattr(torch, _name), _code)
 _DTYPE_NAMES = {dt: name for name, (dt, _) in DTYPES.items()}
 
-_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: '$' would admit a trailing newline
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # fullmatch: '$' would admit a trailing newline
 
 
 def dtype_name(dtype: torch.dtype) -> str:

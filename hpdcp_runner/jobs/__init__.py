@@ -136,12 +136,17 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
     records = ctx.comm.all_gather_json(ctx.metrics.rank_record(ctx.info.rank), "metrics")
     if ctx.info.rank != 0:
         return
+    # a job on a user's checkpoint names it instead of the (unused) synthetic model= preset
+    source = ctx.cfg.job.source.path
     doc = {"job": ctx.cfg.job.name, "world_size": ctx.info.world_size, "layout": ctx.cfg.layout.name,
-           "model": ctx.cfg.model.name, "run_dir": ctx.run_dir, "config": ctx.plain,
+           "model": None if source else ctx.cfg.model.name, "source": source, "run_dir": ctx.run_dir, "config": ctx.plain,
            "config_digest": digest, "ranks": records,
            "summary": summarize(records), "result": result,
            "engine": ctx.engine_knobs()}
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
     # a job that prints machine-readable output keeps stdout for it alone
     machine = ctx.cfg.job.name == "inspect" and ctx.cfg.job.format == "json"
-    print(summary_table(doc), file=sys.stderr if machine else sys.stdout, flush=True)
+    try:
+        print(summary_table(doc), file=sys.stderr if machine else sys.stdout, flush=True)
+    except BrokenPipeError:  # `... | head`: the reader left; not the job's failure
+        sys.stdout = open(os.devnull, "w")

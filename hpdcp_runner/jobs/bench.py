@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..dcp.errors import HpdcpError
 from ..layouts import place_state
+from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext, compare_state
 
@@ -41,12 +42,31 @@ def _peer(ctx: JobContext, state, target, path: str) -> tuple[float, float]:
     return s, l_
 
 
+def _copy_objects(src: dict, dst: dict) -> None:
+    """Non-tensor leaves of the loaded state into the target's placeholders (torch DCP's load
+    needs a value of the right kind to replace)."""
+    for k, v in src.items():
+        if isinstance(v, dict):
+            _copy_objects(v, dst[k])
+        elif not isinstance(v, torch.Tensor):
+            dst[k] = v
+
+
 def run(ctx: JobContext) -> dict:
     job, placer = ctx.cfg.job, ctx.placer()
-    with ctx.metrics.phase("build"):
-        ref = reference_state(ctx.cfg.model)
-        state = place_state(ref, placer)
-        target = place_state(zeros_like_state(ref), placer)
+    if job.source.path:  # a user's checkpoint, loaded once under layout=, is the state timed
+        path = ctx.abspath(job.source.path)
+        md = ctx.source_metadata(path)
+        with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
+            state = state_from_metadata(md, placer, strict=ctx.cfg.layout.strict)
+            target = state_from_metadata(md, placer)
+        ctx.load(state, path, phase="source_load", key="job.source.path", foreign=True)
+        _copy_objects(state, target)
+    else:
+        with ctx.metrics.phase("build"):
+            ref = reference_state(ctx.cfg.model)
+            state = place_state(ref, placer)
+            target = place_state(zeros_like_state(ref), placer)
     times = {"save": [], "load": [], "peer_save": [], "peer_load": []}
     for i in ctx.progress(range(job.warmup + job.repeats), "bench"):
         path = ctx.checkpoint_path(f"bench_{i}")

@@ -15,7 +15,10 @@ from .. import dcp
 from .. import runtime
 from ..config import Config, checkpoint_series, parse_size
 from ..dcp.collectives import Comm
-from ..dcp.filesystem_storage import FileSystemReader, FileSystemWriter
+from ..dcp.filesystem_storage import FileSystemWriter
+from ..dcp.foreign_storage import open_reader
+from ..dcp.metadata import METADATA_FILE
+from ..dcp.renames import rename_keys
 from ..dcp.retention import apply_retention, series_extra
 from ..dcp.standard_planner import local_pieces
 from ..layouts import Placer
@@ -137,21 +140,48 @@ class JobContext:
                                   allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s,
                                   callback=done, extra=series_extra(*series) if series else None)
 
-    def load(self, state: Any, path: str, phase: str = "load", strict: bool = True,
-             key: str = "checkpoint.path") -> dcp.LoadResult:
+    def reader(self, path: str, foreign: bool = False) -> dcp.StorageReader:
+        """A reader of ``path`` with the storage knobs; ``foreign``: in ``job.source.format``
+        (auto: ours, Hugging Face or torch DCP by the files present), else our format."""
         d = self.cfg.dcp
         cap = d.storage.max_read_bytes_per_s
-        reader = FileSystemReader(path, files_kept=d.storage.files_kept, verify_checksums=d.storage.verify_checksums,
-                                  max_metadata_bytes=parse_size(d.storage.max_metadata_bytes),
-                                  shared_storage=d.storage.shared,
-                                  segment_bytes=max(1, parse_size(d.storage.segment_bytes, "dcp.storage.segment_bytes")),
-                                  max_read_bytes_per_s=parse_size(cap) if cap is not None else None)
+        fmt = self.cfg.job.source.format if foreign and self.cfg.job is not None else "hpdcp"
+        return open_reader(path, fmt, allow_pickle=d.allow_pickle, files_kept=d.storage.files_kept,
+                           verify_checksums=d.storage.verify_checksums,
+                           max_metadata_bytes=parse_size(d.storage.max_metadata_bytes),
+                           shared_storage=d.storage.shared,
+                           segment_bytes=max(1, parse_size(d.storage.segment_bytes, "dcp.storage.segment_bytes")),
+                           max_read_bytes_per_s=parse_size(cap) if cap is not None else None)
+
+    def source_renames(self) -> list:
+        return [(r["pattern"], r["replace"]) for r in self.cfg.job.source.rename or []] if self.cfg.job is not None else []
+
+    def source_metadata(self, path: str, key: str = "job.source.path") -> dcp.Metadata:
+        """A user's checkpoint described as it will load (format and renames applied): rank 0
+        reads it, every rank parses it; an error is raised on every rank."""
+        reader = self.reader(path, foreign=True)
+        try:
+            with self.user_errors(key):
+                got = self.comm.agree_root("read source metadata", reader.read_metadata_text)
+                source = f"{path} (as {reader.format_name})" if reader.format_name != "hpdcp" else \
+                    os.path.join(path, METADATA_FILE)
+                md = dcp.Metadata.from_json(got, source=source)
+                return rename_keys(md, self.source_renames(), source=f"{path} (job.source.rename)")
+        finally:
+            reader.close()
+
+    def load(self, state: Any, path: str, phase: str = "load", strict: bool = True,
+             key: str = "checkpoint.path", foreign: bool = False) -> dcp.LoadResult:
+        """``dcp.load`` with the configured knobs; ``foreign``: ``path`` is a user's checkpoint read
+        in ``job.source.format`` with ``job.source.rename``."""
+        d = self.cfg.dcp
+        reader = self.reader(path, foreign)
         c = reader.counters
         with self.metrics.phase(phase), self.user_errors(key), \
                 self.byte_progress(phase, lambda: (c.bytes_read, c.files_opened)):
             res = dcp.load(state, storage_reader=reader, checkpoint_id=path, planner=dcp.LOAD_PLANNERS[d.planner.name](), strict=strict,
                            allow_pickle=d.allow_pickle, allow_cast=d.allow_cast, timeout=d.timeout_s,
-                           broadcast=self.broadcast_options())
+                           broadcast=self.broadcast_options(), rename=self.source_renames() if foreign else ())
         self.metrics.add(dict(res.counters), f"{phase}.")
         return res
 
@@ -187,6 +217,8 @@ class JobContext:
                 f"loadable until the new one commits), or pick another checkpoint.name / checkpoint.dir.") from None
         except (dcp.CheckpointNotFoundError, dcp.StorageAccessError) as e:
             raise type(e)(f"{_first_line(e)} (check {key})") from None
+        except dcp.PickleNotAllowedError as e:
+            raise dcp.PickleNotAllowedError(_first_line(e)) from None
 
 
 def _first_line(e: BaseException) -> str:

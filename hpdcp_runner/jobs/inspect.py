@@ -1,28 +1,104 @@
-"""inspect: tensors, dtypes, shapes, chunks, files, bytes, commit state, format version."""
+"""inspect: tensors, dtypes, shapes, chunks, files, bytes, commit state, format version; of our
+checkpoints, Hugging Face directories and torch DCP checkpoints alike (``job.source.format``).
+
+With ``layout=`` on the command line (or ``job.ranks=N``) it also shows how that layout would
+place the checkpoint: the rule each tensor matched and the shard each rank would hold, so a
+layout can be checked against a real checkpoint before any rank is started.
+"""
 
 from __future__ import annotations
 
 import json
 
+from ..dcp import Metadata
+from ..dcp.errors import ConfigError
 from ..dcp.inspection import describe
+from ..dcp.renames import rename_keys
+from ..layouts import Placer, mesh_shape, problems
 from .context import JobContext
+
+SHOWN_RANKS = 8
 
 
 def format_table(d: dict) -> str:
-    lines = [f"checkpoint {d['path']} [{d['state']}] format v{d['format_version']}, saved at world size "
-             f"{d['world_size']}, {d['tensor_bytes']} tensor bytes in {len(d['files'])} files"]
+    lines = [f"checkpoint {d['path']} [{d['state']}] {d['format']} format v{d['format_version']}, saved at world "
+             f"size {d['world_size']}, {d['tensor_bytes']} tensor bytes in {len(d['files'])} files"]
     lines.append(f"{'key':<48}{'dtype':<10}{'shape':<22}{'chunks':>7}{'bytes':>14}")
     for k, t in sorted(d["tensors"].items()):
         lines.append(f"{k:<48}{t['dtype']:<10}{str(t['shape']):<22}{t['chunks']:>7}{t['bytes']:>14}")
     for k in d["objects"]:
         lines.append(f"{k:<48}{'object':<10}")
     lines.append("files: " + ", ".join(f"{n} ({f['size']} B)" for n, f in d["files"].items()))
+    if "layout" in d:
+        lines += _layout_lines(d["layout"])
     return "\n".join(lines)
+
+
+def _layout_lines(lay: dict) -> list[str]:
+    ranks = min(lay["ranks"], SHOWN_RANKS)
+    lines = [f"layout {lay['name']} at {lay['ranks']} ranks (mesh {lay['mesh']}): rule matched, placements, "
+             f"shard per rank as offsets+sizes" + (f" (first {ranks} ranks)" if lay["ranks"] > ranks else "")]
+    for k, t in sorted(lay["tensors"].items()):
+        rule = f"rules[{t['rule']}]" if t["rule"] is not None else "no rule (R)"
+        shards = " ".join(f"{r}:{_box(o, s)}" for r, (o, s) in enumerate(t["shards"][:ranks]))
+        lines.append(f"  {k:<46}{rule:<14}{','.join(t['placements']):<10}{shards}")
+    if lay["unmatched"]:
+        lines.append(f"  {len(lay['unmatched'])} tensor(s) match no rule and are replicated on every rank "
+                     f"(layout.strict=true refuses them)")
+    return lines
+
+
+def _box(offsets: list[int], sizes: list[int]) -> str:
+    return "[" + ",".join(f"{o}+{s}" for o, s in zip(offsets, sizes)) + "]"
+
+
+def layout_report(ctx: JobContext, md: Metadata, ranks: int) -> dict:
+    """Per tensor: the rule it matched, its placements and each rank's box under ``layout=``."""
+    layout = ctx.cfg.layout
+    bad = problems(layout, ranks)
+    if bad:
+        raise ConfigError(f"layout {layout.name!r} at job.ranks={ranks}: " + "; ".join(bad))
+    placer = Placer(layout, 0, ranks)
+    tensors = {}
+    for k, t in sorted(md.tensors.items()):
+        boxes = [placer.boxes(k, t.shape, r) for r in range(ranks)]
+        tensors[k] = {"rule": placer.rule_for(k),
+                      "placements": placer.placements_for(k, len(t.shape)) if layout.kind == "dtensor" else
+                      [layout.kind],
+                      "shards": [[list(b[0].offsets), list(b[0].sizes)] if len(b) == 1 else
+                                 [[list(x.offsets), list(x.sizes)] for x in b] for b in boxes]}
+    return {"name": layout.name, "kind": layout.kind, "ranks": ranks, "mesh": list(mesh_shape(layout, ranks)),
+            "rules": [{"pattern": r.pattern, "placements": list(r.placements)} for r in layout.rules],
+            "tensors": tensors, "unmatched": placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape))}
+
+
+def _layout_requested(ctx: JobContext) -> bool:
+    if ctx.cfg.job.ranks is not None:
+        return True
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return any(o.split("=", 1)[0].lstrip("+~") == "layout" for o in HydraConfig.get().overrides.task)
+    except Exception:  # not under Hydra (tests calling the job directly)
+        return False
 
 
 def run(ctx: JobContext) -> dict:
     if ctx.info.rank != 0:
         return {}
-    d = describe(ctx.checkpoint_path())
-    print(json.dumps(d, indent=2) if ctx.cfg.job.format == "json" else format_table(d), flush=True)
-    return {"tensors": len(d["tensors"]), "objects": len(d["objects"]), "tensor_bytes": d["tensor_bytes"]}
+    job = ctx.cfg.job
+    path = ctx.abspath(job.source.path or ctx.cfg.checkpoint.path)
+    key = "job.source.path" if job.source.path else "checkpoint.path"
+    reader = ctx.reader(path, foreign=True)
+    with ctx.user_errors(key):
+        try:
+            md = Metadata.from_json(reader.read_metadata_text(), source=f"{path} (as {reader.format_name})")
+        finally:
+            reader.close()
+        md = rename_keys(md, ctx.source_renames(), source=f"{path} (job.source.rename)")
+    d = describe(path, reader, md)
+    if _layout_requested(ctx):
+        d["layout"] = layout_report(ctx, md, job.ranks or ctx.info.world_size)
+    print(json.dumps(d, indent=2) if job.format == "json" else format_table(d), flush=True)
+    return {"tensors": len(d["tensors"]), "objects": len(d["objects"]), "tensor_bytes": d["tensor_bytes"],
+            "format": d["format"]}

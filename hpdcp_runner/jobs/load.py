@@ -12,7 +12,9 @@ from typing import Any
 
 from ..dcp.errors import HpdcpError, KeyMismatchError
 from ..dcp.utils import flatten_state_dict
+from ..dcp.standard_planner import local_pieces
 from ..layouts import place_state
+from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext, compare_state
 
@@ -36,6 +38,8 @@ def select(state: dict, pattern: str | None) -> dict:
 
 def run(ctx: JobContext) -> dict:
     placer, job = ctx.placer(), ctx.cfg.job
+    if job.source.path:
+        return _load_source(ctx)
     with ctx.metrics.phase("build"):
         ref = select(reference_state(ctx.cfg.model), job.include)
         target = place_state(zeros_like_state(ref), placer)
@@ -43,9 +47,7 @@ def run(ctx: JobContext) -> dict:
     try:
         res = ctx.load(target, path, strict=job.strict)
     except KeyMismatchError as e:
-        text = str(e).replace("(pass strict=False to load the common keys)",
-                              "(add job.strict=false to load the common keys, or job.include=<regex> to pick keys)")
-        raise KeyMismatchError(text, e.missing, e.unexpected) from None
+        raise _hinted(e, "; to load a checkpoint as it is, without model=, use job.source.path=<it>") from None
     problems = []
     if job.verify:
         with ctx.metrics.phase("verify"):
@@ -54,3 +56,29 @@ def run(ctx: JobContext) -> dict:
         raise HpdcpError(f"loaded state differs from the reference ({len(problems)} problems): {problems[:10]}")
     return {"checkpoint": path, "verified": bool(job.verify), "loaded_keys": len(flatten_state_dict(ref)[0]),
             "missing_keys": list(res.missing_keys), "unused_checkpoint_keys": list(res.unexpected_keys)}
+
+
+def _hinted(e: KeyMismatchError, more: str = "") -> KeyMismatchError:
+    text = str(e).replace("(pass strict=False to load the common keys)",
+                          f"(add job.strict=false to load the common keys, or job.include=<regex> to pick keys{more})")
+    return KeyMismatchError(text, e.missing, e.unexpected)
+
+
+def _load_source(ctx: JobContext) -> dict:
+    """A user's checkpoint (ours, Hugging Face, torch DCP) loaded as it is: the target is built
+    from its metadata under layout= (each rank allocates its own shards only)."""
+    job = ctx.cfg.job
+    path = ctx.abspath(job.source.path)
+    md = ctx.source_metadata(path)
+    with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
+        target = select(state_from_metadata(md, ctx.placer(), strict=ctx.cfg.layout.strict), job.include)
+    try:
+        res = ctx.load(target, path, strict=job.strict and job.include is None, key="job.source.path", foreign=True)
+    except KeyMismatchError as e:
+        raise _hinted(e) from None
+    flat = flatten_state_dict(target)[0]
+    local = sum(p.numel() * p.element_size() for v in flat.values() if v is not None and hasattr(v, "dtype")
+                for _, p in local_pieces(v))
+    return {"checkpoint": path, "format": md.extra.get("source_format", "hpdcp"), "loaded_keys": len(flat),
+            "local_tensor_bytes_rank0": local, "unused_checkpoint_keys": list(res.unexpected_keys),
+            "verified": False}

@@ -1,18 +1,21 @@
 """reshard: source checkpoint -> target layout at this world size -> saved -> verified.
 
-``job.source.path``: any checkpoint in our format (a user's, e.g. imported from Hugging Face);
-the target is built from its metadata and placed by ``layout=`` (``layout.strict`` refuses
-tensors no rule names). With no ``job.source.path`` the source is first written from the
-``model=`` workload under ``job.source.layout``, so the bare ``+job=reshard`` works on a fresh
-checkout.
+``job.source.path``: a user's checkpoint, ours, Hugging Face or torch DCP
+(``job.source.format=auto`` tells them apart; torch DCP needs ``dcp.allow_pickle=true``), read in
+place with ``job.source.rename`` applied to its keys. The target is built from its metadata and
+placed by ``layout=`` (``layout.strict`` refuses tensors no rule names). ``job.output_format=hf``
+writes a Hugging Face directory instead, its files split among the ranks. With no
+``job.source.path`` the source is first written from the ``model=`` workload under
+``job.source.layout``, so the bare ``+job=reshard`` works on a fresh checkout.
 """
 
 from __future__ import annotations
 
-
-from ..dcp import read_metadata
+from ..config import parse_size
 from ..dcp.errors import HpdcpError
+from ..dcp.hf_export import export_hf
 from ..dcp.inspection import full_tensor_digests
+from ..dcp.renames import compile_rules, rename_key
 from ..layouts import load_preset, place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
@@ -21,13 +24,9 @@ from .context import JobContext
 
 def run(ctx: JobContext) -> dict:
     job = ctx.cfg.job
-    if job.source.path:
-        # a user's checkpoint: the target is whatever it holds (keys, shapes, dtypes, objects),
-        # placed by layout=; model= plays no part
+    foreign = bool(job.source.path)
+    if foreign:
         source = ctx.abspath(job.source.path)
-        with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-            md = read_metadata(source)
-            target = state_from_metadata(md, ctx.placer(), strict=ctx.cfg.layout.strict)
     else:
         ref = reference_state(ctx.cfg.model)
         source = ctx.checkpoint_path("source")
@@ -35,18 +34,62 @@ def run(ctx: JobContext) -> dict:
             state = place_state(ref, ctx.placer(load_preset(job.source.layout)))
         ctx.save(state, source, phase="reshard.source_save")
         del state
-        with ctx.metrics.phase("build"):
-            target = place_state(zeros_like_state(ref), ctx.placer())
-    ctx.load(target, source, phase="reshard.load", key="job.source.path" if job.source.path else "checkpoint.dir")
     output = ctx.abspath(job.output) if job.output else ctx.checkpoint_path("resharded")
-    ctx.save(target, output, phase="reshard.save", key="job.output" if job.output else "checkpoint.dir")
-    result = {"source": source, "output": output, "source_layout": job.source.layout if not job.source.path else None,
-              "target_layout": ctx.cfg.layout.name}
-    if job.verify and ctx.info.rank == 0:
-        with ctx.metrics.phase("verify"):
-            a, b = full_tensor_digests(source), full_tensor_digests(output)
-        bad = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        if bad:
-            raise HpdcpError(f"resharded checkpoint {output} differs from {source} in {len(bad)} tensors: {bad[:10]}")
-        result["verified_tensors"] = len(a)
+    out_key = "job.output" if job.output else "checkpoint.dir"
+    if job.output_format == "hf":
+        result = _to_hf(ctx, source, output, foreign, out_key)
+    else:
+        if foreign:
+            # the target is whatever the checkpoint holds (keys, shapes, dtypes, objects), placed
+            # by layout=; each rank allocates only its own shards; model= plays no part
+            md = ctx.source_metadata(source)
+            with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
+                target = state_from_metadata(md, ctx.placer(), strict=ctx.cfg.layout.strict)
+        else:
+            with ctx.metrics.phase("build"):
+                target = place_state(zeros_like_state(ref), ctx.placer())
+        ctx.load(target, source, phase="reshard.load", key="job.source.path" if foreign else "checkpoint.dir",
+                 foreign=foreign)
+        ctx.save(target, output, phase="reshard.save", key=out_key)
+        del target
+        result = {"source": source, "output": output, "output_format": "hpdcp"}
+    result.update(source_layout=None if foreign else job.source.layout,
+                  target_layout=ctx.cfg.layout.name if job.output_format == "hpdcp" else None)
+    if job.verify:
+        def check() -> int | None:
+            if ctx.info.rank != 0:
+                return None
+            with ctx.metrics.phase("verify"):
+                return _verify(ctx, source, output, foreign)
+
+        # rank 0 reads both; a difference is every rank's error and exit code
+        result["verified_tensors"] = ctx.comm.agree("reshard: verify", check)[0]
     return result
+
+
+def _to_hf(ctx: JobContext, source: str, output: str, foreign: bool, out_key: str) -> dict:
+    d, job = ctx.cfg.dcp, ctx.cfg.job
+    with ctx.metrics.phase("reshard.export_hf"), ctx.user_errors(out_key):
+        res = export_hf(source, output, rename=ctx.source_renames() if foreign else (),
+                        allow_pickle=d.allow_pickle, max_shard_size=parse_size(job.hf_max_shard_size),
+                        files_from=ctx.abspath(job.hf_files_from) if job.hf_files_from else None,
+                        overwrite=ctx.cfg.checkpoint.overwrite, fsync=d.storage.fsync, timeout=d.timeout_s,
+                        reader_factory=lambda: ctx.reader(source, foreign),
+                        load_kwargs={"broadcast": ctx.broadcast_options()})
+    ctx.metrics.add(res.pop("counters"), "reshard.export_hf.")
+    return {"source": source, "output": output, "output_format": "hf", **res}
+
+
+def _verify(ctx: JobContext, source: str, output: str, foreign: bool) -> int:
+    """Every tensor of the output equals the source's, bit for bit (full-tensor digests, one
+    tensor in memory at a time); renamed keys are compared under their new names."""
+    rules = compile_rules(ctx.source_renames()) if foreign else []
+    a = {rename_key(k, rules): v for k, v in full_tensor_digests(source, ctx.reader(source, foreign)).items()}
+    out_format = "hf" if ctx.cfg.job.output_format == "hf" else "hpdcp"
+    from ..dcp.foreign_storage import open_reader
+
+    b = full_tensor_digests(output, open_reader(output, out_format))
+    bad = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if bad:
+        raise HpdcpError(f"resharded checkpoint {output} differs from {source} in {len(bad)} tensors: {bad[:10]}")
+    return len(a)

@@ -1,0 +1,414 @@
+"""Foreign checkpoints read in place by the distributed load: Hugging Face safetensors and
+torch.distributed.checkpoint directories, no offline import step.
+
+Each reader describes the foreign files as our own metadata (one chunk per stored tensor or
+torch DCP chunk, located by file and byte offset), so planning, replica broadcast, batching and
+partial reads are exactly those of our format: a rank reads only the byte ranges of the slices it
+keeps. The coordinator builds the description once and every rank validates it as it would our
+``metadata.json`` (bounds, tiling). Foreign formats record no checksums: loads check headers,
+sizes and bounds, not the bytes.
+
+* ``HfReader``: a directory with ``model.safetensors.index.json`` (shards) or
+  ``model.safetensors``, or one ``.safetensors`` file. Keys stay flat (``model.layers.0...``).
+* ``TorchDcpReader``: a torch DCP directory (``.metadata`` + ``*.distcp``). ``.metadata`` is a
+  pickle: reading it needs ``allow_pickle``. Each tensor record is a ``torch.save`` zip inside a
+  ``.distcp`` file; the reader finds the stored (uncompressed) data entry of each record and its
+  exact layout (a restricted unpickler that admits only torch's tensor-rebuild calls), so reads
+  go straight to the bytes. Non-tensor values are ``torch.load(weights_only=True)``-ed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import stat
+import zipfile
+from typing import Any, Mapping
+
+import torch
+
+from .checkpoint_io import read_header
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from .filesystem_storage import FileSystemReader
+from .metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
+from .storage import StorageReader
+
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+DCP_METADATA = ".metadata"
+MAX_INDEX_BYTES = 64 << 20
+MAX_ENTRIES_PER_FILE = 65536
+FORMATS = ("auto", "hpdcp", "hf", "torch_dcp")
+
+
+def detect_format(path: str) -> str:
+    """``hpdcp`` | ``hf`` | ``torch_dcp`` from the files present, or a ``CheckpointNotFoundError``
+    saying what was found."""
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return "hf"
+    if not os.path.isdir(path):
+        return "hpdcp"  # our reader names the problem (missing, a file, a displaced overwrite)
+    names = set(os.listdir(path))
+    if METADATA_FILE in names:
+        return "hpdcp"
+    if HF_INDEX in names or HF_SINGLE in names:
+        return "hf"
+    if DCP_METADATA in names:
+        if any(n.startswith("_rank") and n.endswith("_.safetensors") for n in names):
+            raise CheckpointNotFoundError(f"{path} is a hyper-parallel checkpoint; convert it first with "
+                                          f"transform=import_hyper_parallel")
+        return "torch_dcp"
+    return "hpdcp"
+
+
+def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
+                **reader_kwargs: Any) -> StorageReader:
+    """The reader for ``path`` in ``format`` (auto: from the files present)."""
+    p = os.path.abspath(os.fspath(path))
+    fmt = detect_format(p) if format == "auto" else format
+    if fmt == "hpdcp":
+        return FileSystemReader(p, **reader_kwargs)
+    if fmt == "hf":
+        return HfReader(p, **reader_kwargs)
+    if fmt == "torch_dcp":
+        return TorchDcpReader(p, allow_pickle=allow_pickle, **reader_kwargs)
+    raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
+
+
+class _DescribedReader(FileSystemReader):
+    """A filesystem reader whose metadata is built from foreign files instead of read."""
+
+    format_name = "?"
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        kwargs["verify_checksums"] = False  # nothing to verify against: the format has no checksums
+        super().__init__(path, **kwargs)
+
+    def _stat_file(self, name: str) -> os.stat_result:
+        try:
+            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{os.path.join(self.path, name)} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{os.path.join(self.path, name)} is not a regular file (links and "
+                                         f"directories are refused)")
+        return st
+
+    def _checked_name(self, name: Any, where: str) -> str:
+        try:
+            return check_file_name(name)
+        except MetadataError:
+            raise MetadataError(f"{where}: file name {name!r} must be a plain file name inside {self.path}") from None
+
+    def read_metadata_text(self) -> str:
+        if not os.path.isdir(self.path):
+            raise CheckpointNotFoundError(f"no checkpoint directory at {self.path}")
+        self._pin_directory()
+        return self.describe().to_json()
+
+    def describe(self) -> Metadata:
+        raise NotImplementedError
+
+
+class HfReader(_DescribedReader):
+    """Hugging Face safetensors, one file or an index of shards."""
+
+    format_name = "hf"
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        self.only: str | None = None
+        if os.path.isfile(path):  # one .safetensors file: its directory, that file only
+            path, self.only = os.path.split(path)
+        super().__init__(path, **kwargs)
+
+    def _index(self) -> dict[str, str] | None:
+        index = os.path.join(self.path, HF_INDEX)
+        if self.only is not None or not os.path.lexists(index):
+            return None
+        st = self._stat_file(HF_INDEX)
+        if st.st_size > MAX_INDEX_BYTES:
+            raise MetadataError(f"{index} is {st.st_size} bytes, over the {MAX_INDEX_BYTES}-byte limit")
+        with open(index, "rb") as f:
+            try:
+                doc = json.load(f)
+            except ValueError as e:
+                raise MetadataError(f"{index} is not valid JSON ({e})") from None
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str)
+                                                          for k, v in wm.items()):
+            raise MetadataError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")
+        for v in set(wm.values()):
+            self._checked_name(v, index)
+        return wm
+
+    def describe(self) -> Metadata:
+        wm = self._index()
+        if wm is not None:
+            names = sorted(set(wm.values()))
+        elif self.only is not None:
+            names = [self._checked_name(self.only, self.path)]
+        elif os.path.lexists(os.path.join(self.path, HF_SINGLE)):
+            names = [HF_SINGLE]
+        else:
+            raise CheckpointNotFoundError(f"{self.path}: neither {HF_INDEX} nor {HF_SINGLE} (not a Hugging Face "
+                                          f"model directory)")
+        files: dict[str, FileMeta] = {}
+        tensors: dict[str, TensorMeta] = {}
+        where: dict[str, str] = {}
+        for name in names:
+            full = os.path.join(self.path, name)
+            if wm is not None and not os.path.lexists(full):
+                raise CheckpointNotFoundError(f"{full} is listed in {os.path.join(self.path, HF_INDEX)} but missing")
+            st = self._stat_file(name)
+            _, entries = read_header(full, max_entries=MAX_ENTRIES_PER_FILE)
+            files[name] = FileMeta(name, st.st_size, "", 0)
+            for e in entries:
+                if e.key in where:
+                    raise MetadataError(f"tensor {e.key!r} is stored twice: in {where[e.key]} and {full}")
+                where[e.key] = full
+                tensors[e.key] = TensorMeta(e.dtype, e.shape, (ChunkMeta((0,) * len(e.shape), e.shape, name, e.key,
+                                                                         e.byte_offset, ""),), (e.key,))
+        if wm is not None:
+            index = os.path.join(self.path, HF_INDEX)
+            wrong = sorted(k for k, n in wm.items() if k not in where or os.path.basename(where[k]) != n)
+            if wrong:
+                k = wrong[0]
+                raise MetadataError(f"{index} maps {len(wrong)} tensor(s) to files that do not hold them, e.g. "
+                                    f"{k!r} -> {wm[k]} ({'no shard holds it' if k not in where else 'it is in ' + where[k]})")
+            unlisted = sorted(set(where) - set(wm))
+            if unlisted:
+                raise MetadataError(f"{index} does not list {len(unlisted)} tensor(s) found in the shards: "
+                                    f"{unlisted[:5]}")
+        return Metadata(1, tensors, {}, files, extra={"source_format": "hf"})
+
+
+# -- torch.distributed.checkpoint ----------------------------------------------------------------
+
+def _require_pickle(path: str, allow_pickle: bool) -> None:
+    if not allow_pickle:
+        raise PickleNotAllowedError(f"{path}: a torch.distributed.checkpoint stores its metadata as a pickle, and "
+                                    f"unpickling runs code chosen by whoever wrote it; set dcp.allow_pickle=true "
+                                    f"(allow_pickle=True) only for a checkpoint you trust")
+
+
+class _Window(io.RawIOBase):
+    """A read-only view of bytes [start, start+length) of an open file, for ``zipfile``."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, min(self.length, base + off))
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self.length - self.pos)
+        if n <= 0:
+            return 0
+        data = os.pread(self.fd, n, self.start + self.pos)
+        b[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+class _TensorRecord(pickle.Unpickler):
+    """Reads the ``data.pkl`` of one ``torch.save``-d tensor: admits only torch's tensor rebuild
+    and storage types, and records (storage key, dtype, offset, size, stride) instead of building."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride))
+        if module == "collections" and name == "OrderedDict":
+            return dict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name} is not a tensor record")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        return ("storage", pid[1], str(pid[2]))
+
+
+_STORAGE_DTYPES = {"FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+                   "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+                   "BoolStorage": torch.bool}
+
+
+def _row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(sizes):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+class TorchDcpReader(_DescribedReader):
+    """A torch.distributed.checkpoint directory, read by recorded offsets."""
+
+    format_name = "torch_dcp"
+
+    def __init__(self, path: str, *, allow_pickle: bool = False, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.allow_pickle = allow_pickle
+
+    def describe(self) -> Metadata:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        mpath = os.path.join(self.path, DCP_METADATA)
+        if not os.path.lexists(mpath):
+            raise CheckpointNotFoundError(f"{self.path}: no {DCP_METADATA} (not a torch.distributed.checkpoint "
+                                          f"directory)")
+        _require_pickle(mpath, self.allow_pickle)
+        self._stat_file(DCP_METADATA)
+        with open(mpath, "rb") as f:
+            try:
+                tmd = pickle.load(f)  # allowed above: the user trusts this checkpoint
+            except Exception as e:
+                raise MetadataError(f"{mpath}: not torch.distributed.checkpoint metadata "
+                                    f"({type(e).__name__}: {e})") from None
+        sdm = getattr(tmd, "state_dict_metadata", None)
+        storage = getattr(tmd, "storage_data", None)
+        if not isinstance(sdm, dict) or not isinstance(storage, dict):
+            raise MetadataError(f"{mpath}: no state_dict_metadata/storage_data (not torch DCP metadata)")
+        where = {(k.fqn, tuple(k.offset or ())): v for k, v in storage.items()}
+        paths = getattr(tmd, "planner_data", None) or {}
+        files: dict[str, FileMeta] = {}
+        fds: dict[str, int] = {}
+        tensors: dict[str, TensorMeta] = {}
+        objects: dict[str, ObjectMeta] = {}
+        locations: dict[str, list] = {}
+        try:
+            for fqn, m in sorted(sdm.items()):
+                path = _path_of(fqn, paths.get(fqn))
+                if isinstance(m, BytesStorageMetadata):
+                    info = where.get((fqn, ()))
+                    if info is None:
+                        raise MetadataError(f"{mpath}: no storage entry for object {fqn!r}")
+                    name = self._file(info.relative_path, files, fds, mpath)
+                    objects[fqn] = ObjectMeta(name, "", path)
+                    locations[fqn] = [int(info.offset), int(info.length)]
+                    continue
+                if not isinstance(m, TensorStorageMetadata):
+                    raise MetadataError(f"{mpath}: {fqn!r} has unknown metadata {type(m).__name__}")
+                dtype = dtype_name(m.properties.dtype)
+                chunks = []
+                for c in m.chunks:
+                    offs, sizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+                    info = where.get((fqn, offs))
+                    if info is None:
+                        raise MetadataError(f"{mpath}: no storage entry for {fqn!r} chunk at {list(offs)}")
+                    if getattr(info, "transform_descriptors", None):
+                        raise MetadataError(f"{mpath}: {fqn!r} is stored through transforms "
+                                            f"{info.transform_descriptors} (e.g. compression), which this reader "
+                                            f"does not decode")
+                    name = self._file(info.relative_path, files, fds, mpath)
+                    start = self._data_offset(fds[name], name, int(info.offset), int(info.length), fqn, sizes,
+                                              m.properties.dtype)
+                    chunks.append(ChunkMeta(offs, sizes, name, fqn, start, ""))
+                tensors[fqn] = TensorMeta(dtype, tuple(int(x) for x in m.size), tuple(chunks), path)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return Metadata(1, tensors, objects, files, extra={"source_format": "torch_dcp",
+                                                           "torch_dcp_objects": locations})
+
+    def _file(self, rel: Any, files: dict, fds: dict, mpath: str) -> str:
+        name = self._checked_name(rel, mpath)
+        if name not in files:
+            st = self._stat_file(name)
+            files[name] = FileMeta(name, st.st_size, "", 0)
+            fds[name] = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=self._dir_fd)
+        return name
+
+    def _data_offset(self, fd: int, name: str, offset: int, length: int, fqn: str, sizes: tuple[int, ...],
+                     dtype: torch.dtype) -> int:
+        """The file offset of the chunk's raw bytes inside its ``torch.save`` record, after
+        checking that the record stores exactly this chunk, uncompressed and row-major."""
+        full = os.path.join(self.path, name)
+        size = os.fstat(fd).st_size
+        nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or length < 0 or offset + length > size:
+            raise CorruptCheckpointError(f"{full}: record of {fqn!r} at [{offset}, {offset + length}) lies beyond "
+                                         f"the end of the file ({size} bytes)")
+        if os.pread(fd, 4, offset) != b"PK\x03\x04":
+            if length == nbytes:  # raw bytes (torch DCP's safetensors serialization)
+                return offset
+            raise CorruptCheckpointError(f"{full}: record of {fqn!r} at {offset} is neither a torch.save archive "
+                                         f"nor {nbytes} raw bytes")
+        problem = None
+        try:
+            with zipfile.ZipFile(io.BufferedReader(_Window(fd, offset, length))) as zf:
+                infos = zf.infolist()
+                pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+                if len(pkl) != 1:
+                    raise CorruptCheckpointError("no data.pkl")
+                prefix = pkl[0].filename[:-len("data.pkl")]
+                rec = _TensorRecord(io.BytesIO(zf.read(pkl[0]))).load()
+                if not (isinstance(rec, tuple) and rec[0] == "tensor" and isinstance(rec[1], tuple)):
+                    raise CorruptCheckpointError("the record is not one tensor")
+                _, (_, storage_type, key), st_off, rsize, rstride = rec
+                if _STORAGE_DTYPES.get(storage_type, dtype) != dtype and storage_type != "UntypedStorage":
+                    problem = f"stores {storage_type}, the metadata says {dtype}"
+                elif rsize != sizes or (rstride != _row_major(sizes) and torch.Size(sizes).numel() > 1):
+                    problem = f"stores size {list(rsize)} stride {list(rstride)}, not a row-major {list(sizes)}"
+                else:
+                    info = zf.getinfo(f"{prefix}data/{key}")
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        problem = "its data is compressed"
+                    else:
+                        esize = torch.empty((), dtype=dtype).element_size()
+                        local = os.pread(fd, 30, offset + info.header_offset)
+                        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+                            raise CorruptCheckpointError("bad local header")
+                        nlen = int.from_bytes(local[26:28], "little")
+                        xlen = int.from_bytes(local[28:30], "little")
+                        start = offset + info.header_offset + 30 + nlen + xlen + int(st_off) * esize
+                        if start + nbytes > offset + length or info.file_size < int(st_off) * esize + nbytes:
+                            problem = f"its data entry is {info.file_size} bytes, too short for {nbytes}"
+                        else:
+                            return start
+        except (zipfile.BadZipFile, pickle.UnpicklingError, CorruptCheckpointError, KeyError, ValueError,
+                EOFError, TypeError) as e:
+            problem = f"is not a readable torch.save record ({type(e).__name__}: {e})"
+        raise CorruptCheckpointError(f"{full}: record of {fqn!r} at offset {offset} {problem}")
+
+    def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]:
+        locations = (self.metadata.extra.get("torch_dcp_objects") if self.metadata else None) or {}
+        out: dict[str, Any] = {}
+        for fqn, om in sorted(wanted.items()):
+            loc = locations.get(fqn)
+            if not (isinstance(loc, list) and len(loc) == 2 and all(type(x) is int and x >= 0 for x in loc)):
+                raise MetadataError(f"{self.path}: no location recorded for object {fqn!r}")
+            fd = self._fd(om.file)
+            data = os.pread(fd, loc[1], loc[0])
+            self.counters.bytes_read += len(data)
+            if len(data) != loc[1]:
+                raise CorruptCheckpointError(f"{os.path.join(self.path, om.file)}: object {fqn!r} is truncated")
+            try:  # weights_only: plain containers, numbers, strings and tensors, never code
+                out[fqn] = torch.load(io.BytesIO(data), weights_only=True)
+            except Exception as e:
+                raise CorruptCheckpointError(f"{os.path.join(self.path, om.file)}: object {fqn!r} cannot be read "
+                                             f"safely ({type(e).__name__}: {str(e)[:200]})") from None
+        return out
+
+
+def _path_of(fqn: str, recorded: Any) -> tuple:
+    """torch DCP's ``planner_data`` records each flattened key's original nesting."""
+    if isinstance(recorded, (list, tuple)) and recorded and all(type(x) in (str, int) for x in recorded) \
+            and ".".join(map(str, recorded)) == fqn:
+        return tuple(recorded)
+    return (fqn,)

@@ -1,0 +1,171 @@
+"""Any checkpoint -> a Hugging Face directory ``from_pretrained`` opens, written by every rank at
+once: the output files are split among the ranks by bytes, each rank loads the whole tensors of
+its files (the distributed load: partial reads, replica broadcast) and writes them, and the
+coordinator writes the index, copies ``config.json``/tokenizer files and commits the directory in
+one rename. Memory per rank: one output file (``max_shard_size``), never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .api import Timeout, _metadata_source, load
+from .checkpoint_io import write_file
+from .collectives import Comm
+from .errors import CheckpointExistsError, ConfigError, StorageAccessError
+from .filesystem_storage import STAGING_MARK, publish_dir, remove_tree_safely
+from .foreign_storage import HF_INDEX, HF_SINGLE, open_reader
+from .metadata import Metadata, dtype_from_name, element_size
+from .offline_transform import check_with_safetensors, plan_hf_shards
+from .renames import rename_keys
+from .storage import StorageReader
+from .utils import get_logger
+
+log = get_logger(__name__)
+# weights and checkpoint metadata never travel as side files; everything else small does
+_NOT_SIDE_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|distcp|ckpt|h5|msgpack)|\..*|metadata\.json|"
+                             r".*\.index\.json")
+MAX_SIDE_FILE_BYTES = 256 << 20
+
+
+def natural_key(key: str) -> list:
+    """``layers.10`` after ``layers.9``: files hold consecutive layers, as Hugging Face writes them."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", key)]
+
+
+def assign_files(nbytes: Sequence[int], world_size: int) -> list[int]:
+    """The writing rank of each file: largest first onto the least-loaded rank (pure)."""
+    load_, owner = [0] * world_size, [0] * len(nbytes)
+    for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        r = min(range(world_size), key=lambda r: (load_[r], r))
+        owner[i] = r
+        load_[r] += nbytes[i]
+    return owner
+
+
+def side_files(directory: str) -> list[str]:
+    """The regular files of a model directory that are not weights: config, generation config,
+    tokenizer, chat template, custom code (copied, never run)."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if _NOT_SIDE_FILES.fullmatch(name) or os.path.islink(full) or not os.path.isfile(full):
+            continue
+        if os.path.getsize(full) > MAX_SIDE_FILE_BYTES:
+            log.warning("not copying %s: over %d bytes", full, MAX_SIDE_FILE_BYTES)
+            continue
+        out.append(name)
+    return out
+
+
+def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, format: str = "auto",
+              rename: Sequence[Any] = (), allow_pickle: bool = False, max_shard_size: int = 5 * 10**9,
+              files_from: str | os.PathLike | None = None, overwrite: bool = False, fsync: bool = True,
+              process_group: Any = None, timeout: Timeout = None,
+              reader_factory: Callable[[], StorageReader] | None = None,
+              load_kwargs: dict | None = None) -> dict[str, Any]:
+    """Write the tensors of ``checkpoint_id`` (ours, Hugging Face or torch DCP; ``rename`` applied)
+    as a Hugging Face directory at ``output``. Collective: every rank of ``process_group`` calls
+    it. ``files_from``: the directory whose config/tokenizer files are copied (default: the
+    source when it is a Hugging Face directory). Objects (non-tensor values) are not written."""
+    if max_shard_size <= 0:
+        raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
+    src, dst = os.path.abspath(os.fspath(checkpoint_id)), os.path.abspath(os.fspath(output))
+    comm = Comm.create(process_group, timeout)
+
+    def reader() -> StorageReader:
+        return reader_factory() if reader_factory else open_reader(src, format, allow_pickle=allow_pickle)
+
+    def describe() -> str:
+        r = reader()
+        try:
+            return r.read_metadata_text()
+        finally:
+            r.close()
+
+    first = reader()
+    kind, where = first.format_name, _metadata_source(first, src)
+    first.close()
+    text = comm.agree_root("export_hf: metadata", describe)
+    md = rename_keys(Metadata.from_json(text, source=where), rename, source=src)
+    names = sorted(md.tensors, key=natural_key)
+    if "__metadata__" in names:
+        raise ConfigError(f"{src}: a tensor named '__metadata__' cannot be written to safetensors; rename it")
+    sizes = [(k, math.prod(md.tensors[k].shape) * element_size(md.tensors[k].dtype)) for k in names]
+    shards = plan_hf_shards(sizes, max_shard_size)
+    n = len(shards)
+    files = [HF_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    size_of = dict(sizes)
+    owners = assign_files([sum(size_of[k] for k in s) for s in shards], comm.world_size)
+    mine = [i for i in range(n) if owners[i] == comm.rank]
+    rounds = max(owners.count(r) for r in range(comm.world_size))
+    side_dir = os.path.abspath(os.fspath(files_from)) if files_from else (src if kind == "hf" else None)
+    if side_dir is not None and os.path.isfile(side_dir):
+        side_dir = os.path.dirname(side_dir)
+
+    def begin() -> str:
+        if os.path.lexists(dst) and not overwrite:
+            raise CheckpointExistsError(f"{dst} already exists; pass overwrite to replace it")
+        if side_dir is not None and not os.path.isdir(side_dir):
+            raise ConfigError(f"{side_dir}: the directory to copy config/tokenizer files from does not exist")
+        parent, name = os.path.split(dst)
+        staging = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex[:12]}")
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.mkdir(staging)
+        except OSError as e:
+            raise StorageAccessError(f"cannot create {staging}: {e.strerror or e}") from None
+        return staging
+
+    staging = comm.agree_root("export_hf: begin", begin)
+    counters: dict[str, int] = {}
+    try:
+        for r in range(rounds):
+            i = mine[r] if r < len(mine) else None
+            keys = shards[i] if i is not None else []
+            state = {k: torch.empty(md.tensors[k].shape, dtype=dtype_from_name(md.tensors[k].dtype)) for k in keys}
+            res = load(state, storage_reader=reader(), process_group=process_group, strict=False,
+                       allow_pickle=allow_pickle, timeout=timeout, rename=rename, **(load_kwargs or {}))
+            for k, v in res.counters.items():
+                counters[k] = counters.get(k, 0) + v
+
+            def write(i: int | None = i, keys: list = keys, state: dict = state) -> None:
+                if i is not None:
+                    path = os.path.join(staging, files[i])
+                    write_file(path, [(k, state[k]) for k in keys], meta={"format": "pt"}, fsync=fsync)
+                    check_with_safetensors(path)  # what we publish is what the real reader accepts
+
+            comm.agree(f"export_hf: write round {r}", write)
+            state = write = None  # this round's tensors go before the next round allocates
+
+        def commit() -> list[str]:
+            if n > 1:
+                doc = {"metadata": {"total_size": sum(s for _, s in sizes)},
+                       "weight_map": {k: files[i] for i, s in enumerate(shards) for k in s}}
+                with open(os.path.join(staging, HF_INDEX), "w") as f:
+                    f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            copied = side_files(side_dir) if side_dir else []
+            for name in copied:
+                shutil.copyfile(os.path.join(side_dir, name), os.path.join(staging, name))
+            publish_dir(staging, dst, overwrite=overwrite, fsync=fsync)
+            return copied
+
+        copied = comm.agree_root("export_hf: commit", commit)
+    except BaseException:
+        if comm.rank == 0 and os.path.lexists(staging):
+            remove_tree_safely(staging)
+        raise
+    if not any(name == "config.json" for name in copied):
+        log.warning("%s has no config.json (the source is not a Hugging Face directory): from_pretrained needs "
+                    "one; pass files_from=<a Hugging Face model directory>", dst)
+    return {"output": dst, "files": files, "tensors": len(names), "total_size": sum(s for _, s in sizes),
+            "files_written_here": [files[i] for i in mine], "copied": copied, "skipped_objects": sorted(md.objects),
+            "counters": counters}
