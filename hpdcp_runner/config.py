@@ -16,11 +16,13 @@ from .dcp.errors import ConfigError
 
 JOB_HELP = {
     "save": "build the model= state under layout= and save it (checkpoint.dir/checkpoint.name; keep_last)",
-    "load": "load checkpoint.path into the model= state under layout= and check every shard bit for bit",
+    "load": "load checkpoint.path into the model= state under layout= and check every shard bit for bit "
+            "(job.source.path=: any checkpoint as it is)",
     "reshard": "load a checkpoint (job.source.path: ours, Hugging Face or torch DCP) under layout= at this "
                "world size, save it (job.output_format=hpdcp|hf), verify it",
-    "inspect": "list a checkpoint's tensors, dtypes, shapes, chunks and files (job.format=table|json)",
-    "verify": "recompute every checksum of checkpoint.path; non-zero exit naming every problem",
+    "inspect": "list a checkpoint's tensors, dtypes, shapes, chunks and files (job.format=table|json); "
+               "with layout= (job.ranks=N) the rule and shard of each tensor",
+    "verify": "recompute every checksum of checkpoint.path (or job.source.path); non-zero exit naming every problem",
     "bench": "time save and load (job.repeats after job.warmup); job.peer=true runs torch DCP beside it",
     "train": "train a small GPT-like model, checkpoint every job.save_every steps, resume=latest",
     "transform": "offline conversions, one process: transform=merge_hf|import|from_torch_dcp|to_torch_dcp",

@@ -391,9 +391,12 @@ class FileSystemReader(StorageReader):
         pending = [n for n in (os.listdir(parent) if os.path.isdir(parent) else [])
                    if n.startswith(f".{name}{STAGING_MARK}")]
         hint = f" (an uncommitted save is in {os.path.join(parent, pending[0])})" if pending else ""
-        foreign = {".metadata": "a torch.distributed.checkpoint directory (import it: transform=from_torch_dcp)",
-                   "model.safetensors": "a Hugging Face model directory (import it: transform=import)",
-                   "model.safetensors.index.json": "a Hugging Face model directory (import it: transform=import)"}
+        foreign = {".metadata": "a torch.distributed.checkpoint directory (read it with format='torch_dcp' or "
+                                "'auto', e.g. job.source.format=auto)",
+                   "model.safetensors": "a Hugging Face model directory (read it with format='hf' or 'auto', e.g. "
+                                        "job.source.format=auto)",
+                   "model.safetensors.index.json": "a Hugging Face model directory (read it with format='hf' or "
+                                                   "'auto', e.g. job.source.format=auto)"}
         for marker, what in foreign.items():
             if os.path.isfile(os.path.join(self.path, marker)):
                 hint = f"; it looks like {what}"

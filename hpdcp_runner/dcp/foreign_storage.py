@@ -347,7 +347,7 @@ class TorchDcpReader(_DescribedReader):
         if os.pread(fd, 4, offset) != b"PK\x03\x04":
             if length == nbytes:  # raw bytes (torch DCP's safetensors serialization)
                 return offset
-            raise CorruptCheckpointError(f"{full}: record of {fqn!r} at {offset} is neither a torch.save archive "
+            raise CorruptCheckpointError(f"{full}: record of {fqn!r} at offset {offset} is neither a torch.save archive "
                                          f"nor {nbytes} raw bytes")
         problem = None
         try:

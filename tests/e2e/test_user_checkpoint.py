@@ -81,11 +81,32 @@ def test_layout_rules_are_checked_against_the_checkpoint(cli, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_foreign_checkpoint_given_as_source_says_what_it_is(cli, tmp_path):
+def test_foreign_checkpoints_bad_input_is_one_line_and_writes_nothing(cli, tmp_path):
     import torch.distributed.checkpoint as tdcp
+    from safetensors.torch import save_file
 
     tdcp.save({"w": torch.ones(4)}, storage_writer=tdcp.FileSystemWriter(str(tmp_path / "tdcp")))
-    r = cli(["+job=reshard", f"job.source.path={tmp_path}/tdcp", f"job.output={tmp_path}/o",
-             f"hydra.run.dir={tmp_path}/a"])
-    assert r.returncode == 1 and "torch.distributed.checkpoint directory" in r.stderr, _tail(r)
-    assert "transform=from_torch_dcp" in r.stderr and not (tmp_path / "o").exists()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"model.a.weight": torch.ones(4), "model.b.weight": torch.zeros(4)}, str(hf / "model.safetensors"))
+    cases = [
+        # torch DCP without the pickle opt-in: names the file and the config key
+        (["job.source.path=tdcp"], [".metadata", "dcp.allow_pickle=true"]),
+        # a rename that merges two tensors: names both and the result
+        (["job.source.path=hf", "job.source.rename=[{pattern: '[.][ab][.]', replace: .x.}]"],
+         ["'model.a.weight' and 'model.b.weight' -> 'model.x.weight'", "job.source.rename"]),
+        # told it is ours, a Hugging Face directory says what it is
+        (["job.source.path=hf", "job.source.format=hpdcp"], ["Hugging Face model directory", "job.source.format"]),
+    ]
+    for i, (args, expected) in enumerate(cases):
+        r = cli(["+job=reshard", *args, "job.output=o", f"hydra.run.dir={tmp_path}/r{i}"])
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 1 and len(lines) == 1 and all(x in lines[0] for x in expected), _tail(r)
+        assert not (tmp_path / "o").exists()
+    # the layout report of a Hugging Face directory, machine-readable
+    r = cli(["+job=inspect", "job.source.path=hf", "layout=fsdp", "job.ranks=3", "job.format=json",
+             f"hydra.run.dir={tmp_path}/i"])
+    assert r.returncode == 0, _tail(r)
+    doc = json.loads(r.stdout)
+    assert doc["format"] == "hf" and doc["layout"]["tensors"]["model.a.weight"] == {
+        "rule": 0, "placements": ["S0"], "shards": [[[0], [2]], [[2], [2]], [[4], [0]]]}
