@@ -78,6 +78,7 @@ def test_user_mistakes_are_one_line_naming_the_cli_key(cli, tmp_path):
         assert "DistributedError" not in line and all(w in line for w in words), line
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_help_completion_and_schema_entries(cli, tmp_path):
     r = cli(["--help"], nproc=2)  # under torchrun: printed once
     assert r.returncode == 0 and r.stdout.count("Jobs (+job=<name>):") == 1, _tail(r)
@@ -123,6 +124,7 @@ def test_first_run_prints_no_warnings(tmp_path):
     assert "Warning" not in r.stderr and "Failed to initialize NumPy" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_progress_on_a_terminal_only(tmp_path):
     """A load throttled to ~4 s shows rank 0's bytes, files and rate on a terminal; piped, nothing."""
     ck = tmp_path / "ck"

@@ -88,6 +88,10 @@ def test_gpt2_conv1d_layout_and_a_torch_dcp_checkpoint_written_by_torch(cli, tmp
     # GPT-2 straight from its Hugging Face directory to Hugging Face output with FSDP x TP between
     m = _reshard(cli, tmp_path, "gpt2", f"job.source.path={tmp_path}/gpt2_hf", "layout=gpt2_fsdp_tp",
                  "layout.strict=true", f"job.output={tmp_path}/gpt2_ours")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "gpt2_hf" / "model.safetensors"), "pt") as f:
+        assert m["verified_tensors"] == len(f.keys()) == len(gpt2.state_dict()) - 1  # lm_head: tied, not stored
     # Conv1D stores [in, out]: column-parallel c_attn splits dim 1
     assert _chunks(tmp_path / "gpt2_ours", "transformer.h.0.attn.c_attn.weight") == [([0, 0], [40, 60]),
                                                                                      ([0, 60], [40, 60])]

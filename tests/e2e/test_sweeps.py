@@ -48,6 +48,7 @@ def test_launcher_sweep_2x2_with_two_workers_per_point_and_report(cli, tmp_path)
     assert "best: " in rep.stdout and "dcp.broadcast.batch_bytes=" in rep.stdout.split("best: ")[1]
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_world_size_sweep_and_a_failing_point_does_not_stop_the_sweep(cli, tmp_path):
     sweep = tmp_path / "sweep"
     r = cli(["-m", "hydra/launcher=hpdcp_torchrun", "runtime.nproc_per_node=1,2", "job.fail_on_rank=null,1",

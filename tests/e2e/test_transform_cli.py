@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from safetensors.torch import load_file
 
 from hpdcp_runner.dcp import read_metadata
@@ -12,6 +14,7 @@ from tests.e2e.conftest import metrics
 from tests.e2e.test_cli import _tail
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_merge_hf_import_and_torch_dcp_export(cli, tmp_path):
     ck = tmp_path / "ck"
     r = cli(["+job=save", "layout=tp", f"checkpoint.dir={ck}", "checkpoint.name=step_1", f"hydra.run.dir={tmp_path}/r0"],

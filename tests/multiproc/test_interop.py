@@ -3,6 +3,8 @@ under different layouts; the conversions run offline in this (single) process.""
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from tests.multiproc.harness import run_ranks
@@ -81,6 +83,7 @@ def _shard1(ws):
     return boxes
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_torch_dcp_to_ours_to_torch_dcp(tmp_path):
     src, ours, back = str(tmp_path / "tdcp"), str(tmp_path / "ours"), str(tmp_path / "back")
     run_ranks(2, _save_torch_dcp, src)  # Shard(0) on 2 ranks, torch DCP
