@@ -163,7 +163,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
         if comm.rank == 0 and os.path.lexists(staging):
             remove_tree_safely(staging)
         raise
-    if not any(name == "config.json" for name in copied):
+    if comm.rank == 0 and not any(name == "config.json" for name in copied):
         log.warning("%s has no config.json (the source is not a Hugging Face directory): from_pretrained needs "
                     "one; pass files_from=<a Hugging Face model directory>", dst)
     return {"output": dst, "files": files, "tensors": len(names), "total_size": sum(s for _, s in sizes),
