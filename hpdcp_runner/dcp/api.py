@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from . import faults
 from .broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers
 from .collectives import Comm
-from .errors import KeyMismatchError
+from .errors import ConfigError, KeyMismatchError
 from .filesystem_storage import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
 from .foreign_storage import open_reader
 from .geometry import Box, relative
@@ -48,8 +48,12 @@ class LoadResult:
 
 def _checkpoint_path(checkpoint_id: str | os.PathLike | None, storage: Any) -> str | None:
     if checkpoint_id is None and storage is None:
-        raise ValueError("give checkpoint_id (a directory) or a storage writer/reader")
-    return os.fspath(checkpoint_id) if checkpoint_id is not None else None
+        raise ConfigError("give checkpoint_id (a directory) or a storage writer/reader")
+    if checkpoint_id is not None:
+        return os.fspath(checkpoint_id)
+    # a storage given alone: its own path names the checkpoint in logs and errors
+    path = getattr(storage, "path", None) or getattr(storage, "checkpoint_id", None)
+    return os.fspath(path) if path is not None else None
 
 
 @pauses_gc

@@ -187,9 +187,10 @@ class Comm:
             if local_exc is None:
                 raise
             # this rank's own failure is the news, not that the peers (busy elsewhere) never came
-            kind, message = payload["err"]
+            kind, message, attrs = payload["err"]
             err = agreed_error(phase, {self.rank: [kind, f"{message} (the other ranks did not reach '{phase}' "
-                                                         f"to hear of it: {str(timeout).split(': ', 1)[-1][:200]})"]})
+                                                         f"to hear of it: {str(timeout).split(': ', 1)[-1][:200]})",
+                                                   attrs]})
             err.partial = True
             raise err from local_exc
         failures = {r: g["err"] for r, g in enumerate(gathered) if "err" in g}
@@ -219,7 +220,7 @@ class Comm:
                 replies = [{"err": failures}] * self.world_size
         reply = self.scatter_json(replies, phase)
         if "err" in reply:
-            raise agreed_error(phase, {r: [t, m] for r, t, m in reply["err"]}) from local_exc
+            raise agreed_error(phase, {r: rest for r, *rest in reply["err"]}) from local_exc
         return reply["ok"]
 
     def agree_root(self, phase: str, fn: Callable[[], Any]) -> Any:
@@ -232,12 +233,14 @@ class Comm:
 
 
 def _attempt(phase: str, fn: Callable[[], Any]) -> tuple[dict, BaseException | None]:
-    """Run one rank's step: ({"ok": value}, None) or ({"err": [type name, message]}, exception)."""
+    """Run one rank's step: ({"ok": value}, None) or ({"err": [type name, message, attributes]},
+    exception); attributes: the error's ``wire_attrs`` (e.g. a KeyMismatchError's key lists)."""
     try:
         return {"ok": fn()}, None
     except Exception as e:
         log.debug("%s failed here:\n%s", phase, traceback.format_exc())
-        return {"err": [type(e).__name__, _describe(e)]}, e
+        attrs = {a: getattr(e, a) for a in getattr(e, "wire_attrs", ()) if hasattr(e, a)}
+        return {"err": [type(e).__name__, _describe(e), attrs]}, e
 
 
 def _padded(payload: bytes, n: int) -> torch.Tensor:
@@ -261,13 +264,17 @@ def _describe(e: BaseException) -> str:
 
 def agreed_error(phase: str, failures: dict[int, list]) -> HpdcpError:
     """The error every rank raises: the type of the lowest failing rank when it is one of ours."""
-    first = failures[min(failures)][0]
-    cls = getattr(errmod, first, None)
-    messages = {r: m for r, (_, m) in failures.items()}
+    first = failures[min(failures)]
+    cls = getattr(errmod, first[0], None)
+    messages = {r: f[1] for r, f in failures.items()}
     if not (isinstance(cls, type) and issubclass(cls, HpdcpError)) or cls is DistributedError:
         return DistributedError(phase, messages)
     text = DistributedError(phase, messages).args[0]
     err = cls.__new__(cls)
     Exception.__init__(err, text)
     err.phase, err.failures = phase, dict(sorted(messages.items()))
+    # the lowest failing rank's attributes (JSON-carried), so callers can still read e.g. .missing
+    for name, value in (first[2] if len(first) > 2 and isinstance(first[2], dict) else {}).items():
+        if name in getattr(cls, "wire_attrs", ()):
+            setattr(err, name, value)
     return err

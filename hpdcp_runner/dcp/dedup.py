@@ -155,20 +155,6 @@ def _rows(p: CompactPlan, gids: torch.Tensor, dims: torch.Tensor, d: int) -> tor
         rows[:, 0], rows[:, 1], rows[:, 2] = gids, p.rank, torch.arange(n)
         rows[:, 3:] = padded_boxes(p.boxes, dims[gids], d)
     return rows
-    rows[:, 0] = gids
-    rows[:, 1] = p.rank
-    rows[:, 2] = torch.arange(n)
-    rows[:, 3 + d:] = 1
-    nd = dims[gids]
-    if p.boxes.numel():
-        flat = p.boxes
-        start = torch.cumsum(2 * nd, 0) - 2 * nd  # where each item's box starts in ``flat``
-        for j in range(d):
-            has = nd > j
-            pos = torch.where(has, start + j, 0)
-            rows[:, 3 + j] = torch.where(has, flat[pos], 0)
-            rows[:, 3 + d + j] = torch.where(has, flat[torch.where(has, start + nd + j, 0)], 1)
-    return rows
 
 
 def assign_owners(plans: Sequence[SavePlan | CompactPlan], policy: str = "balanced", *,

@@ -54,6 +54,8 @@ class StateDictError(HpdcpError, ValueError):
 class KeyMismatchError(StateDictError):
     """Strict load found missing and/or unexpected keys."""
 
+    wire_attrs = ("missing", "unexpected")  # carried when the error is agreed across ranks
+
     def __init__(self, message: str, missing: list[str] = (), unexpected: list[str] = ()) -> None:
         super().__init__(message)
         self.missing = list(missing)

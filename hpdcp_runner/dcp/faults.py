@@ -29,6 +29,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from .errors import ConfigError
+
 _ARMED: dict[str, Callable[..., Any]] = {}
 
 
@@ -74,7 +76,14 @@ def _env_action(spec: str) -> Callable[..., Any]:
 
     point_rank, _, action = spec.partition(":")
     _, _, rank_text = point_rank.partition("@")
-    only = int(rank_text) if rank_text else None
+    try:
+        only = int(rank_text) if rank_text else None
+        if action.startswith("sleep="):
+            float(action[6:])
+        elif action not in ("kill", "hang", "eio", "enospc"):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"HPDCP_FAULTS: bad spec {spec!r} (point[@rank]:kill|hang|sleep=<s>|eio|enospc)") from None
 
     def act(**info: Any) -> None:
         rank = info.get("rank", int(os.environ.get("RANK", "0")))
@@ -90,15 +99,27 @@ def _env_action(spec: str) -> Callable[..., Any]:
             code = errno.EIO if action == "eio" else errno.ENOSPC
             raise OSError(code, os.strerror(code), str(info.get("path", "?")))
         else:
-            raise ValueError(f"HPDCP_FAULTS: unknown action {action!r} in {spec!r}")
+            raise ConfigError(f"HPDCP_FAULTS: unknown action {action!r} in {spec!r}")
 
     return act
 
 
 def arm_from_env(text: str) -> None:
-    """Arm the points listed in an ``HPDCP_FAULTS`` value (see the module docstring)."""
+    """Arm the points listed in an ``HPDCP_FAULTS`` value (see the module docstring). Several
+    specs for one point (``save.write@0:kill;save.write@1:hang``) all apply, in order."""
+    by_point: dict[str, list[Callable[..., Any]]] = {}
     for spec in filter(None, (s.strip() for s in text.split(";"))):
-        arm(spec.partition(":")[0].partition("@")[0], _env_action(spec))
+        by_point.setdefault(spec.partition(":")[0].partition("@")[0], []).append(_env_action(spec))
+    for name, actions in by_point.items():
+        arm(name, _all(actions))
+
+
+def _all(actions: list[Callable[..., Any]]) -> Callable[..., Any]:
+    def act(**info: Any) -> None:
+        for a in actions:
+            a(**info)
+
+    return act
 
 
 def _arm_env() -> None:

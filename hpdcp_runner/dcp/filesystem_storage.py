@@ -32,7 +32,7 @@ import torch
 from . import faults
 from . import objects as objcodec
 from .checkpoint_io import byte_view, digest, naming, pread_into, write_file
-from .errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CorruptCheckpointError,
+from .errors import (CheckpointChangedError, ConfigError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CorruptCheckpointError,
                      MetadataError, StorageAccessError)
 from .geometry import contiguous_runs, flat_span, row_major_strides
 from .metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
@@ -367,16 +367,16 @@ class FileSystemReader(StorageReader):
                  shared_storage: bool = False, max_read_bytes_per_s: int | None = None,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
         if files_kept < 1:
-            raise ValueError(f"files_kept must be >= 1, got {files_kept}")
+            raise ConfigError(f"files_kept must be >= 1, got {files_kept}")
         if max_read_bytes_per_s is not None and max_read_bytes_per_s <= 0:
-            raise ValueError(f"max_read_bytes_per_s must be positive, got {max_read_bytes_per_s}")
+            raise ConfigError(f"max_read_bytes_per_s must be positive, got {max_read_bytes_per_s}")
         # A per-process token bucket that models network storage on one machine.
         self.throttle = _TokenBucket(max_read_bytes_per_s) if max_read_bytes_per_s else None
         self.slow_storage = shared_storage or self.throttle is not None
         self.path = os.path.abspath(os.fspath(path))
         self.files_kept = files_kept
         if segment_bytes < 1:
-            raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
+            raise ConfigError(f"segment_bytes must be >= 1, got {segment_bytes}")
         self.segment_bytes = segment_bytes
         self.max_metadata_bytes = max_metadata_bytes
         self.verify_checksums = verify_checksums

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
 import torch
@@ -193,6 +193,13 @@ class DeferredMetadata(Metadata):
                 object.__setattr__(self, f.name, getattr(md, f.name))
             object.__setattr__(self, "__class__", Metadata)  # from now on a plain Metadata
 
+    def __getattribute__(self, name: str) -> Any:
+        # fields with defaults (format_version, checksum_algorithm, ...) are class attributes
+        # too: without this they would answer the class default instead of the parsed value
+        if name in _DEFAULTED and "_deferred" in object.__getattribute__(self, "__dict__"):
+            object.__getattribute__(self, "_materialize")()
+        return object.__getattribute__(self, name)
+
     def __getattr__(self, name: str) -> Any:
         if "_deferred" not in self.__dict__ or name.startswith("__"):
             raise AttributeError(name)
@@ -204,6 +211,9 @@ class DeferredMetadata(Metadata):
         return Metadata.__eq__(self, other)
 
     __hash__ = None  # type: ignore[assignment]
+
+
+_DEFAULTED = frozenset(f.name for f in fields(Metadata) if f.default is not MISSING or f.default_factory is not MISSING)
 
 
 def _need(cond: bool, source: str, what: str) -> None:

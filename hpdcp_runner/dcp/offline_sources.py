@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from .geometry import Box, intersect, narrow, relative, whole
 from .metadata import dtype_from_name, dtype_name
 from .utils import flatten_state_dict
@@ -393,5 +393,5 @@ def open_source(path: str | os.PathLike, fmt: str = "auto", *, allow_pickle: boo
         return TorchDcpSource(p, allow_pickle=allow_pickle)
     if fmt == "hyper_parallel":
         return HyperParallelSource(p, allow_pickle=allow_pickle)
-    raise ValueError(f"unknown source format {fmt!r} (auto, hf, safetensors, pt, torch_dcp, hyper_parallel)")
+    raise ConfigError(f"unknown source format {fmt!r} (auto, hf, safetensors, pt, torch_dcp, hyper_parallel)")
 

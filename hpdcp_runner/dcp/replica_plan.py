@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from .errors import ConfigError
 from .columns import group_rows, pack_ints, padded_boxes, unpack_ints
 
 MODES = ("always", "never", "auto")
@@ -128,7 +129,7 @@ def plan_replica_reads(per_rank: Sequence[Sequence[ShardSummary] | CompactShards
     ones): 8,192 ranks x 2,000 shards took 49 s one object per shard.
     """
     if mode not in MODES:
-        raise ValueError(f"broadcast mode must be one of {MODES}, got {mode!r}")
+        raise ConfigError(f"broadcast mode must be one of {MODES}, got {mode!r}")
     if mode == "never" or len(per_rank) < 2:
         return []
     shards = [p if isinstance(p, CompactShards) else CompactShards.from_summaries(p) for p in per_rank]

@@ -42,6 +42,9 @@ def two_checkpoints(tmp_path):
 def fault_row():
     def record(fault: str, category: str, behaviour: str, error: str | None = None, named: str | None = None,
                previous_intact: bool | None = None, marker_absent: bool | None = None, verify: str | None = None):
+        # what the table reports is asserted here too: a row never records a loss as a fact
+        assert previous_intact is not False, f"{fault}: the previous checkpoint no longer loads bitwise"
+        assert marker_absent is not False, f"{fault}: a commit marker was left behind"
         path = os.environ.get("HPDCP_FAULT_TABLE")
         if path:
             with open(path, "a") as f:

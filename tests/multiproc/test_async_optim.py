@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 
 import torch
@@ -29,8 +30,10 @@ def _async_cases(rank: int, ws: int, root: str) -> dict:
     full = torch.arange(30, dtype=torch.float32).reshape(10, 3)
     state = {"w": distribute_tensor(full.clone(), _mesh(ws), [Shard(0)]), "b": torch.full((5,), 2.0),
              "meta": {"step": 7, "tag": "x"}, "nested": [torch.ones(3), {"k": torch.zeros(2, dtype=torch.int64)}]}
-    # A slow background writer: the caller mutates its state while the save is still running.
-    with faults.armed("save.write", lambda **_: time.sleep(0.5)):
+    # The background writer is held at its write until the caller has mutated its state: the
+    # save must persist what was staged, not what the tensors hold by then.
+    gate = threading.Event()
+    with faults.armed("save.write", lambda **_: gate.wait(60)):
         resp = async_save(state, checkpoint_id=f"{root}/a1", timeout=60)
         out["returned_before_done"] = not resp.done()
         with torch.no_grad():
@@ -38,6 +41,7 @@ def _async_cases(rank: int, ws: int, root: str) -> dict:
             state["b"].add_(1000)
             state["nested"][0].add_(1000)
         state["meta"]["step"] = 8
+        gate.set()
         md = resp.result(timeout=60)
     out["staging_s"] = resp.staging_seconds
     out["tensors"] = sorted(md.tensors)
