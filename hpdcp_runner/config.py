@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .dcp.errors import ConfigError
+from .dcp.core.errors import ConfigError
 
 JOB_HELP = {
     "save": "build the model= state under layout= and save it (checkpoint.dir/checkpoint.name; keep_last)",
@@ -255,7 +255,7 @@ def to_plain(cfg: DictConfig) -> dict:
 
 
 def _transform_problems(c: Config, world_size: int) -> list[str]:
-    from .dcp.metadata import DTYPES
+    from .dcp.format.metadata import DTYPES
     from . import layouts
 
     t, out = c.transform, []
@@ -304,7 +304,7 @@ def _transform_problems(c: Config, world_size: int) -> list[str]:
 
 def _source_problems(c: Config) -> list[str]:
     """job.source.format / rename and the reshard output options."""
-    from .dcp.foreign_storage import FORMATS
+    from .dcp.storage.foreign import FORMATS
 
     j, out = c.job, []
     if j.source.format not in FORMATS:

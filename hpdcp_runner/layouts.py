@@ -15,8 +15,8 @@ import torch
 from omegaconf import OmegaConf
 
 from .dcp import FlatShard
-from .dcp.geometry import Box, narrow, split_piece, whole
-from .dcp.ragged import decompose_flat_interval
+from .dcp.core.geometry import Box, narrow, split_piece, whole
+from .dcp.core.ragged import decompose_flat_interval
 from .paths import find_conf_dir
 
 PLACEMENT = re.compile(r"^(R|S-?\d+)$")
@@ -107,7 +107,7 @@ class Placer:
             return ["R"] * len(pl)
         bad = [p for p in pl if p != "R" and _dim(p, ndim) is None]
         if bad:
-            from .dcp.errors import ConfigError
+            from .dcp.core.errors import ConfigError
 
             raise ConfigError(f"layout {self.layout.name!r} rules[{i}] (pattern {self.layout.rules[i].pattern!r}, "
                               f"placements {list(pl)}) cannot apply to {fqn!r}: it has {ndim} dimension(s), so "

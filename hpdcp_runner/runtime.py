@@ -98,7 +98,7 @@ def init_distributed(backend: str, device: str, timeout_s: float) -> RankInfo:
     node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     if device == "cuda":
         if not torch.cuda.is_available():
-            from .dcp.errors import ConfigError
+            from .dcp.core.errors import ConfigError
 
             raise ConfigError("runtime.device: cuda was asked for but torch.cuda.is_available() is False")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from .dcp import Metadata
-from .dcp.errors import ConfigError
-from .dcp.metadata import dtype_from_name
-from .dcp.utils import set_element
+from .dcp.core.errors import ConfigError
+from .dcp.format.metadata import dtype_from_name
+from .dcp.core.utils import set_element
 from .layouts import Placer
 
 

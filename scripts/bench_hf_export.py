@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from hpdcp_runner import dcp
-from hpdcp_runner.dcp.hf_export import export_hf, natural_key
-from hpdcp_runner.dcp.offline_transform import plan_hf_shards
+from hpdcp_runner.dcp.offline.hf_export import export_hf, natural_key
+from hpdcp_runner.dcp.offline.transforms import plan_hf_shards
 
 
 def llama_state(hidden: int, layers: int, ffn: int) -> dict[str, torch.Tensor]:

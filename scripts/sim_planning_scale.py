@@ -31,14 +31,14 @@ import tracemalloc
 
 import torch
 
-from hpdcp_runner.dcp.dedup import CompactPlan, KeyInfo, assign_owners
-from hpdcp_runner.dcp.geometry import Box, split_piece, whole
-from hpdcp_runner.dcp.metadata import FileMeta
-from hpdcp_runner.dcp.planner import TENSOR, SavePlan, WriteItem
-from hpdcp_runner.dcp.ragged import LocalShard
-from hpdcp_runner.dcp.replica_plan import CompactShards, plan_replica_reads
-from hpdcp_runner.dcp.standard_planner import StandardLoadPlanner, build_metadata, chunk_key
-from hpdcp_runner.dcp.storage import WriteResult
+from hpdcp_runner.dcp.planning.save_dedup import CompactPlan, KeyInfo, assign_owners
+from hpdcp_runner.dcp.core.geometry import Box, split_piece, whole
+from hpdcp_runner.dcp.format.metadata import FileMeta
+from hpdcp_runner.dcp.planning.interfaces import TENSOR, SavePlan, WriteItem
+from hpdcp_runner.dcp.core.ragged import LocalShard
+from hpdcp_runner.dcp.planning.load_replicas import CompactShards, plan_replica_reads
+from hpdcp_runner.dcp.planning.standard import StandardLoadPlanner, build_metadata, chunk_key
+from hpdcp_runner.dcp.storage.interfaces import WriteResult
 
 ROWS, COLS = 1024, 1024
 
@@ -155,7 +155,7 @@ def row(n: int, t: int, skip_metadata: bool) -> str:
         s, m, text = measure(lambda: build_metadata(gplan, results, n).to_json())
         del results
         cols.append(f"{s:.2f} ({m:.0f}); {len(text) / 2**20:.0f} MiB")
-        from hpdcp_runner.dcp.metadata import Metadata
+        from hpdcp_runner.dcp.format.metadata import Metadata
 
         s, m, md = measure(lambda: Metadata.from_json(text))
         cols.append(f"{s:.2f} ({m:.0f})")
@@ -164,7 +164,7 @@ def row(n: int, t: int, skip_metadata: bool) -> str:
             b = _box(i, n, n // 2)
             target[f"t{i}"] = LocalShard(torch.empty(b.sizes, device="meta"), b.offsets, (ROWS, COLS))
         lp = StandardLoadPlanner()
-        lp.configure(target, md, rank=n // 2, world_size=n)
+        lp.configure(target, md, rank=n // 2, world_size=n, sendable=frozenset({"cpu"}))
         s, m, _ = measure(lp.create_local_plan)
         cols.append(f"{s:.3f} ({m:.0f})")
     else:
@@ -182,7 +182,7 @@ def hostile_strips(n: int) -> str:
     of decreasing height plus their complements (2n chunks), which keeps every strip open in a
     plain sweep (quadratic: 4,000 strips took 12-19 s before the bounded sweep). Returns the
     time to parse and validate it."""
-    from hpdcp_runner.dcp.metadata import Metadata
+    from hpdcp_runner.dcp.format.metadata import Metadata
 
     chunks = []
     for i in range(n):

@@ -9,21 +9,22 @@ No Hydra, no OmegaConf: usable from any training script.
 
 from .api import LoadResult, load, read_metadata, save
 from .async_persist import AsyncSaveResponse, async_save, release_staging_buffers, wait_for_async_saves
-from .broadcast import BroadcastOptions, release_broadcast_groups
-from .errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError,
+from .comm.broadcast import BroadcastOptions, release_broadcast_groups
+from .core import faults  # noqa: F401  test-only fault points (HPDCP_FAULTS): hpdcp_runner.dcp.faults
+from .core.errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, KeyMismatchError,
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
                      StorageAccessError)
-from .filesystem_storage import FileSystemReader, FileSystemWriter
-from .foreign_storage import HfReader, TorchDcpReader, open_reader
-from .metadata import Metadata
-from .planner import LoadPlanner, SavePlanner
-from .ragged import FlatShard, LocalShard
-from .renames import rename_keys
-from .standard_planner import (MinimumRankLoadPlanner, MinimumRankSavePlanner, StandardLoadPlanner,
+from .storage.filesystem import FileSystemReader, FileSystemWriter
+from .storage.foreign import HfReader, TorchDcpReader, open_reader
+from .format.metadata import Metadata
+from .planning.interfaces import LoadPlanner, SavePlanner
+from .core.ragged import FlatShard, LocalShard
+from .format.renames import rename_keys
+from .planning.standard import (MinimumRankLoadPlanner, MinimumRankSavePlanner, StandardLoadPlanner,
                                StandardSavePlanner)
 from .state_dict import get_model_state_dict, get_optim_state_dict, set_model_state_dict, set_optim_state_dict
-from .storage import StorageReader, StorageWriter
+from .storage.interfaces import StorageReader, StorageWriter
 
 SAVE_PLANNERS = {"standard": StandardSavePlanner, "minimum_rank": MinimumRankSavePlanner}
 LOAD_PLANNERS = {"standard": StandardLoadPlanner, "minimum_rank": MinimumRankLoadPlanner}

@@ -14,23 +14,23 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from . import faults
-from .broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers
-from .collectives import Comm
-from .errors import ConfigError, KeyMismatchError
-from .filesystem_storage import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
-from .foreign_storage import open_reader
-from .geometry import Box, relative
-from .metadata import METADATA_FILE, DeferredMetadata, Metadata
-from .columns import pack_ints, unpack_ints
-from .dedup import CompactPlan, GlobalSavePlan
-from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from .renames import rename_keys
-from .replica_plan import Batch, CompactShards, batch_ops
-from .standard_planner import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
+from .core import faults
+from .comm.broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers, sendable_devices
+from .comm.collectives import Comm
+from .core.errors import ConfigError, KeyMismatchError
+from .storage.filesystem import DEFAULT_FILES_KEPT, FileSystemReader, FileSystemWriter
+from .storage.foreign import open_reader
+from .core.geometry import Box, relative
+from .format.metadata import METADATA_FILE, DeferredMetadata, Metadata
+from .core.columns import pack_ints, unpack_ints
+from .planning.save_dedup import CompactPlan, GlobalSavePlan
+from .planning.interfaces import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from .format.renames import rename_keys
+from .planning.load_replicas import Batch, CompactShards, batch_ops
+from .planning.standard import StandardLoadPlanner, StandardSavePlanner, build_metadata, chunk_key
 from .state_dict import restore_stateful, stateful_to_state_dict
-from .storage import ReadRequest, StorageReader, StorageWriter, WriteResult
-from .utils import PhaseTimer, get_logger, pauses_gc
+from .storage.interfaces import ReadRequest, StorageReader, StorageWriter, WriteResult
+from .core.utils import PhaseTimer, get_logger, pauses_gc
 
 log = get_logger(__name__)
 Timeout = float | _dt.timedelta | None
@@ -231,7 +231,7 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             if isinstance(md_or_error, Exception):
                 raise md_or_error
             planner.configure(state_dict, md_or_error, rank=comm.rank, world_size=comm.world_size,
-                              allow_cast=allow_cast)
+                              allow_cast=allow_cast, sendable=sendable_devices())
             own = planner.create_local_plan()
             # every file this rank may read exists, is regular and has its recorded size, checked
             # here (an agreed step) before any data moves into the caller's tensors

@@ -34,13 +34,13 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from .collectives import gloo_group
-from .errors import CollectiveTimeoutError, ConfigError
-from .metadata import Metadata
-from .ragged import FlatShard, LocalShard
-from .standard_planner import local_pieces
+from .comm.collectives import gloo_group
+from .core.errors import CollectiveTimeoutError, ConfigError
+from .format.metadata import Metadata
+from .core.ragged import FlatShard, LocalShard
+from .planning.standard import local_pieces
 from .state_dict import stateful_to_state_dict
-from .utils import TENSOR_LEAVES, gc_paused, get_logger
+from .core.utils import TENSOR_LEAVES, gc_paused, get_logger
 
 log = get_logger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .errors import StateDictError
+from .core.errors import StateDictError
+from .core.utils import is_stateful
 
 
 def _options(full_state_dict: bool, cpu_offload: bool, strict: bool) -> Any:
@@ -106,12 +107,6 @@ def set_model_state_dict(model: torch.nn.Module, model_state_dict: dict[str, Any
         return torch_set(model, model_state_dict, options=_options(False, False, strict))
     except (KeyError, RuntimeError, ValueError) as e:
         raise StateDictError(f"cannot load the model state: {type(e).__name__}: {e}") from e
-
-
-def is_stateful(value: Any) -> bool:
-    """torch's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()`` (an ``nn.Module``,
-    an optimizer, a dataloader or trainer object). Saved through its state dict, never pickled."""
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def stateful_to_state_dict(state_dict: Any) -> tuple[Any, dict[str, Any]]:

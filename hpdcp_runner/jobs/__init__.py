@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 
 from .. import runtime
 from ..config import JOBS, to_plain, validate
-from ..dcp.errors import CollectiveTimeoutError, ConfigError, DistributedError, HpdcpError
-from ..dcp.utils import get_logger
+from ..dcp.core.errors import CollectiveTimeoutError, ConfigError, DistributedError, HpdcpError
+from ..dcp.core.utils import get_logger
 from ..metrics import config_digest, summarize, summary_table, write_metrics
 from .context import JobContext
 

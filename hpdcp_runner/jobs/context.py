@@ -14,13 +14,13 @@ import torch
 from .. import dcp
 from .. import runtime
 from ..config import Config, checkpoint_series, parse_size
-from ..dcp.collectives import Comm
-from ..dcp.filesystem_storage import FileSystemWriter
-from ..dcp.foreign_storage import open_reader
-from ..dcp.metadata import METADATA_FILE
-from ..dcp.renames import rename_keys
-from ..dcp.retention import apply_retention, series_extra
-from ..dcp.standard_planner import local_pieces
+from ..dcp.comm.collectives import Comm
+from ..dcp.storage.filesystem import FileSystemWriter
+from ..dcp.storage.foreign import open_reader
+from ..dcp.format.metadata import METADATA_FILE
+from ..dcp.format.renames import rename_keys
+from ..dcp.storage.retention import apply_retention, series_extra
+from ..dcp.planning.standard import local_pieces
 from ..layouts import Placer
 from ..metrics import Metrics
 from ..runtime import RankInfo
@@ -230,7 +230,7 @@ def _first_line(e: BaseException) -> str:
 
 def compare_state(got: Any, expect: Any, prefix: str = "") -> list[str]:
     """Problems comparing a loaded state with its placed reference, shard by shard, bitwise."""
-    from ..dcp.utils import TENSOR_LEAVES
+    from ..dcp.core.utils import TENSOR_LEAVES
 
     if isinstance(expect, dict):
         if not isinstance(got, dict) or set(got) != set(expect):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 
 from ..dcp import Metadata
-from ..dcp.errors import ConfigError
-from ..dcp.inspection import describe
-from ..dcp.renames import rename_keys
+from ..dcp.core.errors import ConfigError
+from ..dcp.offline.inspection import describe
+from ..dcp.format.renames import rename_keys
 from ..layouts import Placer, mesh_shape, problems
 from .context import JobContext
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..dcp.errors import HpdcpError, KeyMismatchError
-from ..dcp.utils import flatten_state_dict
-from ..dcp.standard_planner import local_pieces
+from ..dcp.core.errors import HpdcpError, KeyMismatchError
+from ..dcp.core.utils import flatten_state_dict
+from ..dcp.planning.standard import local_pieces
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state

@@ -12,10 +12,10 @@ writes a Hugging Face directory instead, its files split among the ranks. With n
 from __future__ import annotations
 
 from ..config import parse_size
-from ..dcp.errors import HpdcpError
-from ..dcp.hf_export import export_hf
-from ..dcp.inspection import full_tensor_digests
-from ..dcp.renames import compile_rules, rename_key
+from ..dcp.core.errors import HpdcpError
+from ..dcp.offline.hf_export import export_hf
+from ..dcp.offline.inspection import full_tensor_digests
+from ..dcp.format.renames import compile_rules, rename_key
 from ..layouts import load_preset, place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
@@ -86,7 +86,7 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool) -> int:
     rules = compile_rules(ctx.source_renames()) if foreign else []
     a = {rename_key(k, rules): v for k, v in full_tensor_digests(source, ctx.reader(source, foreign)).items()}
     out_format = "hf" if ctx.cfg.job.output_format == "hf" else "hpdcp"
-    from ..dcp.foreign_storage import open_reader
+    from ..dcp.storage.foreign import open_reader
 
     b = full_tensor_digests(output, open_reader(output, out_format))
     bad = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from .. import dcp
-from ..dcp.errors import ConfigError, HpdcpError, KeyMismatchError
-from ..dcp.retention import latest_checkpoint, list_checkpoints, unrecorded_checkpoints
+from ..dcp.core.errors import ConfigError, HpdcpError, KeyMismatchError
+from ..dcp.storage.retention import latest_checkpoint, list_checkpoints, unrecorded_checkpoints
 from ..config import checkpoint_series
-from ..dcp.utils import get_logger
+from ..dcp.core.utils import get_logger
 from ..training import Trainer, build_model
 from .context import JobContext
 

@@ -3,7 +3,7 @@
 ``transform=merge_hf`` (ours -> Hugging Face shards), ``transform=import`` (HF / safetensors /
 .pt / torch DCP / hyper-parallel -> ours, laid out for ``transform.layout`` at
 ``transform.world_size``), ``transform=to_torch_dcp`` (ours -> torch DCP). The engine functions
-are ``hpdcp_runner.dcp.offline_transform``.
+are ``hpdcp_runner.dcp.offline.transforms``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import parse_size
-from ..dcp import offline_transform as ot
+from ..dcp.offline import transforms as ot
 from ..layouts import Placer, load_preset
 from .context import JobContext
 

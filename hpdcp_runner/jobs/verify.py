@@ -7,8 +7,8 @@ tensor byte is read once, which finds truncated and unreadable files but not fli
 
 from __future__ import annotations
 
-from ..dcp.errors import CorruptCheckpointError
-from ..dcp.inspection import full_tensor_digests, verify
+from ..dcp.core.errors import CorruptCheckpointError
+from ..dcp.offline.inspection import full_tensor_digests, verify
 from .context import JobContext
 
 

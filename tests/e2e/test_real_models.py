@@ -110,7 +110,7 @@ def test_gpt2_conv1d_layout_and_a_torch_dcp_checkpoint_written_by_torch(cli, tmp
                  f"job.output={tmp_path}/from_tdcp")
     assert _chunks(tmp_path / "from_tdcp", "model.layers.1.self_attn.k_proj.weight") == [([0, 0], [12, 48]),
                                                                                         ([12, 0], [12, 48])]
-    from hpdcp_runner.dcp.offline_transform import export_torch_dcp
+    from hpdcp_runner.dcp.offline.transforms import export_torch_dcp
 
     export_torch_dcp(tmp_path / "from_tdcp", tmp_path / "back")
     from transformers import LlamaForCausalLM

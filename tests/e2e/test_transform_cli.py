@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from hpdcp_runner.dcp import read_metadata
-from hpdcp_runner.dcp.inspection import full_tensor_digests
+from hpdcp_runner.dcp.offline.inspection import full_tensor_digests
 from tests.e2e.conftest import metrics
 from tests.e2e.test_cli import _tail
 

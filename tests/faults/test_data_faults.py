@@ -18,8 +18,8 @@ import pytest
 
 from hpdcp_runner.dcp import (CheckpointNotFoundError, CorruptCheckpointError, HpdcpError, MetadataError,
                               PickleNotAllowedError, faults, load, save)
-from hpdcp_runner.dcp.inspection import verify
-from hpdcp_runner.dcp.offline_transform import merge_to_hf
+from hpdcp_runner.dcp.offline.inspection import verify
+from hpdcp_runner.dcp.offline.transforms import merge_to_hf
 from tests.faults.conftest import loads_bitwise, state, zeros
 
 RANK0 = "rank00000.safetensors"

@@ -13,8 +13,8 @@ import time
 import torch
 
 from hpdcp_runner.dcp import ShapeMismatchError, save
-from hpdcp_runner.dcp.inspection import full_tensor_digests, verify
-from hpdcp_runner.dcp.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
+from hpdcp_runner.dcp.offline.inspection import full_tensor_digests, verify
+from hpdcp_runner.dcp.storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
 from tests.faults.conftest import loads_bitwise, state
 from tests.multiproc.harness import run_ranks
 
@@ -147,7 +147,7 @@ def test_crash_mid_commit_and_mid_retention(tmp_path, fault_row):
         save(state(k), checkpoint_id=tmp_path / f"step_{k}", extra=series_extra(SERIES, k))
     r = _python(f"""
         from hpdcp_runner.dcp import save
-        from hpdcp_runner.dcp.retention import series_extra
+        from hpdcp_runner.dcp.storage.retention import series_extra
         from tests.faults.conftest import state
         save(state(9), checkpoint_id={str(tmp_path / 'step_3')!r}, overwrite=True, extra=series_extra({SERIES!r}, 3))
     """, faults="commit.rename:kill")
@@ -160,7 +160,7 @@ def test_crash_mid_commit_and_mid_retention(tmp_path, fault_row):
 
     save(state(0), checkpoint_id=tmp_path / "init")  # another name in the directory: never retention's
     r = _python(f"""
-        from hpdcp_runner.dcp.retention import apply_retention
+        from hpdcp_runner.dcp.storage.retention import apply_retention
         apply_retention({str(tmp_path)!r}, 1, series={SERIES!r}, keep=["step_3"])
     """, faults="retention.delete:kill")
     assert r.returncode == -9

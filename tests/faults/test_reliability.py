@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from hpdcp_runner.dcp import (CommitDurabilityError, MetadataError, StateDictError, faults, load, save)
-from hpdcp_runner.dcp import filesystem_storage as fs
-from hpdcp_runner.dcp.metadata import check_file_name
-from hpdcp_runner.dcp.retention import apply_retention, list_checkpoints, series_extra
+from hpdcp_runner.dcp.storage import commit as fs
+from hpdcp_runner.dcp.format.metadata import check_file_name
+from hpdcp_runner.dcp.storage.retention import apply_retention, list_checkpoints, series_extra
 from tests.faults.conftest import loads_bitwise, state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,8 +53,9 @@ def test_fallback_overwrite_killed_between_its_renames_is_recovered(tmp_path, fa
     for k in (1, 2):
         save(state(k), checkpoint_id=tmp_path / f"step_{k}", extra=series_extra(SERIES, k))
     code = f"""
-        from hpdcp_runner.dcp import save, filesystem_storage as fs
-        from hpdcp_runner.dcp.retention import series_extra
+        from hpdcp_runner.dcp import save
+        from hpdcp_runner.dcp.storage import commit as fs
+        from hpdcp_runner.dcp.storage.retention import series_extra
         from tests.faults.conftest import state
         fs._exchange = lambda a, b: False
         save(state(9), checkpoint_id={str(tmp_path / 'step_2')!r}, overwrite=True, extra=series_extra({SERIES!r}, 2))
@@ -194,7 +195,7 @@ def test_a_missing_file_is_found_before_any_data_moves(tmp_path):
 
 
 def test_verify_checks_every_claim_of_the_metadata(tmp_path, fault_row):
-    from hpdcp_runner.dcp.inspection import verify
+    from hpdcp_runner.dcp.offline.inspection import verify
 
     def fresh(name):
         save({"w": torch.arange(12, dtype=torch.float32).view(3, 4), "meta": {"step": 3, "tag": "x"}},
@@ -220,7 +221,7 @@ def test_verify_checks_every_claim_of_the_metadata(tmp_path, fault_row):
     rewrite(ck, doc)
     assert any("outside world_size" in p for p in verify(ck).problems)
     ck, doc = fresh("objects")  # the objects file lacks a listed key, though its checksum is updated
-    from hpdcp_runner.dcp.checkpoint_io import digest
+    from hpdcp_runner.dcp.format.safetensors_io import digest
     body = b'{"meta.step":["i","3"]}'
     (ck / "rank00000.objects.json").write_bytes(body)
     doc["files"]["rank00000.objects.json"].update(size=len(body), checksum=digest(body))
@@ -245,7 +246,7 @@ def _flip(path, offset):
 
 def test_partial_reads_are_verified_block_by_block(tmp_path, fault_row):
     from hpdcp_runner.dcp import CorruptCheckpointError, LocalShard
-    from hpdcp_runner.dcp.checkpoint_io import BLOCK_BYTES
+    from hpdcp_runner.dcp.format.safetensors_io import BLOCK_BYTES
 
     full = torch.arange(1024 * 1024, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB: 4 blocks
     ck = tmp_path / "c"
@@ -292,7 +293,7 @@ def test_partial_reads_of_small_and_legacy_chunks_verify_the_whole_chunk(tmp_pat
 
 
 def test_verify_checks_block_checksums(tmp_path):
-    from hpdcp_runner.dcp.inspection import verify
+    from hpdcp_runner.dcp.offline.inspection import verify
 
     ck = tmp_path / "c"
     save({"w": torch.arange(1024 * 1024, dtype=torch.float32)}, checkpoint_id=ck)
@@ -318,7 +319,7 @@ def _safetensors_file(path, header: dict, data: bytes = b""):
 ])
 def test_hostile_safetensors_headers_are_refused_naming_the_file(tmp_path, entry, data, needle):
     from hpdcp_runner.dcp import CorruptCheckpointError
-    from hpdcp_runner.dcp.offline_transform import import_checkpoint
+    from hpdcp_runner.dcp.offline.transforms import import_checkpoint
 
     src = tmp_path / "evil.safetensors"
     _safetensors_file(src, {"w": entry}, data)
@@ -329,7 +330,7 @@ def test_hostile_safetensors_headers_are_refused_naming_the_file(tmp_path, entry
 
 def test_overlapping_tensors_and_a_pt_that_is_a_system_file(tmp_path):
     from hpdcp_runner.dcp import CorruptCheckpointError
-    from hpdcp_runner.dcp.offline_transform import import_checkpoint
+    from hpdcp_runner.dcp.offline.transforms import import_checkpoint
 
     src = tmp_path / "overlap.safetensors"
     _safetensors_file(src, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
@@ -343,7 +344,7 @@ def test_overlapping_tensors_and_a_pt_that_is_a_system_file(tmp_path):
 
 
 def test_huge_offsets_in_metadata_are_a_clear_error(tmp_path):
-    from hpdcp_runner.dcp.inspection import describe, verify
+    from hpdcp_runner.dcp.offline.inspection import describe, verify
 
     save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "c")
     doc = json.loads((tmp_path / "c" / "metadata.json").read_text())
@@ -358,7 +359,7 @@ def test_huge_offsets_in_metadata_are_a_clear_error(tmp_path):
 
 def test_an_output_the_reader_would_refuse_is_never_reported_done(tmp_path):
     from hpdcp_runner.dcp import ConfigError
-    from hpdcp_runner.dcp.offline_transform import merge_to_hf
+    from hpdcp_runner.dcp.offline.transforms import merge_to_hf
 
     save({"__metadata__": torch.ones(2), "w": torch.ones(2)}, checkpoint_id=tmp_path / "c")
     with pytest.raises(ConfigError, match="'__metadata__'"):
@@ -370,8 +371,9 @@ def test_an_output_the_reader_would_refuse_is_never_reported_done(tmp_path):
 
 
 def test_an_import_header_declaring_too_many_tensors_is_refused_before_work(tmp_path, monkeypatch):
-    from hpdcp_runner.dcp import CorruptCheckpointError, offline_sources
-    from hpdcp_runner.dcp.offline_transform import import_checkpoint
+    from hpdcp_runner.dcp import CorruptCheckpointError
+    from hpdcp_runner.dcp.offline import sources as offline_sources
+    from hpdcp_runner.dcp.offline.transforms import import_checkpoint
 
     monkeypatch.setattr(offline_sources, "MAX_IMPORT_ENTRIES", 100)
     src = tmp_path / "many.safetensors"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tests.multiproc.harness import run_ranks
 
 from hpdcp_runner.dcp import BroadcastOptions, CheckpointNotFoundError, FileSystemReader, LocalShard, load, save
-from hpdcp_runner.dcp.broadcast import GROUPS, DEFAULT_BATCH_BYTES
+from hpdcp_runner.dcp.comm.broadcast import GROUPS, DEFAULT_BATCH_BYTES
 
 
 def _ref(name, shape):

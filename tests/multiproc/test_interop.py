@@ -10,8 +10,8 @@ import torch
 from tests.multiproc.harness import run_ranks
 
 from hpdcp_runner.dcp import PickleNotAllowedError, load, save
-from hpdcp_runner.dcp.geometry import Box, split_piece
-from hpdcp_runner.dcp.offline_transform import export_torch_dcp, import_checkpoint, merge_to_hf
+from hpdcp_runner.dcp.core.geometry import Box, split_piece
+from hpdcp_runner.dcp.offline.transforms import export_torch_dcp, import_checkpoint, merge_to_hf
 
 SHAPES = {"emb": (13, 6), "w1": (8, 9), "w2": (9, 8), "bias": (9,), "count": ()}
 
@@ -121,7 +121,7 @@ def _load_in_place(rank, ws, path, dim, fmt):
 
 
 def _export_hf(rank, ws, src, dst):
-    from hpdcp_runner.dcp.hf_export import export_hf
+    from hpdcp_runner.dcp.offline.hf_export import export_hf
 
     return export_hf(src, dst, allow_pickle=True, max_shard_size=300, timeout=60)["files_written_here"]
 

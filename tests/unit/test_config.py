@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from hpdcp_runner import config, runtime
 from hpdcp_runner.config import parse_size, validate
-from hpdcp_runner.dcp.errors import ConfigError
+from hpdcp_runner.dcp.core.errors import ConfigError
 from hpdcp_runner.paths import find_conf_dir
 
 CONF = find_conf_dir()
@@ -134,7 +134,7 @@ def test_parse_size_rejects(bad):
 
 
 def test_engine_imports_no_hydra_or_omegaconf():
-    code = ("import sys, hpdcp_runner.dcp, hpdcp_runner.dcp.inspection;"
+    code = ("import sys, hpdcp_runner.dcp, hpdcp_runner.dcp.offline.inspection;"
             "bad=[m for m in sys.modules if m.split('.')[0] in ('hydra','omegaconf')];"
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from hpdcp_runner.dcp.errors import CoverageError, ReplicaMismatchError, ShapeMismatchError
-from hpdcp_runner.dcp.geometry import Box
-from hpdcp_runner.dcp.planner import TENSOR, SavePlan, WriteItem
-from hpdcp_runner.dcp.standard_planner import assign_owners
+from hpdcp_runner.dcp.core.errors import CoverageError, ReplicaMismatchError, ShapeMismatchError
+from hpdcp_runner.dcp.core.geometry import Box
+from hpdcp_runner.dcp.planning.interfaces import TENSOR, SavePlan, WriteItem
+from hpdcp_runner.dcp.planning.standard import assign_owners
 
 
 def _item(fqn, shape=(4, 4), box=None, nbytes=None, dtype="float32", checksum=None):
@@ -114,7 +114,7 @@ def _grid_items(fqn, shape, grid, coord, replicas_of=None):
 def test_vectorised_dedup_matches_reference(seed, policy):
     import random
 
-    from hpdcp_runner.dcp.planner import OBJECT
+    from hpdcp_runner.dcp.planning.interfaces import OBJECT
 
     rnd = random.Random(seed)
     ws = rnd.choice([1, 2, 3, 4, 6, 8])
@@ -181,7 +181,7 @@ def test_one_dimensional_overlap_gap_and_out_of_bounds():
 
 
 def test_compact_wire_round_trip_parses_identical_key_tables_once():
-    from hpdcp_runner.dcp.dedup import CompactPlan
+    from hpdcp_runner.dcp.planning.save_dedup import CompactPlan
 
     def items(r):
         return (_item("a", (4, 4), Box((min(r, 1) * 2, 0), (2, 4)), checksum="x"), _item("b", (3,)))

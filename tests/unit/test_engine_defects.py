@@ -9,10 +9,10 @@ import pytest
 
 from hpdcp_runner.dcp import ConfigError, FileSystemReader, FileSystemWriter, KeyMismatchError, faults
 from hpdcp_runner.dcp.api import _checkpoint_path
-from hpdcp_runner.dcp.collectives import _attempt, agreed_error
-from hpdcp_runner.dcp.metadata import DeferredMetadata, Metadata, MetadataError
-from hpdcp_runner.dcp.offline_sources import open_source
-from hpdcp_runner.dcp.replica_plan import plan_replica_reads
+from hpdcp_runner.dcp.comm.collectives import _attempt, agreed_error
+from hpdcp_runner.dcp.format.metadata import DeferredMetadata, Metadata, MetadataError
+from hpdcp_runner.dcp.offline.sources import open_source
+from hpdcp_runner.dcp.planning.load_replicas import plan_replica_reads
 from tests.multiproc.harness import run_ranks
 
 
@@ -28,7 +28,7 @@ def test_an_agreed_key_mismatch_keeps_its_key_lists():
 
 
 def _agree_mismatch(rank: int, ws: int) -> dict:
-    from hpdcp_runner.dcp.collectives import Comm
+    from hpdcp_runner.dcp.comm.collectives import Comm
 
     comm = Comm.create(None, 30)
     try:

@@ -4,7 +4,7 @@ import threading
 import torch
 
 from hpdcp_runner.dcp import load, save
-from hpdcp_runner.dcp.utils import gc_paused
+from hpdcp_runner.dcp.core.utils import gc_paused
 
 
 def test_collector_paused_during_save_and_load_and_restored(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from hpdcp_runner.dcp.geometry import Box, boxes_tile, flat_span, intersect, span_is_exact, split_piece
+from hpdcp_runner.dcp.core.geometry import Box, boxes_tile, flat_span, intersect, span_is_exact, split_piece
 
 
 def test_intersect_overlap_and_disjoint():
@@ -55,7 +55,7 @@ def test_boxes_tile_detects_gap_overlap_and_escape():
 
 
 def test_overlap_sweep_finds_overlaps_in_any_dimension_and_scales():
-    from hpdcp_runner.dcp.geometry import first_overlap
+    from hpdcp_runner.dcp.core.geometry import first_overlap
 
     cols = [Box((0, c), (8, 1)) for c in range(8)]
     assert first_overlap(cols) is None
@@ -71,7 +71,7 @@ def test_overlap_sweep_finds_overlaps_in_any_dimension_and_scales():
 def test_box_index_returns_exactly_the_intersecting_boxes():
     import random
 
-    from hpdcp_runner.dcp.geometry import BoxIndex
+    from hpdcp_runner.dcp.core.geometry import BoxIndex
 
     rnd = random.Random(0)
     boxes = [Box((rnd.randrange(50), rnd.randrange(50)), (rnd.randrange(1, 20), rnd.randrange(1, 20)))
@@ -84,7 +84,7 @@ def test_box_index_returns_exactly_the_intersecting_boxes():
 
 
 def _brute_overlap(boxes):
-    from hpdcp_runner.dcp.geometry import intersect
+    from hpdcp_runner.dcp.core.geometry import intersect
 
     return any(intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
@@ -92,7 +92,7 @@ def _brute_overlap(boxes):
 def test_bounded_sweep_matches_brute_force_on_random_2d_layouts():
     import random
 
-    from hpdcp_runner.dcp.geometry import Box, _overlap_2d, first_overlap
+    from hpdcp_runner.dcp.core.geometry import Box, _overlap_2d, first_overlap
 
     rng = random.Random(7)
     for _ in range(300):
@@ -109,8 +109,8 @@ def test_hostile_strips_are_checked_exactly_without_the_quadratic_sweep():
     """Column strips of decreasing height keep every strip open in a plain sweep (n^2/2 box
     comparisons); the bounded sweep hands them to the segment-tree sweep. Correctness here; the
     time is measured by scripts/sim_planning_scale.py --hostile."""
-    from hpdcp_runner.dcp import geometry
-    from hpdcp_runner.dcp.geometry import Box, boxes_tile
+    from hpdcp_runner.dcp.core import geometry
+    from hpdcp_runner.dcp.core.geometry import Box, boxes_tile
 
     n = 1500
     boxes = []
@@ -130,7 +130,7 @@ def test_hostile_strips_are_checked_exactly_without_the_quadratic_sweep():
 
 
 def test_irregular_layouts_in_three_dimensions_are_refused_clearly():
-    from hpdcp_runner.dcp.geometry import Box, boxes_tile
+    from hpdcp_runner.dcp.core.geometry import Box, boxes_tile
 
     n = 300
     boxes = []

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpdcp_runner.dcp import CheckpointExistsError, save
-from hpdcp_runner.dcp import hf_export
-from hpdcp_runner.dcp.hf_export import assign_files, export_hf, natural_key, side_files
+from hpdcp_runner.dcp.offline import hf_export
+from hpdcp_runner.dcp.offline.hf_export import assign_files, export_hf, natural_key, side_files
 
 
 def test_planning_is_pure_and_balanced():

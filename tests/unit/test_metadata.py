@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hpdcp_runner.dcp import save
-from hpdcp_runner.dcp.errors import MetadataError
-from hpdcp_runner.dcp.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta
+from hpdcp_runner.dcp.core.errors import MetadataError
+from hpdcp_runner.dcp.format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta
 
 
 def _md() -> Metadata:
@@ -71,7 +71,7 @@ def test_metadata_size_cap(tmp_path):
 
 
 def test_deferred_metadata_parses_on_first_use_and_equals_the_original():
-    from hpdcp_runner.dcp.metadata import DeferredMetadata
+    from hpdcp_runner.dcp.format.metadata import DeferredMetadata
 
     md = _md()
     d = DeferredMetadata(md.to_json())

@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from hpdcp_runner.dcp import objects as codec
-from hpdcp_runner.dcp.errors import MetadataError, PickleNotAllowedError
+from hpdcp_runner.dcp.format import objects as codec
+from hpdcp_runner.dcp.core.errors import MetadataError, PickleNotAllowedError
 
 VALUES = [None, True, False, 0, -1, 2**100, 1.5, -0.0, float("inf"), 1e-310, "", "ünï", b"", b"\x00\xff",
           [1, [2, (3, "x")]], (), {"a": 1, 2: "b", (1, 2): None}, torch.Size([2, 3]), torch.bfloat16]

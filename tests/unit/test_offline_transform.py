@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from hpdcp_runner.dcp import (CheckpointNotFoundError, ConfigError, HpdcpError, MetadataError, PickleNotAllowedError,
                               load, save)
-from hpdcp_runner.dcp.inspection import full_tensor_digests, iter_full_tensors
-from hpdcp_runner.dcp.offline_transform import import_checkpoint, merge_to_hf, plan_hf_shards, select_keys
+from hpdcp_runner.dcp.offline.inspection import full_tensor_digests, iter_full_tensors
+from hpdcp_runner.dcp.offline.transforms import import_checkpoint, merge_to_hf, plan_hf_shards, select_keys
 
 
 def _state():
@@ -200,7 +200,7 @@ def test_merge_memory_stays_near_the_largest_tensor(tmp_path):
     del sd
     script = textwrap.dedent(f"""
         import json
-        from hpdcp_runner.dcp.offline_transform import merge_to_hf
+        from hpdcp_runner.dcp.offline.transforms import merge_to_hf
         def status(field):
             for line in open("/proc/self/status"):
                 if line.startswith(field + ":"):

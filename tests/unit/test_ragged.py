@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from hpdcp_runner.dcp.errors import StateDictError
-from hpdcp_runner.dcp.geometry import Box
-from hpdcp_runner.dcp.ragged import FlatShard, decompose_flat_interval
+from hpdcp_runner.dcp.core.errors import StateDictError
+from hpdcp_runner.dcp.core.geometry import Box
+from hpdcp_runner.dcp.core.ragged import FlatShard, decompose_flat_interval
 
 
 def _elements(shape, boxes):

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from hpdcp_runner.dcp.replica_plan import ShardSummary, batch_ops, plan_replica_reads
+from hpdcp_runner.dcp.planning.load_replicas import ShardSummary, batch_ops, plan_replica_reads
 
 
 def _s(fqn, nbytes, offsets=(0,), dtype="float32", device="cpu"):

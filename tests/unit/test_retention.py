@@ -8,7 +8,7 @@ import torch
 
 from hpdcp_runner.config import checkpoint_series
 from hpdcp_runner.dcp import ConfigError, save
-from hpdcp_runner.dcp.retention import (apply_retention, latest_checkpoint, list_checkpoints, series_extra,
+from hpdcp_runner.dcp.storage.retention import (apply_retention, latest_checkpoint, list_checkpoints, series_extra,
                                         series_regex, unrecorded_checkpoints)
 
 SERIES = "step_{step}"

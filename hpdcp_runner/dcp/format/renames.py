@@ -10,7 +10,7 @@ import dataclasses
 import re
 from typing import Iterable, Sequence
 
-from .errors import ConfigError, MetadataError
+from ..core.errors import ConfigError, MetadataError
 from .metadata import Metadata
 
 Rule = tuple[str, str]

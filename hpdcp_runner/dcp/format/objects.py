@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from .errors import MetadataError, PickleNotAllowedError, StateDictError
-from .state_dict import is_stateful
-from .utils import get_logger
+from ..core.errors import MetadataError, PickleNotAllowedError, StateDictError
+from ..core.utils import get_logger, is_stateful
 
 log = get_logger(__name__)
 _MAX_DEPTH = 200

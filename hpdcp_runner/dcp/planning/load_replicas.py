@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from .errors import ConfigError
-from .columns import group_rows, pack_ints, padded_boxes, unpack_ints
+from ..core.errors import ConfigError
+from ..core.columns import group_rows, pack_ints, padded_boxes, unpack_ints
 
 MODES = ("always", "never", "auto")
 

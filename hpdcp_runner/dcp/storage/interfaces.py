@@ -13,33 +13,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .geometry import Box
-from .metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta
+from ..core.geometry import Box
+from ..format.metadata import ChunkMeta, Metadata, ObjectMeta, WriteResult
 
-
-@dataclass(frozen=True)
-class WriteResult:
-    """What one rank wrote: its files, and for each stored key where its bytes are."""
-
-    rank: int
-    files: tuple[FileMeta, ...]
-    # safetensors key -> (file, byte offset, checksum[, per-block digests])
-    chunks: Mapping[str, tuple]
-    objects: Mapping[str, tuple[str, str]]  # fqn -> (file, checksum)
-
-    @property
-    def bytes_written(self) -> int:
-        return sum(f.size for f in self.files)
-
-    def to_wire(self) -> dict:
-        return {"rank": self.rank, "files": [[f.name, f.size, f.checksum] for f in self.files],
-                "chunks": {k: list(v) for k, v in self.chunks.items()},
-                "objects": {k: list(v) for k, v in self.objects.items()}}
-
-    @classmethod
-    def from_wire(cls, w: dict) -> "WriteResult":
-        return cls(w["rank"], tuple(FileMeta(n, s, c, w["rank"]) for n, s, c in w["files"]),
-                   {k: tuple(v) for k, v in w["chunks"].items()}, {k: tuple(v) for k, v in w["objects"].items()})
+__all__ = ["StorageWriter", "StorageReader", "ReadRequest", "IOCounters", "WriteResult"]
 
 
 @dataclass(frozen=True)

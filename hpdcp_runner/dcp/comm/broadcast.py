@@ -26,10 +26,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveTimeoutError, ConfigError
-from .metadata import dtype_from_name
-from .replica_plan import MODES, Batch
-from .utils import get_logger
+from ..core.errors import CollectiveTimeoutError, ConfigError
+from ..format.metadata import dtype_from_name
+from ..planning.load_replicas import MODES, Batch
+from ..core.utils import get_logger
 
 log = get_logger(__name__)
 DEFAULT_BATCH_BYTES = 8 << 20
@@ -61,13 +61,10 @@ def node_id() -> str:
     return f"{socket.gethostname()}#{os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '0'))}"
 
 
-def sendable_device(t: torch.Tensor) -> str:
-    """'cpu' (gloo), 'cuda' (NCCL) or 'none' when no backend here can carry this tensor."""
-    if t.device.type == "cpu" and dist.is_gloo_available():
-        return "cpu"
-    if t.device.type == "cuda" and dist.is_nccl_available():
-        return "cuda"
-    return "none"
+def sendable_devices() -> frozenset[str]:
+    """The device types a broadcast here can carry: 'cpu' with gloo, 'cuda' with NCCL. Handed to
+    the load planner as data (the planning layer never asks the communication layer)."""
+    return frozenset(d for d, ok in (("cpu", dist.is_gloo_available()), ("cuda", dist.is_nccl_available())) if ok)
 
 
 class GroupCache:

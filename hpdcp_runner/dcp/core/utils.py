@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -147,3 +148,22 @@ class PhaseTimer:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy, no numpy needed).
+
+    The caller keeps ``t`` alive while the view is in use.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def is_stateful(value: Any) -> bool:
+    """torch's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()`` (an ``nn.Module``,
+    an optimizer, a dataloader or trainer object). Saved through its state dict, never pickled."""
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))

@@ -23,24 +23,23 @@ import json
 import math
 import os
 import re
-import shutil
-import uuid
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from . import objects as objcodec
-from .checkpoint_io import SafetensorsStreamWriter
-from .errors import CheckpointExistsError, ConfigError, CorruptCheckpointError
-from .filesystem_storage import STAGING_MARK, FileSystemReader, FileSystemWriter, publish_dir, rank_file
-from .geometry import Box, split_piece, whole
+from ..format import objects as objcodec
+from ..format.safetensors_io import SafetensorsStreamWriter
+from ..core.errors import ConfigError, CorruptCheckpointError
+from ..storage.commit import StagedDir
+from ..storage.filesystem import FileSystemReader, FileSystemWriter, rank_file
+from ..core.geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
-from .metadata import METADATA_FILE, FileMeta, Metadata, dtype_from_name, element_size
-from .offline_sources import HF_INDEX, HF_SINGLE, TensorSource, open_source
-from .planner import OBJECT, TENSOR, SavePlan, WriteItem
-from .standard_planner import assign_owners, build_metadata, chunk_key
-from .storage import WriteResult
-from .utils import get_logger
+from ..format.metadata import METADATA_FILE, FileMeta, Metadata, dtype_from_name, element_size
+from .sources import HF_INDEX, HF_SINGLE, TensorSource, open_source
+from ..planning.interfaces import OBJECT, TENSOR, SavePlan, WriteItem
+from ..planning.standard import assign_owners, build_metadata, chunk_key
+from ..storage.interfaces import WriteResult
+from ..core.utils import get_logger
 
 log = get_logger(__name__)
 Progress = Callable[[Iterable, int, str], Iterable]
@@ -74,26 +73,6 @@ def select_keys(keys: Iterable[str], *, include: str | None = None, exclude: str
         seen[name] = k
         out[k] = name
     return out
-
-
-class _Staged:
-    """An output directory built under a hidden sibling name and renamed into place when done."""
-
-    def __init__(self, dst: str | os.PathLike, overwrite: bool) -> None:
-        self.dst = os.path.abspath(os.fspath(dst))
-        self.overwrite = overwrite
-        if os.path.lexists(self.dst) and not overwrite:
-            raise CheckpointExistsError(f"{self.dst} already exists; pass overwrite to replace it")
-        parent, name = os.path.split(self.dst)
-        os.makedirs(parent, exist_ok=True)
-        self.tmp = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex[:12]}")
-        os.mkdir(self.tmp)
-
-    def commit(self) -> None:
-        publish_dir(self.tmp, self.dst, overwrite=self.overwrite)
-
-    def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def check_with_safetensors(path: str) -> None:
@@ -159,7 +138,7 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     shards = [list(names)] if single_file else plan_hf_shards(sizes, max_shard_size)
     n = len(shards)
     files = [HF_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    out = _Staged(dst, overwrite)
+    out = StagedDir(dst, overwrite)
     progress = progress or _no_progress
     weight_map: dict[str, str] = {}
     try:
@@ -320,7 +299,7 @@ def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: 
     progress = progress or _no_progress
     for key, full in progress(iter_full_tensors(src, list(names)), len(names), "export"):
         sd[names[key]] = full
-    out = _Staged(dst, overwrite)
+    out = StagedDir(dst, overwrite)
     try:
         tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(out.tmp), no_dist=True)
         out.commit()

@@ -7,18 +7,18 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import objects as objcodec
-from .checkpoint_io import byte_view, digest
-from .dedup import CompactPlan, GlobalSavePlan, assign_owners
-from .errors import CoverageError, MetadataError, ShapeMismatchError, StateDictError
-from .geometry import Box, BoxIndex, dtensor_local_box, intersect, narrow, relative, whole
-from .metadata import Metadata, dtype_name
-from .planner import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
-from .ragged import FlatShard, LocalShard
-from .broadcast import sendable_device
-from .replica_plan import BroadcastOp, CompactShards, ShardSummary, plan_replica_reads
-from .storage import WriteResult
-from .utils import TENSOR_LEAVES, flatten_state_dict, set_element
+from ..format import objects as objcodec
+from ..core.utils import byte_view
+from ..format.safetensors_io import digest
+from .save_dedup import CompactPlan, GlobalSavePlan, assign_owners
+from ..core.errors import CoverageError, MetadataError, ShapeMismatchError, StateDictError
+from ..core.geometry import Box, BoxIndex, dtensor_local_box, intersect, narrow, relative, whole
+from ..format.metadata import Metadata, dtype_name
+from .interfaces import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from ..core.ragged import FlatShard, LocalShard
+from .load_replicas import BroadcastOp, CompactShards, ShardSummary, plan_replica_reads
+from ..format.metadata import WriteResult
+from ..core.utils import TENSOR_LEAVES, flatten_state_dict, set_element
 
 try:
     from torch.distributed.tensor import DTensor
@@ -125,10 +125,11 @@ class StandardLoadPlanner(LoadPlanner):
         self._pieces: dict[str, list[tuple[Box, torch.Tensor]]] = {}
 
     def configure(self, state_dict: Mapping[str, Any], metadata: Metadata, *, rank: int, world_size: int,
-                  allow_cast: bool = False) -> None:
+                  allow_cast: bool = False, sendable: frozenset[str] = frozenset()) -> None:
         self.state_dict = state_dict
         self.flat, self.paths = flatten_state_dict(state_dict)
         self.metadata, self.rank, self.world_size, self.allow_cast = metadata, rank, world_size, allow_cast
+        self.sendable = sendable
 
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata
@@ -156,7 +157,8 @@ class StandardLoadPlanner(LoadPlanner):
             if k not in seen:
                 box, t = self._pieces[it.fqn][it.dest]
                 seen[k] = ShardSummary(it.fqn, box.offsets, box.sizes, t.numel() * t.element_size(),
-                                       dtype_name(t.dtype), sendable_device(t))
+                                       dtype_name(t.dtype),
+                                       t.device.type if t.device.type in self.sendable else "none")
         return tuple(seen.values())
 
     def _tensor_reads(self, fqn: str, v: Any) -> list[ReadItem]:
@@ -220,8 +222,8 @@ def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_
     """Combine the global plan with every rank's write result (pure; runs on the coordinator).
     One pass over the owned rows as plain lists: at 2M chunks this is the coordinator's largest
     cost after the gather, so no Box or helper objects per chunk."""
-    from .checkpoint_io import BLOCK_BYTES
-    from .metadata import ChunkMeta, ObjectMeta, TensorMeta
+    from ..format.safetensors_io import BLOCK_BYTES
+    from ..format.metadata import ChunkMeta, ObjectMeta, TensorMeta
 
     by_rank = {w.rank: w for w in results}
     keys = gplan.keys

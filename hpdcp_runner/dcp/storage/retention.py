@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .errors import ConfigError
-from .filesystem_storage import (DISPLACED_MARK, STAGING_LOCK, STAGING_MARK, TRASH_MARK, open_regular, recover_displaced,
-                                 remove_tree_safely, staging_is_abandoned)
-from .metadata import METADATA_FILE
-from .utils import get_logger
+from ..core.errors import ConfigError
+from .commit import (DISPLACED_MARK, STAGING_LOCK, STAGING_MARK, TRASH_MARK, recover_displaced, remove_tree_safely, staging_is_abandoned)
+from .filesystem import open_regular
+from ..format.metadata import METADATA_FILE
+from ..core.utils import get_logger
 
 log = get_logger(__name__)
 STEP_FIELD = "{step}"

@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import errors as errmod
-from .errors import CollectiveTimeoutError, DistributedError, HpdcpError
-from .utils import get_logger
+from ..core import errors as errmod
+from ..core.errors import CollectiveTimeoutError, DistributedError, HpdcpError
+from ..core.utils import get_logger
 
 log = get_logger(__name__)
 _GROUP_CACHE: dict[tuple, Any] = {}
@@ -252,7 +252,7 @@ def _padded(payload: bytes, n: int) -> torch.Tensor:
 
 
 def _tensor_bytes(t: torch.Tensor, n: int) -> bytes:
-    from .checkpoint_io import byte_view
+    from ..core.utils import byte_view
 
     return bytes(byte_view(t)[:n]) if n else b""
 

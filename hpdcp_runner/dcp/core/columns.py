@@ -1,7 +1,7 @@
 """Columnar helpers for planning at scale: int64 arrays on the wire, rows grouped by equal keys.
 
 Plans gathered from thousands of ranks are decoded and grouped as torch int64 arrays instead of
-one Python object per item; see ``dedup.py`` (save) and ``replica_plan.py`` (load).
+one Python object per item; see ``planning/save_dedup.py`` (save) and ``planning/load_replicas.py`` (load).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import base64
 
 import torch
 
-from .checkpoint_io import byte_view
+from .utils import byte_view
 
 
 def pack_ints(t: torch.Tensor) -> str:

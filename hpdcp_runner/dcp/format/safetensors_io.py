@@ -21,8 +21,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import xxhash
 
-from . import faults
-from .errors import CorruptCheckpointError
+from ..core import faults
+from ..core.errors import CorruptCheckpointError
+from ..core.utils import byte_view
 from .metadata import DTYPES, dtype_name, element_size
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -30,19 +31,6 @@ _WRITE_BUFFER = 1 << 20
 _SAFETENSORS_CODES = {name: code for name, (_, code) in DTYPES.items()}
 _CODE_TO_NAME = {code: name for name, code in _SAFETENSORS_CODES.items()}
 _MAX_INT = 1 << 62  # sizes, offsets and dims beyond this are hostile, not data (and overflow int64)
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy, no numpy needed).
-
-    The caller keeps ``t`` alive while the view is in use.
-    """
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("byte_view needs a contiguous CPU tensor")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def digest(data: memoryview | bytes) -> str:

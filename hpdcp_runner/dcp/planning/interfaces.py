@@ -1,6 +1,6 @@
 """Planner interfaces and the plan data they exchange.
 
-A save or load runs the same protocol on every rank (see ``api.py``): a local plan from the
+A save or load runs the same protocol on every rank (see ``dcp/api.py``): a local plan from the
 rank's own state dict, a gather of every plan on the coordinator (rank 0), which computes the
 global plan once and sends each rank only its own part. Plans are frozen dataclasses with a
 compact wire form (plain JSON; columnar for save plans) so gathering needs no pickle, and no rank
@@ -10,69 +10,18 @@ but the coordinator holds or processes all N plans.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from .geometry import Box
-from .metadata import Metadata
-from .replica_plan import BroadcastOp, ShardSummary
+from ..format.metadata import Metadata
+from .load_replicas import BroadcastOp, CompactShards
+from .plans import (OBJECT, TENSOR, CompactPlan, GlobalSavePlan, KeyInfo, LoadPlan, ReadItem, SavePlan,
+                    WriteItem)
 
-if TYPE_CHECKING:
-    from .dedup import CompactPlan, GlobalSavePlan
-    from .replica_plan import CompactShards
-
-TENSOR = "tensor"
-OBJECT = "object"
-
-
-@dataclass(frozen=True)
-class WriteItem:
-    """One chunk (or object) a rank holds and could write."""
-
-    fqn: str
-    kind: str
-    box: Box | None
-    dtype: str | None
-    global_shape: tuple[int, ...] | None
-    nbytes: int
-    piece: int = 0
-    checksum: str | None = None
-
-    @property
-    def dedup_key(self) -> tuple:
-        return (self.fqn, self.box.offsets, self.box.sizes) if self.box is not None else (self.fqn,)
-
-
-@dataclass(frozen=True)
-class SavePlan:
-    rank: int
-    items: tuple[WriteItem, ...]
-    paths: Mapping[str, tuple] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ReadItem:
-    """Copy ``overlap`` (global coordinates) of saved chunk ``chunk`` into local piece ``dest``."""
-
-    fqn: str
-    dest: int
-    dest_box: Box
-    chunk: int
-    overlap: Box
-
-
-@dataclass(frozen=True)
-class LoadPlan:
-    rank: int
-    items: tuple[ReadItem, ...]
-    objects: tuple[str, ...]
-    missing: tuple[str, ...]
-    requested: frozenset[str]
-    shards: tuple[ShardSummary, ...] = ()
-    # (fqn, dest offsets) -> rank that reads it from storage; absent: this rank reads it itself.
-    sources: Mapping[tuple, int] = field(default_factory=dict)
+# the plan types are re-exported: a planner implementation needs only this module
+__all__ = ["SavePlanner", "LoadPlanner", "OBJECT", "TENSOR", "WriteItem", "SavePlan", "ReadItem", "LoadPlan",
+           "KeyInfo", "CompactPlan", "GlobalSavePlan"]
 
 
 class SavePlanner(ABC):
@@ -86,7 +35,7 @@ class SavePlanner(ABC):
     def create_local_plan(self) -> SavePlan: ...
 
     @abstractmethod
-    def create_global_plan(self, plans: Sequence["CompactPlan"]) -> "GlobalSavePlan":
+    def create_global_plan(self, plans: Sequence[CompactPlan]) -> GlobalSavePlan:
         """Pure and deterministic; runs on the coordinator (rank 0) over every rank's plan in
         compact form (``dedup.CompactPlan``) and decides who writes what."""
 
@@ -100,13 +49,15 @@ class LoadPlanner(ABC):
 
     @abstractmethod
     def configure(self, state_dict: Mapping[str, Any], metadata: Metadata, *, rank: int, world_size: int,
-                  allow_cast: bool = False) -> None: ...
+                  allow_cast: bool = False, sendable: frozenset[str] = frozenset()) -> None:
+        """``sendable``: the device types the job's broadcasts can carry ('cpu' with gloo, 'cuda'
+        with NCCL); shards on other devices are read by each holder itself."""
 
     @abstractmethod
     def create_local_plan(self) -> LoadPlan: ...
 
     @abstractmethod
-    def create_global_plan(self, shards: Sequence["CompactShards"], *, mode: str, nodes: Sequence[str],
+    def create_global_plan(self, shards: Sequence[CompactShards], *, mode: str, nodes: Sequence[str],
                            slow_storage: bool) -> list[BroadcastOp]:
         """Pure and deterministic; runs on the coordinator: who reads each replicated shard and
         broadcasts it, from every rank's shard summaries (columnar), in one global order."""

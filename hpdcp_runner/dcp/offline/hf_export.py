@@ -12,22 +12,21 @@ import math
 import os
 import re
 import shutil
-import uuid
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .api import Timeout, _metadata_source, load
-from .checkpoint_io import write_file
-from .collectives import Comm
-from .errors import CheckpointExistsError, ConfigError, StorageAccessError
-from .filesystem_storage import STAGING_MARK, publish_dir, remove_tree_safely
-from .foreign_storage import HF_INDEX, HF_SINGLE, open_reader
-from .metadata import Metadata, dtype_from_name, element_size
-from .offline_transform import check_with_safetensors, plan_hf_shards
-from .renames import rename_keys
-from .storage import StorageReader
-from .utils import get_logger
+from ..api import Timeout, _metadata_source, load
+from ..format.safetensors_io import write_file
+from ..comm.collectives import Comm
+from ..core.errors import ConfigError
+from ..storage.commit import StagedDir
+from ..storage.foreign import HF_INDEX, HF_SINGLE, open_reader
+from ..format.metadata import Metadata, dtype_from_name, element_size
+from .transforms import check_with_safetensors, plan_hf_shards
+from ..format.renames import rename_keys
+from ..storage.interfaces import StorageReader
+from ..core.utils import get_logger
 
 log = get_logger(__name__)
 # weights and checkpoint metadata never travel as side files; everything else small does
@@ -112,20 +111,12 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
         side_dir = os.path.dirname(side_dir)
 
     def begin() -> str:
-        if os.path.lexists(dst) and not overwrite:
-            raise CheckpointExistsError(f"{dst} already exists; pass overwrite to replace it")
         if side_dir is not None and not os.path.isdir(side_dir):
             raise ConfigError(f"{side_dir}: the directory to copy config/tokenizer files from does not exist")
-        parent, name = os.path.split(dst)
-        staging = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex[:12]}")
-        try:
-            os.makedirs(parent, exist_ok=True)
-            os.mkdir(staging)
-        except OSError as e:
-            raise StorageAccessError(f"cannot create {staging}: {e.strerror or e}") from None
-        return staging
+        return StagedDir(dst, overwrite).tmp
 
     staging = comm.agree_root("export_hf: begin", begin)
+    out = StagedDir.adopt(dst, staging, overwrite)  # rank 0 commits or aborts it
     counters: dict[str, int] = {}
     try:
         for r in range(rounds):
@@ -155,13 +146,13 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             copied = side_files(side_dir) if side_dir else []
             for name in copied:
                 shutil.copyfile(os.path.join(side_dir, name), os.path.join(staging, name))
-            publish_dir(staging, dst, overwrite=overwrite, fsync=fsync)
+            out.commit(fsync=fsync)
             return copied
 
         copied = comm.agree_root("export_hf: commit", commit)
     except BaseException:
-        if comm.rank == 0 and os.path.lexists(staging):
-            remove_tree_safely(staging)
+        if comm.rank == 0:
+            out.abort()
         raise
     if comm.rank == 0 and not any(name == "config.json" for name in copied):
         log.warning("%s has no config.json (the source is not a Hugging Face directory): from_pretrained needs "

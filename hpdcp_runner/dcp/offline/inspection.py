@@ -15,13 +15,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from .checkpoint_io import block_digests, digest, file_checksum, read_header
-from . import objects as objcodec
-from .errors import HpdcpError, PickleNotAllowedError
-from .filesystem_storage import STAGING_MARK, TRASH_MARK, FileSystemReader
-from .geometry import Box, narrow
-from .metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
-from .storage import ReadRequest, StorageReader
+from ..format.safetensors_io import block_digests, digest, file_checksum, read_header
+from ..format import objects as objcodec
+from ..core.errors import HpdcpError, PickleNotAllowedError
+from ..storage.commit import STAGING_MARK, TRASH_MARK
+from ..storage.filesystem import FileSystemReader
+from ..core.geometry import Box, narrow
+from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
+from ..storage.interfaces import ReadRequest, StorageReader
 
 
 def commit_state(path: str | os.PathLike) -> str:
@@ -91,7 +92,7 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
 
 def tensor_digest(t: torch.Tensor) -> str:
     """Digest of a tensor's dtype, shape and row-major bytes (layout independent)."""
-    from .checkpoint_io import byte_view
+    from ..core.utils import byte_view
 
     c = t.detach().to("cpu").contiguous()
     return digest(f"{c.dtype}{list(c.shape)}".encode() + bytes(byte_view(c)))

@@ -29,11 +29,11 @@ from typing import Any, Mapping
 
 import torch
 
-from .checkpoint_io import read_header
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from .filesystem_storage import FileSystemReader
-from .metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
-from .storage import StorageReader
+from ..format.safetensors_io import read_header
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from .filesystem import FileSystemReader
+from ..format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
+from .interfaces import StorageReader
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from .geometry import Box, intersect, narrow, relative, whole
-from .metadata import dtype_from_name, dtype_name
-from .utils import flatten_state_dict
+from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from ..core.geometry import Box, intersect, narrow, relative, whole
+from ..format.metadata import dtype_from_name, dtype_name
+from ..core.utils import flatten_state_dict
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -99,7 +99,7 @@ class SafetensorsSource(TensorSource):
         self._scan([os.path.join(self.path, n) for n in names], claimed=wm)
 
     def _scan(self, files: list[str], claimed: dict[str, str] | None = None) -> None:
-        from .checkpoint_io import read_header
+        from ..format.safetensors_io import read_header
 
         self.specs = {}
         for fp in files:

@@ -1,0 +1,2 @@
+"""Layer 6 (above the API): one-process tools: transforms, foreign sources, inspection,
+Hugging Face export."""

@@ -1,0 +1,2 @@
+"""Layer 3: storage interfaces, the filesystem reader/writer, the commit step, retention,
+foreign-format readers."""

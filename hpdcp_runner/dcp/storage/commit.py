@@ -1,0 +1,235 @@
+"""The commit step, shared by checkpoints and every offline output: a directory is built under
+a hidden staging name beside its final name and appears under that name in one rename (an
+overwrite swaps the two atomically where the kernel can, so the old one stays loadable until the
+new one is in place). Also what cleanup needs: trash deletion, abandoned-staging detection
+(flock), recovery of an overwrite interrupted between its two renames.
+
+Names beside ``parent/NAME``: ``.NAME.tmp-<id>`` staging (``.lock`` beside it while a live
+process writes it), ``.NAME.trash-<id>`` being deleted, ``.NAME.old-<id>`` displaced by an
+interrupted non-atomic overwrite.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import time
+import uuid
+
+from ..core import faults
+from ..core.errors import CheckpointExistsError, CommitDurabilityError, StorageAccessError
+from ..core.utils import get_logger
+from ..format.metadata import METADATA_FILE
+
+log = get_logger(__name__)
+STAGING_MARK = ".tmp-"
+STAGING_LOCK = ".lock"  # suffix of the lock file beside a staging directory
+TRASH_MARK = ".trash-"
+DISPLACED_MARK = ".old-"  # an overwritten checkpoint between the two renames of a non-atomic swap
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two directories (Linux renameat2). False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if fn(AT_FDCWD, a.encode(), AT_FDCWD, b.encode(), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def remove_tree_safely(path: str) -> None:
+    """Rename to a trash name first, then delete: a crash never leaves half a checkpoint under a real name."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f".{name.lstrip('.')}{TRASH_MARK}{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    faults.point("retention.delete", path=trash)
+    if os.path.islink(trash):  # rmtree refuses links; a link is removed, never followed
+        os.unlink(trash)
+    else:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def hold_staging_lock(staging: str) -> int:
+    """The coordinator holds an exclusive flock on ``<staging>.lock`` (beside the staging
+    directory, so it is never part of the checkpoint) from begin until after the commit; the
+    kernel drops it when the process dies, which is how cleanup tells a dead save's staging
+    directory from one in progress."""
+    fd = os.open(staging + STAGING_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def staging_is_abandoned(staging: str, *, unlocked_age_s: float = 3600.0) -> bool:
+    """True when no live process saves into ``staging``: its lock is free, or it has no lock
+    (a version without one, or an early crash) and was last touched over ``unlocked_age_s`` ago."""
+    lock = staging + STAGING_LOCK
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        try:
+            return time.time() - os.stat(staging).st_mtime > unlocked_age_s
+        except OSError:
+            return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def storage_access_error(e: OSError, what: str) -> StorageAccessError:
+    """``what`` failed for a reason the user fixes (permissions, a file in the way, no space)."""
+    where = f" ({e.filename})" if e.filename else ""
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        return StorageAccessError(f"{what}: a file is in the way where a directory should be{where}")
+    return StorageAccessError(f"{what}: {e.strerror or e}{where}")
+
+
+def publish_dir(staging: str, path: str, *, overwrite: bool, fsync: bool = True) -> None:
+    """Make a complete staging directory visible as ``path`` in one step (the commit).
+
+    Without ``overwrite`` an existing ``path`` is never replaced, also one that another writer
+    committed while this one was staging (rename() onto a non-empty directory fails, so there is
+    no window). With it, the two are swapped atomically where the kernel can (renameat2), so the
+    old one stays loadable until the new one is in place, then the old one goes to trash. Where
+    it cannot (some FUSE and network file systems), see :func:`_swap_by_renames`.
+    """
+    parent, name = os.path.split(path)
+    faults.point("commit.rename", path=path)
+    if not overwrite:
+        try:
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, "exists", path)
+            os.rename(staging, path)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                raise
+            raise CheckpointExistsError(f"{path} appeared while this save was in progress (another save committed "
+                                        f"it first); nothing was committed") from None
+    elif os.path.lexists(path):
+        if not _exchange(staging, path):
+            _swap_by_renames(staging, path)
+        else:
+            remove_tree_safely(staging)  # the staging name now holds the old one
+    else:
+        os.rename(staging, path)
+    if fsync:
+        try:
+            faults.point("commit.dir_fsync", path=parent)
+            fsync_dir(parent)
+        except OSError as e:
+            raise CommitDurabilityError(
+                f"checkpoint {path} IS committed (complete and loadable under its name), but syncing its directory "
+                f"{parent} failed ({e.strerror or e}): the commit may not survive a crash of the machine; check the "
+                f"storage. Saving it again needs overwrite.") from None
+
+
+def _swap_by_renames(staging: str, path: str) -> None:
+    """Overwrite without an atomic exchange: the old checkpoint is first renamed to a *displaced*
+    name (``.NAME.old-<id>``), never to trash, then staging becomes ``NAME``. If the second rename
+    fails, the old one is put back at once; if the process dies in between, the next access of
+    ``NAME`` (load, save, retention) finds it missing and renames the displaced one back
+    (:func:`recover_displaced`). Trash cleanup never touches displaced directories."""
+    parent, name = os.path.split(path)
+    displaced = os.path.join(parent, f".{name}{DISPLACED_MARK}{uuid.uuid4().hex[:8]}")
+    os.rename(path, displaced)
+    try:
+        faults.point("commit.displaced", path=path)
+        os.rename(staging, path)
+    except BaseException:
+        try:
+            os.rename(displaced, path)
+        except OSError:
+            pass  # recover_displaced restores it on the next access
+        raise
+    try:
+        remove_tree_safely(displaced)
+    except FileNotFoundError:
+        pass  # a concurrent recovery already cleared it: the commit stands
+
+
+def recover_displaced(path: str) -> bool:
+    """Finish what a crashed rename-swap of ``path`` left: restore the displaced old checkpoint
+    when ``path`` is missing, delete displaced copies once ``path`` exists. Returns whether
+    ``path`` was restored. Best effort: a concurrent swap or recovery makes a step fail harmlessly."""
+    parent, name = os.path.split(os.path.abspath(path))
+    prefix = f".{name}{DISPLACED_MARK}"
+    try:
+        # (a displaced directory being deleted was renamed to trash: never a candidate)
+        found = sorted(n for n in os.listdir(parent) if n.startswith(prefix) and TRASH_MARK not in n)
+    except OSError:
+        return False
+    restored = False
+    if found and not os.path.lexists(path):
+        complete = [n for n in found if os.path.isfile(os.path.join(parent, n, METADATA_FILE))]
+        if complete:
+            newest = max(complete, key=lambda n: os.stat(os.path.join(parent, n, METADATA_FILE)).st_mtime_ns)
+            try:
+                os.rename(os.path.join(parent, newest), path)
+                restored = True
+                log.warning("restored %s from %s: an overwrite had been interrupted between its renames", path, newest)
+            except OSError:
+                return False
+            found.remove(newest)
+    if os.path.lexists(path):
+        for n in found:
+            try:
+                remove_tree_safely(os.path.join(parent, n))
+            except OSError:
+                pass
+    return restored
+
+
+class StagedDir:
+    """An output directory built under a staging name and published in one step: for outputs
+    written by one process (offline transforms) or by several (each writing its files into
+    ``tmp``, the coordinator publishing)."""
+
+    def __init__(self, dst: str | os.PathLike, overwrite: bool) -> None:
+        self.dst = os.path.abspath(os.fspath(dst))
+        self.overwrite = overwrite
+        if os.path.lexists(self.dst) and not overwrite:
+            raise CheckpointExistsError(f"{self.dst} already exists; pass overwrite to replace it")
+        parent, name = os.path.split(self.dst)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self.tmp = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex[:12]}")
+            os.mkdir(self.tmp)
+        except OSError as e:
+            raise storage_access_error(e, f"cannot create the staging directory for {self.dst}") from None
+
+    @classmethod
+    def adopt(cls, dst: str, tmp: str, overwrite: bool) -> "StagedDir":
+        """The staging directory another process created (the coordinator's, on other ranks)."""
+        out = cls.__new__(cls)
+        out.dst, out.tmp, out.overwrite = os.path.abspath(dst), tmp, overwrite
+        return out
+
+    def commit(self, fsync: bool = True) -> None:
+        publish_dir(self.tmp, self.dst, overwrite=self.overwrite, fsync=fsync)
+
+    def abort(self) -> None:
+        if os.path.lexists(self.tmp):
+            remove_tree_safely(self.tmp)

@@ -1,0 +1,110 @@
+"""The engine's layers (docs/architecture.md) as a checked rule: every import inside
+``hpdcp_runner.dcp`` points to the same layer or a lower one, the import graph has no cycles, the
+engine never imports Hydra/OmegaConf, and its public surface is exactly the documented one."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import hpdcp_runner.dcp as dcp
+
+ROOT = os.path.dirname(dcp.__file__)
+# lower number = lower layer; a module may import its own layer and those below
+LAYERS = {"core": 0, "format": 1, "planning": 2, "storage": 3, "comm": 4, "api": 5, "async_persist": 5,
+          "state_dict": 5, "offline": 6, "__init__": 7}
+FORBIDDEN = ("hydra", "omegaconf")
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+                out[rel] = os.path.join(dirpath, f)
+    return out
+
+
+def _layer(mod: str) -> int:
+    return LAYERS[mod.split(".")[0]]
+
+
+def _imports(mod: str, path: str) -> list[tuple[str, int]]:
+    """(absolute target, line) of every import in the module, at any depth (function-level too)."""
+    pkg = mod.split(".")[:-1] if not mod.endswith("__init__") else mod.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+                target = ".".join(["hpdcp_runner", "dcp", *base, *([node.module] if node.module else [])])
+                names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+            else:
+                names = [node.module]
+            out += [(n, node.lineno) for n in names]
+    return out
+
+
+def _engine_target(name: str, modules: dict[str, str]) -> str | None:
+    if not name.startswith("hpdcp_runner.dcp"):
+        return None
+    rest = name[len("hpdcp_runner.dcp"):].lstrip(".")
+    while rest and rest not in modules and f"{rest}.__init__" not in modules:
+        rest = rest.rpartition(".")[0]
+    if not rest:
+        return "__init__"
+    return rest if rest in modules else f"{rest}.__init__"
+
+
+def test_imports_point_down_the_layers_and_never_to_hydra():
+    modules = _modules()
+    problems = []
+    for mod, path in sorted(modules.items()):
+        for name, line in _imports(mod, path):
+            if name.split(".")[0] in FORBIDDEN:
+                problems.append(f"{mod}:{line} imports {name} (the engine never imports Hydra/OmegaConf)")
+            target = _engine_target(name, modules)
+            if target is not None and target != mod and _layer(target) > _layer(mod):
+                problems.append(f"{mod}:{line} imports {target}, a higher layer")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_engine_import_graph_has_no_cycles():
+    modules = _modules()
+    graph = {m: sorted({t for n, _ in _imports(m, p) if (t := _engine_target(n, modules)) and t != m
+                        and not t.endswith("__init__")}) for m, p in modules.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in graph.get(m, ()):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]) if t in stack else f"{m} -> {t}")
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_public_surface_is_the_documented_one():
+    assert sorted(dcp.__all__) == sorted([
+        "save", "load", "read_metadata", "async_save", "AsyncSaveResponse", "wait_for_async_saves",
+        "release_staging_buffers", "get_optim_state_dict", "set_optim_state_dict", "get_model_state_dict",
+        "set_model_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
+        "LOAD_PLANNERS", "LoadResult", "Metadata", "SavePlanner", "LoadPlanner", "StandardSavePlanner",
+        "MinimumRankSavePlanner", "StandardLoadPlanner", "StorageWriter", "StorageReader", "FileSystemWriter",
+        "FileSystemReader", "HfReader", "TorchDcpReader", "open_reader", "rename_keys", "FlatShard", "LocalShard",
+        "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
+        "CommitDurabilityError", "CheckpointChangedError", "MetadataError", "CorruptCheckpointError",
+        "StateDictError", "KeyMismatchError", "ShapeMismatchError", "CoverageError", "PickleNotAllowedError",
+        "StorageAccessError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError"])
+    for name in dcp.__all__:
+        assert hasattr(dcp, name), name
