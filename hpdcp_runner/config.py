@@ -4,6 +4,7 @@ cross-field validation that reports every problem at once."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -13,6 +14,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .dcp.core.errors import ConfigError
+from .paths import find_conf_dir
 
 JOB_HELP = {
     "save": "build the model= state under layout= and save it (checkpoint.dir/checkpoint.name; keep_last)",
@@ -297,7 +299,7 @@ def _transform_problems(c: Config, world_size: int) -> list[str]:
         if t.layout not in layouts.preset_names():
             out.append(f"transform.layout: unknown layout {t.layout!r} (choose {', '.join(layouts.preset_names())})")
         else:
-            out += [f"transform.layout ({t.layout}).{p}" for p in layouts.problems(layouts.load_preset(t.layout),
+            out += [f"transform.layout ({t.layout}).{p}" for p in layouts.problems(load_preset(t.layout),
                                                                                    t.world_size)]
     return out
 
@@ -455,3 +457,10 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     return c
+
+
+def load_preset(name: str) -> "LayoutConf":
+    """A layout from ``conf/layout/<name>.yaml`` as a LayoutConf (used by reshard's source layout)."""
+    raw = OmegaConf.load(os.path.join(find_conf_dir(), "layout", f"{name}.yaml"))
+    raw.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConf), raw))

@@ -12,7 +12,6 @@ import re
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from .dcp import FlatShard
 from .dcp.core.geometry import Box, narrow, split_piece, whole
@@ -26,15 +25,6 @@ def preset_names() -> list[str]:
     """The layouts under ``conf/layout/`` (what ``job.source.layout`` may name)."""
     d = os.path.join(find_conf_dir(), "layout")
     return sorted(n[:-5] for n in os.listdir(d) if n.endswith(".yaml")) if os.path.isdir(d) else []
-
-
-def load_preset(name: str):
-    """A layout from ``conf/layout/<name>.yaml`` as a LayoutConf (used by reshard's source layout)."""
-    from .config import LayoutConf
-
-    raw = OmegaConf.load(os.path.join(find_conf_dir(), "layout", f"{name}.yaml"))
-    raw.pop("defaults", None)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConf), raw))
 
 
 def mesh_shape(layout: Any, world_size: int) -> tuple[int, ...]:

@@ -16,7 +16,8 @@ from ..dcp.core.errors import HpdcpError
 from ..dcp.offline.hf_export import export_hf
 from ..dcp.offline.inspection import full_tensor_digests
 from ..dcp.format.renames import compile_rules, rename_key
-from ..layouts import load_preset, place_state
+from ..config import load_preset
+from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext

@@ -12,7 +12,8 @@ from typing import Any
 
 from ..config import parse_size
 from ..dcp.offline import transforms as ot
-from ..layouts import Placer, load_preset
+from ..config import load_preset
+from ..layouts import Placer
 from .context import JobContext
 
 
