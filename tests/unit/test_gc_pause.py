@@ -9,7 +9,7 @@ from hpdcp_runner.dcp.core.utils import gc_paused
 
 def test_collector_paused_during_save_and_load_and_restored(tmp_path, monkeypatch):
     seen = []
-    import hpdcp_runner.dcp.api as api
+    import hpdcp_runner.dcp.protocol as api  # where the save builds its metadata
 
     real = api.build_metadata
     monkeypatch.setattr(api, "build_metadata", lambda *a, **k: (seen.append(gc.isenabled()), real(*a, **k))[1])

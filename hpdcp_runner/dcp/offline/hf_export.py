@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..api import Timeout, _metadata_source, load
+from ..api import Timeout, load
+from ..protocol import metadata_source
 from ..format.safetensors_io import write_file
 from ..comm.collectives import Comm
 from ..core.errors import ConfigError
@@ -91,7 +92,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             r.close()
 
     first = reader()
-    kind, where = first.format_name, _metadata_source(first, src)
+    kind, where = first.format_name, metadata_source(first, src)
     first.close()
     text = comm.agree_root("export_hf: metadata", describe)
     md = rename_keys(Metadata.from_json(text, source=where), rename, source=src)

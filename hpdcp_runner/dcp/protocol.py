@@ -1,0 +1,329 @@
+"""The save and load protocols: typed messages and the steps that exchange them.
+
+Every message is a frozen dataclass with its own JSON wire form (no pickle crosses ranks). A step
+runs on every rank (``local``) or on the coordinator only (``coordinate``); ``Comm`` carries the
+wire forms and turns a failure anywhere into the same error everywhere. Call sequence::
+
+    save:  SaveSteps.local_plan  --SavePlanMsg-->  SaveSteps.global_plan  --SaveReply-->  every rank
+           SaveSteps.write       --WriteResult-->  SaveSteps.build_metadata (coordinator)
+           SaveSteps.commit (coordinator)  --metadata text-->  every rank
+    load:  LoadSteps.read_metadata (coordinator)  --MetadataMsg-->  every rank parses + checks
+           LoadSteps.local_plan  --LoadPlanMsg-->  LoadSteps.global_plan  --LoadReply-->  every rank
+           LoadSteps.transfer (reads + replica broadcasts, agreed)
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .comm.broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers, sendable_devices
+from .comm.collectives import Comm
+from .core import faults
+from .core.columns import pack_ints, unpack_ints
+from .core.errors import KeyMismatchError
+from .core.geometry import Box, relative
+from .format.metadata import METADATA_FILE, Metadata, WriteResult
+from .format.renames import rename_keys
+from .planning.interfaces import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from .planning.load_replicas import Batch, CompactShards, batch_ops
+from .planning.plans import CompactPlan, GlobalSavePlan
+from .planning.standard import build_metadata, chunk_key
+from .storage.filesystem import FileSystemReader
+from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
+
+
+# -- messages -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SavePlanMsg:
+    """Rank -> coordinator: the rank's save plan (columnar) and, from rank 0, the staging token."""
+
+    plan: CompactPlan
+    token: str | None
+
+    def to_wire(self) -> dict:
+        return {"plan": self.plan.to_wire(), "token": self.token}
+
+    @classmethod
+    def from_wire(cls, w: Mapping, tables: dict | None = None) -> "SavePlanMsg":
+        return cls(CompactPlan.from_wire(w["plan"], tables), w["token"])
+
+
+@dataclass(frozen=True, eq=False)
+class SaveReply:
+    """Coordinator -> one rank: the indices of its plan items it writes, and the staging token."""
+
+    writes: torch.Tensor
+    token: str
+
+    def to_wire(self) -> dict:
+        return {"writes": pack_ints(self.writes), "token": self.token}
+
+    @classmethod
+    def from_wire(cls, w: Mapping) -> "SaveReply":
+        return cls(unpack_ints(w["writes"]), w["token"])
+
+
+@dataclass(frozen=True)
+class MetadataMsg:
+    """Coordinator -> every rank: the metadata text it read and the identity of what it read."""
+
+    text: str
+    pin: Any
+
+    def to_wire(self) -> dict:
+        return {"text": self.text, "pin": self.pin}
+
+    @classmethod
+    def from_wire(cls, w: Mapping) -> "MetadataMsg":
+        return cls(w["text"], w["pin"])
+
+
+@dataclass(frozen=True)
+class LoadPlanMsg:
+    """Rank -> coordinator: keys it lacks, keys it asked for (a bitmap over the checkpoint's
+    sorted keys), its destination shards (columnar; empty when broadcasts are off), its node
+    and whether its storage is slow."""
+
+    missing: tuple[str, ...]
+    requested: str
+    shards: CompactShards
+    node: str
+    slow: bool
+
+    def to_wire(self) -> dict:
+        return {"missing": list(self.missing), "requested": self.requested, "shards": self.shards.to_wire(),
+                "node": self.node, "slow": self.slow}
+
+    @classmethod
+    def from_wire(cls, w: Mapping, tables: dict | None = None) -> "LoadPlanMsg":
+        return cls(tuple(w["missing"]), w["requested"], CompactShards.from_wire(w["shards"], tables), w["node"],
+                   bool(w["slow"]))
+
+
+@dataclass(frozen=True)
+class LoadReply:
+    """Coordinator -> one rank: the key verdict (missing per rank, unrequested keys), the broadcast
+    batches this rank takes part in and the rank sets whose groups the load needs."""
+
+    missing_by_rank: Mapping[int, tuple[str, ...]]
+    unexpected: tuple[str, ...]
+    batches: tuple[Batch, ...]
+    groups: Any
+
+    def to_wire(self) -> dict:
+        return {"missing": sorted([r, list(ks)] for r, ks in self.missing_by_rank.items()),
+                "unexpected": list(self.unexpected), "batches": [b.to_wire() for b in self.batches],
+                "groups": self.groups}
+
+    @classmethod
+    def from_wire(cls, w: Mapping) -> "LoadReply":
+        return cls({int(r): tuple(ks) for r, ks in w["missing"]}, tuple(w["unexpected"]),
+                   tuple(Batch.from_wire(b) for b in w["batches"]), w["groups"])
+
+
+def key_bitmap(keys: Sequence[str], requested: frozenset[str]) -> str:
+    bits = bytearray((len(keys) + 7) // 8)
+    for i, k in enumerate(keys):
+        if k in requested:
+            bits[i // 8] |= 1 << (i % 8)
+    return base64.b64encode(bytes(bits)).decode()
+
+
+def unrequested(keys: Sequence[str], bitmaps: Sequence[str]) -> list[str]:
+    union = bytearray((len(keys) + 7) // 8)
+    for b in bitmaps:
+        for i, byte in enumerate(base64.b64decode(b)):
+            union[i] |= byte
+    return [k for i, k in enumerate(keys) if not union[i // 8] >> (i % 8) & 1]
+
+
+def metadata_source(reader: StorageReader, path: Any) -> str:
+    """What a metadata error names: our metadata.json, or the foreign checkpoint directory."""
+    if isinstance(reader, FileSystemReader) and type(reader) is not FileSystemReader:
+        return f"{reader.path} (as {reader.format_name})"  # type: ignore[attr-defined]
+    return os.path.join(os.fspath(path), METADATA_FILE) if path else METADATA_FILE
+
+
+# -- save -----------------------------------------------------------------------------------------
+
+@dataclass
+class SaveSteps:
+    """The state one save shares between its steps (instead of closures over ``nonlocal``)."""
+
+    state_dict: Mapping[str, Any]
+    comm: Comm
+    writer: StorageWriter
+    planner: SavePlanner
+    path: str | None
+    overwrite: bool
+    allow_pickle: bool
+    verify_replicas: bool
+    extra: Mapping[str, Any] | None
+    token: str | None = None
+    own: SavePlan | None = None
+    gplan: GlobalSavePlan | None = None
+    reply: SaveReply | None = None
+    committed: Metadata | None = None
+
+    def local_plan(self) -> dict:
+        faults.point("save.plan", rank=self.comm.rank, path=self.path)
+        if self.comm.rank == 0:
+            self.token = self.writer.begin(overwrite=self.overwrite)
+        self.planner.configure(self.state_dict, rank=self.comm.rank, world_size=self.comm.world_size,
+                               allow_pickle=self.allow_pickle, verify_replicas=self.verify_replicas)
+        self.own = self.planner.create_local_plan()
+        return SavePlanMsg(CompactPlan.from_plan(self.own), self.token).to_wire()
+
+    def global_plan(self, gathered: list) -> list:
+        """Coordinator: every rank's plan in compact form -> each rank's write list."""
+        tables: dict = {}
+        msgs = [SavePlanMsg.from_wire(g, tables) for g in gathered]
+        self.gplan = self.planner.create_global_plan([m.plan for m in msgs])
+        return [SaveReply(w, msgs[0].token).to_wire() for w in self.gplan.write_idx]
+
+    def accept(self, wire: dict) -> None:
+        self.reply = SaveReply.from_wire(wire)
+        self.token = self.reply.token
+
+    def write(self) -> dict:
+        self.writer.attach(self.token, rank=self.comm.rank, world_size=self.comm.world_size)
+        faults.point("save.write", rank=self.comm.rank, path=self.path)
+        tensors, objs = [], {}
+        for i in self.reply.writes.tolist():
+            it = self.own.items[i]
+            if it.kind == "object":
+                objs[it.fqn] = self.planner.resolve_data(it)
+            elif it.box.numel:
+                tensors.append((chunk_key(it.fqn, it.box.offsets), self.planner.resolve_data(it)))
+        result = self.writer.write(tensors, objs)
+        faults.point("save.written", rank=self.comm.rank, path=self.path)
+        return result.to_wire()
+
+    def build_metadata(self, results: list) -> list:
+        """Coordinator: the checkpoint's metadata from the global plan and what every rank wrote."""
+        self.committed = build_metadata(self.gplan, [WriteResult.from_wire(w) for w in results],
+                                        self.comm.world_size, self.extra)
+        return [None] * self.comm.world_size
+
+    def commit(self) -> str:
+        faults.point("save.commit", rank=self.comm.rank, path=self.path)
+        self.writer.commit(self.committed)
+        return self.committed.to_json() if self.comm.world_size > 1 else ""
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+@dataclass
+class LoadSteps:
+    state_dict: Mapping[str, Any]
+    comm: Comm
+    reader: StorageReader
+    planner: LoadPlanner
+    path: str | None
+    options: BroadcastOptions
+    allow_cast: bool
+    allow_pickle: bool
+    rename: Sequence[Any]
+    md: Metadata | Exception | None = None
+    own: LoadPlan | None = None
+    reply: LoadReply | None = None
+
+    def read_metadata(self) -> dict:
+        return MetadataMsg(self.reader.read_metadata_text(), self.reader.pin()).to_wire()
+
+    def parse_metadata(self, wire: dict) -> None:
+        """Every rank parses and validates in parallel; a failure here is reported in the plan
+        agreement (``local_plan`` raises it), so every rank raises it."""
+        msg = MetadataMsg.from_wire(wire)
+        try:
+            md = Metadata.from_json(msg.text, source=metadata_source(self.reader, self.path))
+            self.reader.attach_metadata(md, pin=msg.pin)
+            self.md = rename_keys(md, self.rename, source=self.path or "checkpoint")
+        except Exception as e:
+            self.md = e
+
+    def local_plan(self) -> dict:
+        if isinstance(self.md, Exception):
+            raise self.md
+        md = self.md
+        self.planner.configure(self.state_dict, md, rank=self.comm.rank, world_size=self.comm.world_size,
+                               allow_cast=self.allow_cast, sendable=sendable_devices())
+        own = self.own = self.planner.create_local_plan()
+        # every file this rank may read exists, is regular and has its recorded size, checked
+        # here (an agreed step) before any data moves into the caller's tensors
+        self.reader.check_files(sorted({md.tensors[it.fqn].chunks[it.chunk].file for it in own.items}
+                                       | {md.objects[f].file for f in own.objects}))
+        # no broadcasts without replicas to share: the coordinator need not see shards
+        shards = CompactShards.from_summaries(() if self.options.mode == "never" else own.shards)
+        return LoadPlanMsg(own.missing, key_bitmap(md.keys(), own.requested), shards, node_id(),
+                           bool(self.reader.slow_storage)).to_wire()
+
+    def global_plan(self, gathered: list) -> list:
+        """Coordinator: key checks, and who reads/broadcasts each replicated shard; every rank
+        receives the key verdict and just the broadcast batches it takes part in."""
+        tables: dict = {}
+        msgs = [LoadPlanMsg.from_wire(g, tables) for g in gathered]
+        missing = {r: m.missing for r, m in enumerate(msgs) if m.missing}
+        unexpected = tuple(unrequested(self.md.keys(), [m.requested for m in msgs]))
+        ops = self.planner.create_global_plan([m.shards for m in msgs], mode=self.options.mode,
+                                              nodes=[m.node for m in msgs], slow_storage=msgs[0].slow)
+        batches = batch_ops(ops, self.options.batch_bytes)
+        per_rank: list[list[Batch]] = [[] for _ in msgs]
+        for b in batches:
+            for r in b.ranks:
+                per_rank[r].append(b)
+        needed = group_sets(batches)
+        return [LoadReply(missing, unexpected, tuple(mine), needed).to_wire() for mine in per_rank]
+
+    def accept(self, wire: dict, strict: bool) -> None:
+        reply = self.reply = LoadReply.from_wire(wire)
+        if strict and (reply.missing_by_rank or reply.unexpected):
+            raise key_error(reply.missing_by_rank, list(reply.unexpected))
+        sources = {(op.key[0], op.key[1]): op.src for b in reply.batches for op in b.ops}
+        self.own = dataclasses.replace(self.own, sources=sources)
+
+    def transfer(self) -> None:
+        """Storage reads of this rank's own shares, overlapped with the replica broadcasts."""
+        comm, md, own, batches = self.comm, self.md, self.own, self.reply.batches
+        batch_of = {op.key: i for i, b in enumerate(batches) for op in b.ops if b.src == comm.rank}
+        reads: list[tuple[int | None, ReadRequest]] = []  # (batch this rank sources, request)
+        for it in own.items:
+            src = own.sources.get((it.fqn, it.dest_box.offsets))
+            if src is not None and src != comm.rank:
+                continue  # another holder reads it and broadcasts it here
+            tm = md.tensors[it.fqn]
+            chunk = tm.chunks[it.chunk]
+            req = ReadRequest(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes),
+                              self.planner.acquire_tensor(it))
+            reads.append((batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes)), req))
+        run_load_transfers(list(batches), rank=comm.rank, group=comm.group, control=comm.control,
+                           timeout=comm.timeout, options=self.options, destination=self.planner.destination,
+                           counters=self.reader.counters, reads=reads, read=self.reader.read_tensors,
+                           needed=self.reply.groups)
+        values = self.reader.read_objects({f: md.objects[f] for f in own.objects}, allow_pickle=self.allow_pickle)
+        for fqn, value in values.items():
+            self.planner.apply_object(fqn, value)
+
+
+def key_error(missing_by_rank: Mapping[int, Sequence[str]], unexpected: list[str]) -> KeyMismatchError:
+    parts = []
+    all_missing = sorted({k for ks in missing_by_rank.values() for k in ks})
+    if all_missing:
+        where = ", ".join(f"rank {r}" for r in sorted(missing_by_rank))
+        parts.append(f"{len(all_missing)} key(s) missing from the checkpoint ({where}): {_short(all_missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} checkpoint key(s) not in any rank's state dict: {_short(unexpected)}")
+    return KeyMismatchError("strict load: " + "; ".join(parts) + " (pass strict=False to load the common keys)",
+                            all_missing, unexpected)
+
+
+def _short(keys: list[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
