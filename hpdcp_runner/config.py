@@ -370,7 +370,7 @@ def _checkpoint_problems(c: Config) -> list[str]:
     return out
 
 
-def validate(cfg: DictConfig, world_size: int) -> Config:
+def validate_all(cfg: DictConfig, world_size: int) -> tuple[Config, "EngineOptions"]:
     """Re-check against the schema (``+key=`` bypasses struct mode) and cross-check fields.
 
     Raises one ConfigError listing every problem with its full key.
@@ -384,32 +384,16 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
         raise ConfigError(f"invalid config: {full_key or '?'}: {msg}") from None
     c: Config = OmegaConf.to_object(merged)
     from . import layouts
-    from .dcp import SAVE_PLANNERS
 
     if c.job is None:
         problems.append(f"job: no job given; pick one with +job=<name>: {', '.join(JOBS)}")
     elif c.job.name not in JOBS:
         problems.append(f"job.name: unknown job {c.job.name!r} (jobs: {', '.join(JOBS)})")
-    if c.dcp.planner.name not in SAVE_PLANNERS:
-        problems.append(f"dcp.planner.name: unknown planner {c.dcp.planner.name!r} (choose {', '.join(SAVE_PLANNERS)})")
-    if c.dcp.storage.name != "filesystem":
-        problems.append(f"dcp.storage.name: unknown storage {c.dcp.storage.name!r} (choose filesystem)")
-    if c.dcp.storage.files_kept < 1:
-        problems.append(f"dcp.storage.files_kept: must be >= 1, got {c.dcp.storage.files_kept}")
-    for key, value in (("dcp.storage.max_metadata_bytes", c.dcp.storage.max_metadata_bytes),
-                       ("dcp.storage.segment_bytes", c.dcp.storage.segment_bytes),
-                       ("dcp.broadcast.batch_bytes", c.dcp.broadcast.batch_bytes),
-                       ("dcp.storage.max_read_bytes_per_s", c.dcp.storage.max_read_bytes_per_s)):
-        try:
-            if value is not None and parse_size(value, key) == 0 and key.endswith("per_s"):
-                problems.append(f"{key}: must be positive (or null for no cap)")
-        except ConfigError as e:
-            problems.append(str(e))
-    if c.dcp.broadcast.mode not in ("always", "never", "auto"):
-        problems.append(f"dcp.broadcast.mode: {c.dcp.broadcast.mode!r} is not always, never or auto")
-    if c.dcp.broadcast.max_in_flight < 1:
-        problems.append(f"dcp.broadcast.max_in_flight: must be >= 1, got {c.dcp.broadcast.max_in_flight}")
-
+    try:  # every engine knob: parsed and checked here, once
+        options = engine_options(c)
+    except ConfigError as e:
+        problems += str(e).split("\n")
+        options = None
     for key, value in (("dcp.timeout_s", c.dcp.timeout_s), ("runtime.timeout_s", c.runtime.timeout_s)):
         if value <= 0:
             problems.append(f"{key}: must be positive seconds, got {value}")
@@ -456,7 +440,86 @@ def validate(cfg: DictConfig, world_size: int) -> Config:
             problems.append("job.repeats/job.warmup: repeats must be >= 1 and warmup >= 0")
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
-    return c
+    return c, options
+
+
+def validate(cfg: DictConfig, world_size: int) -> Config:
+    """:func:`validate_all` without the engine options (tests, tools)."""
+    return validate_all(cfg, world_size)[0]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every engine knob of the config, parsed and validated once (in :func:`validate_all`) into
+    the engine's own option objects and handed down: jobs never parse a size or re-check a knob."""
+
+    planner: str
+    broadcast: Any  # dcp.BroadcastOptions
+    reader: Any  # dcp.storage.filesystem.ReaderOptions
+    fsync: bool
+    timeout_s: float
+    allow_pickle: bool
+    allow_cast: bool
+    verify_replicas: bool
+
+    def knobs(self) -> dict:
+        """The knob values as the engine received them, for metrics.json."""
+        b, r = self.broadcast, self.reader
+        return {"dcp.planner.name": self.planner, "dcp.broadcast.mode": b.mode,
+                "dcp.broadcast.batch_bytes": b.batch_bytes, "dcp.broadcast.max_in_flight": b.max_in_flight,
+                "dcp.storage.files_kept": r.files_kept, "dcp.storage.shared": r.shared_storage,
+                "dcp.storage.segment_bytes": r.segment_bytes,
+                "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s}
+
+
+def engine_options(c: Config) -> EngineOptions:
+    """The engine options of ``c``; one ConfigError naming every bad key."""
+    from .dcp import SAVE_PLANNERS, BroadcastOptions
+    from .dcp.storage.filesystem import ReaderOptions
+
+    d, problems = c.dcp, []
+
+    def size(key: str, value: Any, positive: bool = False) -> int:
+        try:
+            n = parse_size(value, key)
+        except ConfigError as e:
+            problems.append(str(e))
+            return 1
+        if positive and n == 0:
+            problems.append(f"{key}: must be positive")
+        return n
+
+    def build(prefix: str, make: Any) -> Any:
+        try:
+            return make()
+        except ConfigError as e:  # the engine's own check, named by the config key
+            problems.append(f"{prefix}: {e}")
+
+    if d.planner.name not in SAVE_PLANNERS:
+        problems.append(f"dcp.planner.name: unknown planner {d.planner.name!r} (choose {', '.join(SAVE_PLANNERS)})")
+    if d.storage.name != "filesystem":
+        problems.append(f"dcp.storage.name: unknown storage {d.storage.name!r} (choose filesystem)")
+    s = d.storage
+    cap = s.max_read_bytes_per_s
+    sizes = (size("dcp.storage.max_metadata_bytes", s.max_metadata_bytes, True),
+             None if cap is None else size("dcp.storage.max_read_bytes_per_s", cap, True),
+             size("dcp.storage.segment_bytes", s.segment_bytes, True),
+             size("dcp.broadcast.batch_bytes", d.broadcast.batch_bytes))
+    if s.files_kept < 1:
+        problems.append(f"dcp.storage.files_kept: must be >= 1, got {s.files_kept}")
+    if d.broadcast.max_in_flight < 1:
+        problems.append(f"dcp.broadcast.max_in_flight: must be >= 1, got {d.broadcast.max_in_flight}")
+    if d.broadcast.mode not in ("always", "never", "auto"):
+        problems.append(f"dcp.broadcast.mode: {d.broadcast.mode!r} is not always, never or auto")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    reader = build("dcp.storage", lambda: ReaderOptions(s.files_kept, sizes[0], s.verify_checksums, s.shared,
+                                                        sizes[1], sizes[2]))
+    broadcast = build("dcp.broadcast", lambda: BroadcastOptions(d.broadcast.mode, sizes[3], d.broadcast.max_in_flight))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return EngineOptions(d.planner.name, broadcast, reader, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
+                         d.verify_replicas)
 
 
 def load_preset(name: str) -> "LayoutConf":

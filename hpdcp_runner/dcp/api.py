@@ -83,7 +83,8 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
         if comm.rank == 0 and steps.token is not None:
             writer.abort()
         raise
-    metadata = steps.committed if comm.rank == 0 else DeferredMetadata(text, source=METADATA_FILE)
+    source = os.path.join(path, METADATA_FILE) if path else METADATA_FILE
+    metadata = steps.committed if comm.rank == 0 else DeferredMetadata(text, source=source)
     log.debug("saved %s: %d tensors, %d bytes written here", path, len(metadata.tensors),
               writer.counters.bytes_written)
     return metadata

@@ -5,16 +5,15 @@ Every job module has the same shape: ``run(ctx: JobContext) -> dict`` (a result 
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
 from .. import runtime
-from ..config import JOBS, to_plain, validate
+from ..config import JOBS, to_plain, validate_all
 from ..dcp.core.errors import CollectiveTimeoutError, ConfigError, DistributedError, HpdcpError
 from ..dcp.core.utils import get_logger
 from ..metrics import config_digest, summarize, summary_table, write_metrics
@@ -43,6 +42,15 @@ def _fail(message: str, code: int, *, every_rank: bool = False, run_dir: str | N
     raise SystemExit(code)
 
 
+def registry() -> dict[str, Callable[[JobContext], Any]]:
+    """Job name -> its run function: the one list of jobs (config.JOB_HELP names the same set,
+    checked by the tests)."""
+    from . import bench, inspect, load, reshard, save, train, transform, verify
+
+    return {"save": save.run, "load": load.run, "reshard": reshard.run, "inspect": inspect.run,
+            "verify": verify.run, "bench": bench.run, "train": train.run, "transform": transform.run}
+
+
 def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
     """The Hydra task function's body (or a launcher worker's, with ``run_dir``). Returns the
     job's objective (for sweepers)."""
@@ -60,23 +68,23 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
             _fail(f"ConfigError: {', '.join(internal)}: the *_schema entries are internal type schemas, not choices; "
                   f"python -m hpdcp_runner --help lists the choices", 2, run_dir=run_dir)
     try:
-        c = validate(cfg, world_size)
+        c, options = validate_all(cfg, world_size)
     except ConfigError as e:
         _fail(f"ConfigError: {e}", 2, run_dir=run_dir)
     info = runtime.init_distributed(c.runtime.backend, c.runtime.device, c.runtime.timeout_s)
-    ctx = JobContext(c, to_plain(cfg), info, run_dir)
+    ctx = JobContext(c, to_plain(cfg), info, run_dir, options)
     detail.info("job %s: world size %d, run dir %s, launched from %s", c.job.name, info.world_size, run_dir,
                 runtime.launch_dir())
     digests = ctx.comm.all_gather_json(config_digest(ctx.plain), "config digest")
     if len(set(digests)) > 1:
         _fail(f"ConfigError: the resolved config differs across ranks (digests {digests}); "
               f"a rank-dependent interpolation or override is in use", 2, run_dir=run_dir)
-    module = importlib.import_module(f"{__name__}.{c.job.name}")
+    job_run = registry()[c.job.name]
 
     def body() -> Any:
         if c.job.fail_on_rank == ctx.info.rank:
             raise RuntimeError(f"injected failure on rank {ctx.info.rank} (job.fail_on_rank)")
-        return module.run(ctx)
+        return job_run(ctx)
 
     try:
         result = ctx.comm.agree(f"job {c.job.name}", body)[ctx.info.rank]
@@ -142,7 +150,7 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
            "model": None if source else ctx.cfg.model.name, "source": source, "run_dir": ctx.run_dir, "config": ctx.plain,
            "config_digest": digest, "ranks": records,
            "summary": summarize(records), "result": result,
-           "engine": ctx.engine_knobs()}
+           "engine": ctx.engine.knobs()}
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
     # a job that prints machine-readable output keeps stdout for it alone
     machine = ctx.cfg.job.name == "inspect" and ctx.cfg.job.format == "json"

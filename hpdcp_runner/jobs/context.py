@@ -13,7 +13,7 @@ import torch
 
 from .. import dcp
 from .. import runtime
-from ..config import Config, checkpoint_series, parse_size
+from ..config import Config, EngineOptions, checkpoint_series, engine_options
 from ..dcp.comm.collectives import Comm
 from ..dcp.storage.filesystem import FileSystemWriter
 from ..dcp.storage.foreign import open_reader
@@ -27,10 +27,13 @@ from ..runtime import RankInfo
 
 
 class JobContext:
-    def __init__(self, cfg: Config, plain: dict, info: RankInfo, run_dir: str) -> None:
+    def __init__(self, cfg: Config, plain: dict, info: RankInfo, run_dir: str,
+                 engine: EngineOptions | None = None) -> None:
         self.cfg, self.plain, self.info, self.run_dir = cfg, plain, info, run_dir
+        #: every engine knob, parsed once by the config validation; jobs read them from here
+        self.engine = engine or engine_options(cfg)
         self.metrics = Metrics()
-        self.comm = Comm.create(None, cfg.dcp.timeout_s)
+        self.comm = Comm.create(None, self.engine.timeout_s)
 
     # -- paths ------------------------------------------------------------------------------
     def abspath(self, p: str) -> str:
@@ -106,15 +109,15 @@ class JobContext:
              series: tuple[str, int | None] | None = None, key: str = "checkpoint.dir") -> dcp.Metadata:
         """``dcp.save`` with the configured knobs; ``series`` = (pattern, step) records the
         checkpoint as a member of that series (for retention and resume=latest)."""
-        d = self.cfg.dcp
-        writer = FileSystemWriter(path, fsync=d.storage.fsync)
+        e = self.engine
+        writer = FileSystemWriter(path, fsync=e.fsync)
         c = writer.counters
         with self.metrics.phase(phase), self.user_errors(key), \
                 self.byte_progress(phase, lambda: (c.bytes_written, c.files_written)):
             md = dcp.save(state, storage_writer=writer, checkpoint_id=path,
-                          planner=dcp.SAVE_PLANNERS[d.planner.name](),
+                          planner=dcp.SAVE_PLANNERS[e.planner](),
                           overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
-                          allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s,
+                          allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
                           extra=series_extra(*series) if series else None)
         self.metrics.add(writer.counters.as_dict(), f"{phase}.")
         return md
@@ -125,8 +128,8 @@ class JobContext:
                    key: str = "checkpoint.dir") -> dcp.AsyncSaveResponse:
         """``dcp.async_save`` with the configured knobs; ``phase`` times only the blocking part.
         ``callback(metadata)`` runs in the background after the commit (never after a failure)."""
-        d = self.cfg.dcp
-        writer = FileSystemWriter(path, fsync=d.storage.fsync)
+        e = self.engine
+        writer = FileSystemWriter(path, fsync=e.fsync)
 
         def done(md: dcp.Metadata) -> None:
             self.metrics.add(writer.counters.as_dict(), f"{phase}.")
@@ -135,23 +138,16 @@ class JobContext:
 
         with self.metrics.phase(phase), self.user_errors(key):
             return dcp.async_save(state, storage_writer=writer, checkpoint_id=path,
-                                  planner=dcp.SAVE_PLANNERS[d.planner.name](),
+                                  planner=dcp.SAVE_PLANNERS[e.planner](),
                                   overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
-                                  allow_pickle=d.allow_pickle, verify_replicas=d.verify_replicas, timeout=d.timeout_s,
+                                  allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
                                   callback=done, extra=series_extra(*series) if series else None)
 
     def reader(self, path: str, foreign: bool = False) -> dcp.StorageReader:
         """A reader of ``path`` with the storage knobs; ``foreign``: in ``job.source.format``
         (auto: ours, Hugging Face or torch DCP by the files present), else our format."""
-        d = self.cfg.dcp
-        cap = d.storage.max_read_bytes_per_s
         fmt = self.cfg.job.source.format if foreign and self.cfg.job is not None else "hpdcp"
-        return open_reader(path, fmt, allow_pickle=d.allow_pickle, files_kept=d.storage.files_kept,
-                           verify_checksums=d.storage.verify_checksums,
-                           max_metadata_bytes=parse_size(d.storage.max_metadata_bytes),
-                           shared_storage=d.storage.shared,
-                           segment_bytes=max(1, parse_size(d.storage.segment_bytes, "dcp.storage.segment_bytes")),
-                           max_read_bytes_per_s=parse_size(cap) if cap is not None else None)
+        return open_reader(path, fmt, allow_pickle=self.engine.allow_pickle, **self.engine.reader.kwargs())
 
     def source_renames(self) -> list:
         return [(r["pattern"], r["replace"]) for r in self.cfg.job.source.rename or []] if self.cfg.job is not None else []
@@ -174,30 +170,16 @@ class JobContext:
              key: str = "checkpoint.path", foreign: bool = False) -> dcp.LoadResult:
         """``dcp.load`` with the configured knobs; ``foreign``: ``path`` is a user's checkpoint read
         in ``job.source.format`` with ``job.source.rename``."""
-        d = self.cfg.dcp
+        e = self.engine
         reader = self.reader(path, foreign)
         c = reader.counters
         with self.metrics.phase(phase), self.user_errors(key), \
                 self.byte_progress(phase, lambda: (c.bytes_read, c.files_opened)):
-            res = dcp.load(state, storage_reader=reader, checkpoint_id=path, planner=dcp.LOAD_PLANNERS[d.planner.name](), strict=strict,
-                           allow_pickle=d.allow_pickle, allow_cast=d.allow_cast, timeout=d.timeout_s,
-                           broadcast=self.broadcast_options(), rename=self.source_renames() if foreign else ())
+            res = dcp.load(state, storage_reader=reader, checkpoint_id=path, planner=dcp.LOAD_PLANNERS[e.planner](),
+                           strict=strict, allow_pickle=e.allow_pickle, allow_cast=e.allow_cast, timeout=e.timeout_s,
+                           broadcast=e.broadcast, rename=self.source_renames() if foreign else ())
         self.metrics.add(dict(res.counters), f"{phase}.")
         return res
-
-    def broadcast_options(self) -> dcp.BroadcastOptions:
-        b = self.cfg.dcp.broadcast
-        return dcp.BroadcastOptions(b.mode, parse_size(b.batch_bytes, "dcp.broadcast.batch_bytes"), b.max_in_flight)
-
-    def engine_knobs(self) -> dict:
-        """The knob values as the engine received them (parsed), for metrics.json."""
-        o, s = self.broadcast_options(), self.cfg.dcp.storage
-        return {"dcp.planner.name": self.cfg.dcp.planner.name, "dcp.broadcast.mode": o.mode,
-                "dcp.broadcast.batch_bytes": o.batch_bytes, "dcp.broadcast.max_in_flight": o.max_in_flight,
-                "dcp.storage.files_kept": s.files_kept, "dcp.storage.shared": s.shared,
-                "dcp.storage.segment_bytes": parse_size(s.segment_bytes, "dcp.storage.segment_bytes"),
-                "dcp.storage.max_read_bytes_per_s": parse_size(s.max_read_bytes_per_s)
-                if s.max_read_bytes_per_s is not None else None}
 
     def apply_retention(self, directory: str, series: str, just_committed: str) -> list[str]:
         """Keep the newest ``checkpoint.keep_last`` checkpoints of ``series`` in ``directory``

@@ -69,14 +69,13 @@ def run(ctx: JobContext) -> dict:
 
 
 def _to_hf(ctx: JobContext, source: str, output: str, foreign: bool, out_key: str) -> dict:
-    d, job = ctx.cfg.dcp, ctx.cfg.job
+    e, job = ctx.engine, ctx.cfg.job
     with ctx.metrics.phase("reshard.export_hf"), ctx.user_errors(out_key):
         res = export_hf(source, output, rename=ctx.source_renames() if foreign else (),
-                        allow_pickle=d.allow_pickle, max_shard_size=parse_size(job.hf_max_shard_size),
+                        allow_pickle=e.allow_pickle, max_shard_size=parse_size(job.hf_max_shard_size),
                         files_from=ctx.abspath(job.hf_files_from) if job.hf_files_from else None,
-                        overwrite=ctx.cfg.checkpoint.overwrite, fsync=d.storage.fsync, timeout=d.timeout_s,
-                        reader_factory=lambda: ctx.reader(source, foreign),
-                        load_kwargs={"broadcast": ctx.broadcast_options()})
+                        overwrite=ctx.cfg.checkpoint.overwrite, fsync=e.fsync, timeout=e.timeout_s,
+                        reader_factory=lambda: ctx.reader(source, foreign), load_kwargs={"broadcast": e.broadcast})
     ctx.metrics.add(res.pop("counters"), "reshard.export_hf.")
     return {"source": source, "output": output, "output_format": "hf", **res}
 

@@ -29,14 +29,14 @@ def run(ctx: JobContext) -> dict:
         if t.kind == "merge_hf":
             res = ot.merge_to_hf(src, dst, max_shard_size=parse_size(t.max_shard_size, "transform.max_shard_size"),
                                  dtype=t.dtype, rename=rename, include=t.include, exclude=t.exclude,
-                                 single_file=t.single_file, overwrite=t.overwrite, fsync=ctx.cfg.dcp.storage.fsync,
+                                 single_file=t.single_file, overwrite=t.overwrite, fsync=ctx.engine.fsync,
                                  progress=progress)
         elif t.kind == "import":
             placer = Placer(load_preset(t.layout), 0, t.world_size)
             md = ot.import_checkpoint(src, dst, source_format=t.source_format, world_size=t.world_size,
                                       boxes=placer.boxes, allow_pickle=t.allow_pickle, rename=rename,
                                       include=t.include, exclude=t.exclude, overwrite=t.overwrite,
-                                      fsync=ctx.cfg.dcp.storage.fsync, progress=progress)
+                                      fsync=ctx.engine.fsync, progress=progress)
             res = {"dst": dst, "tensors": len(md.tensors), "objects": len(md.objects), "world_size": md.world_size,
                    "layout": t.layout, "total_size": md.total_tensor_bytes,
                    "files": sorted(md.files)}

@@ -16,6 +16,7 @@ the old one is then moved to a trash name and deleted.
 from __future__ import annotations
 
 import errno
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import stat
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -181,6 +183,32 @@ class _TokenBucket:
             time.sleep(-self.tokens / self.rate)
 
 
+@dataclass(frozen=True)
+class ReaderOptions:
+    """The filesystem reader's knobs, validated once (the runner builds one from its config);
+    ``open_reader(path, fmt, **options.kwargs())``."""
+
+    files_kept: int = DEFAULT_FILES_KEPT
+    max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES
+    verify_checksums: bool = True
+    shared_storage: bool = False
+    max_read_bytes_per_s: int | None = None
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+
+    def __post_init__(self) -> None:
+        if self.files_kept < 1:
+            raise ConfigError(f"files_kept must be >= 1, got {self.files_kept}")
+        if self.max_read_bytes_per_s is not None and self.max_read_bytes_per_s <= 0:
+            raise ConfigError(f"max_read_bytes_per_s must be positive, got {self.max_read_bytes_per_s}")
+        if self.segment_bytes < 1:
+            raise ConfigError(f"segment_bytes must be >= 1, got {self.segment_bytes}")
+        if self.max_metadata_bytes < 1:
+            raise ConfigError(f"max_metadata_bytes must be >= 1, got {self.max_metadata_bytes}")
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 class FileSystemReader(StorageReader):
     """Reads into preallocated destinations: one ``preadv`` per (chunk, destination) straight into
     the destination memory when the bytes are contiguous on both sides, else into a reused scratch
@@ -192,17 +220,13 @@ class FileSystemReader(StorageReader):
                  max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True,
                  shared_storage: bool = False, max_read_bytes_per_s: int | None = None,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
-        if files_kept < 1:
-            raise ConfigError(f"files_kept must be >= 1, got {files_kept}")
-        if max_read_bytes_per_s is not None and max_read_bytes_per_s <= 0:
-            raise ConfigError(f"max_read_bytes_per_s must be positive, got {max_read_bytes_per_s}")
+        ReaderOptions(files_kept, max_metadata_bytes, verify_checksums, shared_storage, max_read_bytes_per_s,
+                      segment_bytes)  # the checks, in one place
         # A per-process token bucket that models network storage on one machine.
         self.throttle = _TokenBucket(max_read_bytes_per_s) if max_read_bytes_per_s else None
         self.slow_storage = shared_storage or self.throttle is not None
         self.path = os.path.abspath(os.fspath(path))
         self.files_kept = files_kept
-        if segment_bytes < 1:
-            raise ConfigError(f"segment_bytes must be >= 1, got {segment_bytes}")
         self.segment_bytes = segment_bytes
         self.max_metadata_bytes = max_metadata_bytes
         self.verify_checksums = verify_checksums
