@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .dcp.core.errors import ConfigError
+from .dcp import ConfigError
 from .paths import find_conf_dir
 
 JOB_HELP = {
@@ -257,7 +257,7 @@ def to_plain(cfg: DictConfig) -> dict:
 
 
 def _transform_problems(c: Config, world_size: int) -> list[str]:
-    from .dcp.format.metadata import DTYPES
+    from .dcp.tools import DTYPES
     from . import layouts
 
     t, out = c.transform, []
@@ -306,7 +306,7 @@ def _transform_problems(c: Config, world_size: int) -> list[str]:
 
 def _source_problems(c: Config) -> list[str]:
     """job.source.format / rename and the reshard output options."""
-    from .dcp.storage.foreign import FORMATS
+    from .dcp.tools import FORMATS
 
     j, out = c.job, []
     if j.source.format not in FORMATS:
@@ -475,7 +475,7 @@ class EngineOptions:
 def engine_options(c: Config) -> EngineOptions:
     """The engine options of ``c``; one ConfigError naming every bad key."""
     from .dcp import SAVE_PLANNERS, BroadcastOptions
-    from .dcp.storage.filesystem import ReaderOptions
+    from .dcp.tools import ReaderOptions
 
     d, problems = c.dcp, []
 

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from .dcp import FlatShard
-from .dcp.core.geometry import Box, narrow, split_piece, whole
-from .dcp.core.ragged import decompose_flat_interval
+from .dcp.tools import Box, decompose_flat_interval, narrow, split_piece, whole
 from .paths import find_conf_dir
 
 PLACEMENT = re.compile(r"^(R|S-?\d+)$")
@@ -97,7 +96,7 @@ class Placer:
             return ["R"] * len(pl)
         bad = [p for p in pl if p != "R" and _dim(p, ndim) is None]
         if bad:
-            from .dcp.core.errors import ConfigError
+            from .dcp import ConfigError
 
             raise ConfigError(f"layout {self.layout.name!r} rules[{i}] (pattern {self.layout.rules[i].pattern!r}, "
                               f"placements {list(pl)}) cannot apply to {fqn!r}: it has {ndim} dimension(s), so "

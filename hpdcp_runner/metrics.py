@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from .dcp.core.utils import PhaseTimer
+from .dcp.tools import PhaseTimer
 from .runtime import detail_logger, peak_rss_mib
 
 

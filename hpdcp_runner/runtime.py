@@ -98,7 +98,7 @@ def init_distributed(backend: str, device: str, timeout_s: float) -> RankInfo:
     node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     if device == "cuda":
         if not torch.cuda.is_available():
-            from .dcp.core.errors import ConfigError
+            from .dcp import ConfigError
 
             raise ConfigError("runtime.device: cuda was asked for but torch.cuda.is_available() is False")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -142,7 +142,7 @@ def farewell_barrier(group: object, timeout_s: float = 10.0) -> None:
 def shutdown_distributed() -> None:
     """Tear the process group down before interpreter exit (gloo threads alive at exit can abort).
     An in-flight async save finishes first: it needs the group, and losing it silently is worse."""
-    from .dcp.async_persist import wait_for_async_saves
+    from .dcp import wait_for_async_saves
 
     wait_for_async_saves()
     if dist.is_available() and dist.is_initialized():

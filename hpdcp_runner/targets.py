@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dcp import Metadata
-from .dcp.core.errors import ConfigError
-from .dcp.format.metadata import dtype_from_name
-from .dcp.core.utils import set_element
+from .dcp import ConfigError, Metadata
+from .dcp.tools import dtype_from_name, set_element
 from .layouts import Placer
 
 

@@ -174,7 +174,7 @@ class Trainer:
     def _apply_grads(self, flat: torch.Tensor, names: list[str], P: dict[str, torch.Tensor]) -> None:
         from torch.distributed.tensor import DTensor
 
-        from .dcp.core.geometry import dtensor_local_box, narrow
+        from .dcp.tools import dtensor_local_box, narrow
 
         params = dict(self.model.named_parameters())
         pos = 0

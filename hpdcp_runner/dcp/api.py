@@ -46,7 +46,7 @@ def _checkpoint_path(checkpoint_id: str | os.PathLike | None, storage: Any) -> s
     if checkpoint_id is not None:
         return os.fspath(checkpoint_id)
     # a storage given alone: its own path names the checkpoint in logs and errors
-    path = getattr(storage, "path", None) or getattr(storage, "checkpoint_id", None)
+    path = getattr(storage, "checkpoint_id", None) or getattr(storage, "path", None)
     return os.fspath(path) if path is not None else None
 
 

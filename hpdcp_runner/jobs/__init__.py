@@ -14,8 +14,8 @@ from omegaconf import DictConfig
 
 from .. import runtime
 from ..config import JOBS, to_plain, validate_all
-from ..dcp.core.errors import CollectiveTimeoutError, ConfigError, DistributedError, HpdcpError
-from ..dcp.core.utils import get_logger
+from ..dcp import CollectiveTimeoutError, ConfigError, DistributedError, HpdcpError
+from ..dcp.tools import get_logger
 from ..metrics import config_digest, summarize, summary_table, write_metrics
 from .context import JobContext
 

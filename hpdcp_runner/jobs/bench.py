@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..dcp.core.errors import HpdcpError
+from ..dcp import HpdcpError
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state

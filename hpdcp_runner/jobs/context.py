@@ -14,13 +14,8 @@ import torch
 from .. import dcp
 from .. import runtime
 from ..config import Config, EngineOptions, checkpoint_series, engine_options
-from ..dcp.comm.collectives import Comm
-from ..dcp.storage.filesystem import FileSystemWriter
-from ..dcp.storage.foreign import open_reader
-from ..dcp.format.metadata import METADATA_FILE
-from ..dcp.format.renames import rename_keys
-from ..dcp.storage.retention import apply_retention, series_extra
-from ..dcp.planning.standard import local_pieces
+from ..dcp.tools import apply_retention, Comm, local_pieces, METADATA_FILE, series_extra
+from ..dcp import FileSystemWriter, open_reader, rename_keys
 from ..layouts import Placer
 from ..metrics import Metrics
 from ..runtime import RankInfo
@@ -212,7 +207,7 @@ def _first_line(e: BaseException) -> str:
 
 def compare_state(got: Any, expect: Any, prefix: str = "") -> list[str]:
     """Problems comparing a loaded state with its placed reference, shard by shard, bitwise."""
-    from ..dcp.core.utils import TENSOR_LEAVES
+    from ..dcp.tools import TENSOR_LEAVES
 
     if isinstance(expect, dict):
         if not isinstance(got, dict) or set(got) != set(expect):

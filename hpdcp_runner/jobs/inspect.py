@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 
-from ..dcp import Metadata
-from ..dcp.core.errors import ConfigError
-from ..dcp.offline.inspection import describe
-from ..dcp.format.renames import rename_keys
+from ..dcp import ConfigError, Metadata, rename_keys
+from ..dcp.tools import describe
 from ..layouts import Placer, mesh_shape, problems
 from .context import JobContext
 

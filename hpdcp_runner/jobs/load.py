@@ -10,9 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..dcp.core.errors import HpdcpError, KeyMismatchError
-from ..dcp.core.utils import flatten_state_dict
-from ..dcp.planning.standard import local_pieces
+from ..dcp import HpdcpError, KeyMismatchError
+from ..dcp.tools import flatten_state_dict, local_pieces
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state

@@ -12,10 +12,8 @@ writes a Hugging Face directory instead, its files split among the ranks. With n
 from __future__ import annotations
 
 from ..config import parse_size
-from ..dcp.core.errors import HpdcpError
-from ..dcp.offline.hf_export import export_hf
-from ..dcp.offline.inspection import full_tensor_digests
-from ..dcp.format.renames import compile_rules, rename_key
+from ..dcp import HpdcpError
+from ..dcp.tools import compile_rules, export_hf, full_tensor_digests, rename_key
 from ..config import load_preset
 from ..layouts import place_state
 from ..targets import state_from_metadata
@@ -86,7 +84,7 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool) -> int:
     rules = compile_rules(ctx.source_renames()) if foreign else []
     a = {rename_key(k, rules): v for k, v in full_tensor_digests(source, ctx.reader(source, foreign)).items()}
     out_format = "hf" if ctx.cfg.job.output_format == "hf" else "hpdcp"
-    from ..dcp.storage.foreign import open_reader
+    from ..dcp import open_reader
 
     b = full_tensor_digests(output, open_reader(output, out_format))
     bad = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))

@@ -25,10 +25,9 @@ from typing import Any
 import torch
 
 from .. import dcp
-from ..dcp.core.errors import ConfigError, HpdcpError, KeyMismatchError
-from ..dcp.storage.retention import latest_checkpoint, list_checkpoints, unrecorded_checkpoints
+from ..dcp import ConfigError, HpdcpError, KeyMismatchError
+from ..dcp.tools import get_logger, latest_checkpoint, list_checkpoints, unrecorded_checkpoints
 from ..config import checkpoint_series
-from ..dcp.core.utils import get_logger
 from ..training import Trainer, build_model
 from .context import JobContext
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import parse_size
-from ..dcp.offline import transforms as ot
+from ..dcp.tools import transforms as ot
 from ..config import load_preset
 from ..layouts import Placer
 from .context import JobContext

@@ -7,8 +7,8 @@ tensor byte is read once, which finds truncated and unreadable files but not fli
 
 from __future__ import annotations
 
-from ..dcp.core.errors import CorruptCheckpointError
-from ..dcp.offline.inspection import full_tensor_digests, verify
+from ..dcp import CorruptCheckpointError
+from ..dcp.tools import full_tensor_digests, verify
 from .context import JobContext
 
 

@@ -12,7 +12,7 @@ import hpdcp_runner.dcp as dcp
 ROOT = os.path.dirname(dcp.__file__)
 # lower number = lower layer; a module may import its own layer and those below
 LAYERS = {"core": 0, "format": 1, "planning": 2, "storage": 3, "comm": 4, "api": 5, "protocol": 5, "async_persist": 5,
-          "state_dict": 5, "offline": 6, "__init__": 7}
+          "state_dict": 5, "offline": 6, "__init__": 7, "tools": 7}
 FORBIDDEN = ("hydra", "omegaconf")
 
 
@@ -92,6 +92,27 @@ def test_the_engine_import_graph_has_no_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+def test_the_runner_uses_only_the_engines_public_surface():
+    """hpdcp_runner.dcp (the API) and hpdcp_runner.dcp.tools (helpers), never a layer module."""
+    runner = os.path.dirname(ROOT)
+    problems = []
+    for dirpath, _, files in os.walk(runner):
+        if dirpath.startswith(ROOT):
+            continue
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            pkg = os.path.relpath(dirpath, os.path.dirname(runner)).split(os.sep)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    base = pkg[:len(pkg) - node.level + 1] if node.level else []
+                    name = ".".join([*base, node.module]) if node.level else node.module
+                    if name.startswith("hpdcp_runner.dcp.") and name != "hpdcp_runner.dcp.tools":
+                        problems.append(f"{os.path.relpath(path, runner)}:{node.lineno} imports {name}")
+    assert not problems, "\n".join(problems)
 
 
 def test_public_surface_is_the_documented_one():

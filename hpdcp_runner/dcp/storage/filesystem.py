@@ -75,6 +75,13 @@ def open_regular(full: str, dir_fd: int | None = None) -> int:
 
 
 class FileSystemWriter(StorageWriter):
+    """Per-rank safetensors files in a staging directory beside the checkpoint, committed by one
+    rename (see ``storage/commit.py``)."""
+
+    @property
+    def checkpoint_id(self) -> str:  # type: ignore[override]
+        return self.path
+
     def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
         self.overwrite = False
         self.path = os.path.abspath(os.fspath(path))
@@ -215,6 +222,10 @@ class FileSystemReader(StorageReader):
     buffer and one strided copy. Reads are sorted by file and offset; open files live in an LRU."""
 
     format_name = "hpdcp"
+
+    @property
+    def checkpoint_id(self) -> str:  # type: ignore[override]
+        return self.path
 
     def __init__(self, path: str | os.PathLike, *, files_kept: int = DEFAULT_FILES_KEPT,
                  max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True,

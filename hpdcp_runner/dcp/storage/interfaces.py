@@ -52,6 +52,19 @@ class IOCounters:
 
 
 class StorageWriter(ABC):
+    """Where one save's bytes go. Call sequence (every rank runs the same protocol)::
+
+        rank 0:     token = begin(overwrite=...)          # check the target, create staging
+        every rank: attach(token, rank=r, world_size=n)   # learn the staging area
+        every rank: result = write(tensors, objects)      # this rank's share, durable in staging
+        rank 0:     commit(metadata)                      # metadata last, then visible atomically
+        rank 0, on any failure after begin: abort()       # staging removed, nothing committed
+
+    ``checkpoint_id`` names the checkpoint (logs, errors); ``counters`` are this rank's I/O.
+    """
+
+    #: what this writer saves to (a directory path for the filesystem), for logs and errors
+    checkpoint_id: str | None = None
     counters: IOCounters
 
     @abstractmethod
@@ -76,6 +89,21 @@ class StorageWriter(ABC):
 
 
 class StorageReader(ABC):
+    """Where one load's bytes come from. Call sequence::
+
+        rank 0:     text = read_metadata_text(); p = pin()  # the metadata and what was read
+        every rank: attach_metadata(parsed, pin=p)          # validated metadata; same checkpoint?
+        every rank: check_files(names)                      # before any byte moves
+        every rank: read_tensors(requests); read_objects(wanted, allow_pickle=...)
+        every rank: close()
+
+    ``checkpoint_id`` names the checkpoint (logs, errors); ``format_name`` says what the files
+    are (``hpdcp``, ``hf``, ``torch_dcp``); ``counters`` are this rank's I/O.
+    """
+
+    #: what this reader loads from (a directory path for the filesystem), for logs and errors
+    checkpoint_id: str | None = None
+    format_name: str = "hpdcp"
     counters: IOCounters
     #: True when reads are expensive (network/shared storage): replica broadcast pays off even on one node.
     slow_storage: bool = False

@@ -1,0 +1,25 @@
+"""Public helpers for programs built on the engine (the runner is one), beside the API in
+``hpdcp_runner.dcp``: box geometry, state-dict flattening, dtype names, the control-plane
+``Comm``, reader options and formats, retention, inspection, renames, Hugging Face export and
+the offline transforms. Programs import these from here, never from the layer modules, so the
+layers can change without breaking them (``tests/unit/test_layers.py`` checks the runner)."""
+
+from .comm.collectives import Comm
+from .core.geometry import Box, dtensor_local_box, narrow, split_piece, whole
+from .core.ragged import decompose_flat_interval
+from .core.utils import TENSOR_LEAVES, PhaseTimer, flatten_state_dict, get_logger, set_element
+from .format.metadata import DTYPES, METADATA_FILE, dtype_from_name
+from .format.renames import compile_rules, rename_key
+from .offline import transforms
+from .offline.hf_export import export_hf
+from .offline.inspection import describe, full_tensor_digests, verify
+from .planning.standard import local_pieces
+from .storage.filesystem import ReaderOptions
+from .storage.foreign import FORMATS
+from .storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra, unrecorded_checkpoints
+
+__all__ = ["Comm", "Box", "dtensor_local_box", "narrow", "split_piece", "whole", "decompose_flat_interval",
+           "TENSOR_LEAVES", "PhaseTimer", "flatten_state_dict", "get_logger", "set_element", "DTYPES",
+           "METADATA_FILE", "dtype_from_name", "compile_rules", "rename_key", "transforms", "export_hf", "describe",
+           "full_tensor_digests", "verify", "local_pieces", "ReaderOptions", "FORMATS", "apply_retention",
+           "latest_checkpoint", "list_checkpoints", "series_extra", "unrecorded_checkpoints"]
