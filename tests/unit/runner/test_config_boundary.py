@@ -9,7 +9,7 @@ from hpdcp_runner.config import JOB_HELP, validate_all
 from hpdcp_runner.dcp import BroadcastOptions, ConfigError
 from hpdcp_runner.dcp.storage.filesystem import ReaderOptions
 from hpdcp_runner.jobs import registry
-from tests.unit.test_config import _compose
+from tests.unit.runner.test_config import _compose
 
 
 def test_validation_returns_the_engine_options_parsed():

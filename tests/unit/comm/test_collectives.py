@@ -1,0 +1,48 @@
+"""Comm: JSON collectives over real gloo ranks, the coordinator pattern, and agreed errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpdcp_runner.dcp import CorruptCheckpointError, DistributedError
+from hpdcp_runner.dcp.comm.collectives import Comm
+from tests.multiproc.harness import run_ranks
+
+
+def _cases(rank: int, ws: int) -> dict:
+    comm = Comm.create(None, 30)
+    out = {"gathered": comm.all_gather_json({"r": rank, "x": [rank] * rank}),
+           "bcast": comm.broadcast_json({"from": rank}),
+           "gather": comm.gather_json(rank * 10),
+           "scatter": comm.scatter_json([f"for {r}" for r in range(ws)] if rank == 0 else None)}
+    # the coordinator pattern: every rank's value to rank 0, one reply per rank back
+    out["coord"] = comm.coordinate("c", lambda: rank + 1, lambda vals: [sum(vals) * 100 + r for r in range(ws)])
+    try:  # a failure of ours on one rank: the same type on every rank, naming that rank
+        comm.agree("a", lambda: (_ for _ in ()).throw(CorruptCheckpointError("bad bytes")) if rank == 2 else 1)
+    except CorruptCheckpointError as e:
+        out["agreed"] = (type(e).__name__, str(e))
+    try:  # anything else becomes a DistributedError
+        comm.agree_root("b", lambda: 1 / 0)
+    except DistributedError as e:
+        out["root"] = str(e)
+    return out
+
+
+def test_collectives_on_three_ranks():
+    res = run_ranks(3, _cases)
+    for rank, r in enumerate(res):
+        assert r["gathered"] == [{"r": 0, "x": []}, {"r": 1, "x": [1]}, {"r": 2, "x": [2, 2]}]
+        assert r["bcast"] == {"from": 0}
+        assert r["gather"] == ([0, 10, 20] if rank == 0 else None)
+        assert r["scatter"] == f"for {rank}"
+        assert r["coord"] == 600 + rank  # (1 + 2 + 3) * 100 + rank
+        assert r["agreed"] == ("CorruptCheckpointError", "a failed on 1 rank(s): rank 2: bad bytes")
+        assert "rank 0: ZeroDivisionError: division by zero" in r["root"]
+
+
+def test_one_process_needs_no_process_group():
+    comm = Comm.create(None, 5)
+    assert (comm.rank, comm.world_size) == (0, 1)
+    assert comm.coordinate("c", lambda: 2, lambda vals: [vals[0] * 3]) == 6
+    with pytest.raises(DistributedError, match="rank 0: KeyError"):
+        comm.agree("k", lambda: {}["missing"])

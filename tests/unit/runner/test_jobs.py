@@ -1,0 +1,40 @@
+"""Job helpers that run without a process group: key selection, the inspect table and layout
+report, and the registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpdcp_runner.config import load_preset
+from hpdcp_runner.dcp import HpdcpError, Metadata, save, read_metadata
+from hpdcp_runner.jobs.inspect import format_table, layout_report
+from hpdcp_runner.jobs.load import select
+
+
+def test_include_keeps_the_matching_leaves_of_a_nested_state():
+    state = {"model": {"a": 1, "b": {"c": 2}}, "optim": {"a": 3}}
+    assert select(state, r"^model\.") == {"model": {"a": 1, "b": {"c": 2}}}
+    assert select(state, None) is state
+    with pytest.raises(HpdcpError, match="matches none"):
+        select(state, "^nothing")
+
+
+class _Ctx:
+    class cfg:
+        layout = load_preset("titan_tp")
+
+
+def test_inspect_layout_report_shows_rule_and_shard_per_rank(tmp_path):
+    save({"layers.0.attention.wq.weight": torch.zeros(6, 2), "norm.weight": torch.zeros(2),
+          "mystery": torch.zeros(3)}, checkpoint_id=tmp_path / "c")
+    md: Metadata = read_metadata(tmp_path / "c")
+    rep = layout_report(_Ctx(), md, 2)
+    wq = rep["tensors"]["layers.0.attention.wq.weight"]
+    assert wq["rule"] == 0 and wq["placements"] == ["S0"] and wq["shards"] == [[[0, 0], [3, 2]], [[3, 0], [3, 2]]]
+    assert rep["unmatched"] == ["mystery"] and rep["tensors"]["mystery"]["rule"] is None
+    d = {"path": str(tmp_path / "c"), "state": "committed", "format": "hpdcp", "format_version": 1, "world_size": 1,
+         "tensor_bytes": 0, "files": {}, "tensors": {}, "objects": [], "layout": rep}
+    text = format_table(d)
+    assert "layers.0.attention.wq.weight" in text and "0:[0+3,0+2] 1:[3+3,0+2]" in text
+    assert "1 tensor(s) match no rule" in text
