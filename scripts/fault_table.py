@@ -52,7 +52,7 @@ def main() -> int:
     fd, path = tempfile.mkstemp(suffix=".jsonl")
     os.close(fd)
     env = dict(os.environ, HPDCP_FAULT_TABLE=path, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/faults"], cwd=ROOT, env=env)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow", "tests/faults"], cwd=ROOT, env=env)
     if r.returncode != 0:
         print("the fault suite failed; table not written", file=sys.stderr)
         return r.returncode

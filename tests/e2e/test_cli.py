@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.e2e.conftest import _env, metrics
 
 
@@ -110,6 +112,7 @@ def test_two_launches_in_the_same_second_get_distinct_run_dirs(tmp_path):
         assert (run / ".hydra").is_dir() and (run / "metrics.json").is_file()
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_save_retention_keeps_the_newest_of_its_series_only(cli, tmp_path):
     ck = tmp_path / "ck_ret"
     for i, name in enumerate(("step_100", "init", "x")):  # committed checkpoints, two of other names

@@ -18,6 +18,7 @@ from tests.e2e.conftest import ROOT, _env, metrics
 from tests.e2e.test_cli import _tail
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_relative_paths_resolve_against_the_launch_directory(cli, tmp_path):
     work = tmp_path / "work"
     work.mkdir()

@@ -77,6 +77,7 @@ def test_multirun_inside_torchrun(cli, tmp_path):
         assert (sweep / p / ".hydra").is_dir() and (sweep / p / "hpdcp_rank1.log").is_file()
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_point_failing_on_one_rank_fails_on_both_within_the_timeout(cli, tmp_path):
     # a hang would outlive the collective timeouts (15 s) plus start-up: cli() raises TimeoutExpired
     r = cli(["-m", *BENCH, "job.fail_on_rank=1", "dcp.timeout_s=15", "runtime.timeout_s=15",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from hpdcp_runner.dcp import load, save
@@ -38,6 +39,7 @@ def _chunks(path, key):
     return [(c[0], c[1]) for c in doc["tensors"][key]["chunks"]]
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_reshard_a_llama_checkpoint_under_family_layouts(cli, tmp_path):
     src = tmp_path / "hf_like"
     state = _llama_state()

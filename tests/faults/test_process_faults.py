@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 from hpdcp_runner.dcp import ShapeMismatchError, save
@@ -47,6 +48,7 @@ def _staging(root):
     return [n for n in os.listdir(root) if ".tmp-" in n]
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_rank_killed_mid_save_and_mid_load(tmp_path, fault_row):
     ck = tmp_path / "ck"
     base = ["layout=tp", f"checkpoint.dir={ck}", "checkpoint.name=step_1"]
@@ -78,6 +80,7 @@ def test_rank_killed_mid_save_and_mid_load(tmp_path, fault_row):
               "CollectiveTimeoutError on rank 0", "rank", full_tensor_digests(ck / "step_1") == before, None, None)
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_hung_rank_times_out(tmp_path, fault_row):
     ck = tmp_path / "ck"
     r, _ = _torchrun(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=step_1", f"hydra.run.dir={tmp_path}/r0"],

@@ -15,7 +15,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from hpdcp_runner.dcp import (CommitDurabilityError, MetadataError, StateDictError, faults, load, save)
+from hpdcp_runner.dcp import (CommitDurabilityError, FileSystemReader, MetadataError, StateDictError, faults, load,
+                              save)
 from hpdcp_runner.dcp.storage import commit as fs
 from hpdcp_runner.dcp.format.metadata import check_file_name
 from hpdcp_runner.dcp.storage.retention import apply_retention, list_checkpoints, series_extra
@@ -178,7 +179,7 @@ def test_a_load_racing_an_overwrite_never_mixes_two_checkpoints(tmp_path, fault_
 
     target = {"w": torch.zeros(8, 4)}
     with faults.armed("load.read", swap_keep):
-        load(target, storage_reader=fs.FileSystemReader(ck, files_kept=1), checkpoint_id=ck)
+        load(target, storage_reader=FileSystemReader(ck, files_kept=1), checkpoint_id=ck)
     assert torch.equal(target["w"], torch.full((8, 4), 2.0))  # all of the checkpoint it started with
 
 
