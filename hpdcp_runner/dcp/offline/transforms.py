@@ -31,14 +31,13 @@ from ..format import objects as objcodec
 from ..format.safetensors_io import SafetensorsStreamWriter
 from ..core.errors import ConfigError, CorruptCheckpointError
 from ..storage.commit import StagedDir
-from ..storage.filesystem import FileSystemReader, FileSystemWriter, rank_file
+from ..storage.filesystem import FileSystemReader, FileSystemWriter
 from ..core.geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
-from ..format.metadata import METADATA_FILE, FileMeta, Metadata, dtype_from_name, element_size
+from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from .sources import HF_INDEX, HF_SINGLE, TensorSource, open_source
 from ..planning.interfaces import OBJECT, TENSOR, SavePlan, WriteItem
 from ..planning.standard import assign_owners, build_metadata, chunk_key
-from ..storage.interfaces import WriteResult
 from ..core.utils import get_logger
 
 log = get_logger(__name__)
@@ -236,8 +235,8 @@ def _import(source: TensorSource, dst: Any, world_size: int, boxes: BoxRule, all
     gplan = assign_owners(plans, "minimum_rank")
     back = {v: k for k, v in names.items()}
     writer = FileSystemWriter(dst, fsync=fsync)
-    token = writer.begin(overwrite=overwrite)
-    streams: dict[int, SafetensorsStreamWriter] = {}
+    writer.attach(writer.begin(overwrite=overwrite), rank=0, world_size=world_size)
+    streams: dict = {}  # rank -> the writer's RankFile: the same file writing as a save
     try:
         jobs: dict[str, list[tuple[int, WriteItem]]] = {}
         rank_of_key = {k: i for i, k in enumerate(names.values())}
@@ -247,28 +246,12 @@ def _import(source: TensorSource, dst: Any, world_size: int, boxes: BoxRule, all
             for it in mine:
                 jobs.setdefault(it.fqn, []).append((r, it))
             if mine:
-                streams[r] = SafetensorsStreamWriter(
-                    os.path.join(writer.staging, rank_file(r, "safetensors")),
-                    [(chunk_key(it.fqn, it.box.offsets), it.dtype, it.box.sizes) for it in mine],
-                    meta={"format": "pt"}, fsync=fsync)
+                streams[r] = writer.open_rank_file(r, [(chunk_key(it.fqn, it.box.offsets), it.dtype, it.box.sizes)
+                                                       for it in mine])
         for out_key in progress(list(names.values()), len(names), "import"):
-            for r, it in jobs.get(out_key, []):
+            for r, it in jobs.get(out_key, []):  # each source tensor read once, its pieces to every rank file
                 streams[r].append(chunk_key(out_key, it.box.offsets), source.read(back[out_key], it.box))
-        results = []
-        for r in range(world_size):
-            files, chunks = [], {}
-            if r in streams:
-                wf = streams.pop(r).close()
-                name = rank_file(r, "safetensors")
-                files.append(FileMeta(name, wf.size, wf.checksum, r))
-                chunks = {e.key: (name, e.byte_offset, e.checksum) for e in wf.entries}
-            objs = {}
-            if r == 0 and encoded:
-                writer.attach(token, rank=0, world_size=world_size)
-                res = writer.write([], encoded)
-                files += list(res.files)
-                objs = dict(res.objects)
-            results.append(WriteResult(r, tuple(files), chunks, objs))
+        results = [writer.finish_rank(r, streams.pop(r, None), encoded if r == 0 else {}) for r in range(world_size)]
         md = build_metadata(gplan, results, world_size, {"imported_from": source.path,
                                                          "source_format": type(source).__name__})
         writer.commit(md)

@@ -32,12 +32,12 @@ import torch
 from ..core import faults
 from ..format import objects as objcodec
 from ..core.utils import byte_view
-from ..format.safetensors_io import digest, naming, pread_into, write_file
+from ..format.safetensors_io import SafetensorsStreamWriter, digest, naming, pread_into
 from ..core.errors import (CheckpointChangedError, ConfigError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      MetadataError)
 from ..core.geometry import contiguous_runs, flat_span, row_major_strides
 from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
-                       dtype_from_name, element_size)
+                       dtype_from_name, dtype_name, element_size)
 from .commit import (STAGING_LOCK, STAGING_MARK, fsync_dir, hold_staging_lock, publish_dir, recover_displaced,
                      storage_access_error)
 from .interfaces import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
@@ -72,6 +72,31 @@ def open_regular(full: str, dir_fd: int | None = None) -> int:
         os.close(fd)
         raise CorruptCheckpointError(f"{full} is not a regular file")
     return fd
+
+
+class RankFile:
+    """One rank's safetensors file being written into staging (see ``open_rank_file``)."""
+
+    def __init__(self, writer: "FileSystemWriter", rank: int, specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> None:
+        self.writer, self.name = writer, rank_file(rank, "safetensors")
+        self._w = SafetensorsStreamWriter(os.path.join(writer.staging, self.name), specs, meta={"format": "pt"},
+                                          fsync=writer.fsync)
+        self._counted = 0
+
+    def append(self, key: str, t: torch.Tensor) -> None:
+        self._w.append(key, t)
+        n = t.numel() * t.element_size()
+        self._counted += n
+        self.writer.counters.bytes_written += n  # grows tensor by tensor (progress)
+
+    def close(self) -> tuple[str, Any]:
+        wf = self._w.close()
+        # the file's real size (header included) replaces the running tensor count
+        self.writer.counters.bytes_written += wf.size - self._counted
+        return self.name, wf
+
+    def abort(self) -> None:
+        self._w.abort()
 
 
 class FileSystemWriter(StorageWriter):
@@ -112,19 +137,33 @@ class FileSystemWriter(StorageWriter):
         self.rank = rank
 
     def write(self, tensors: Sequence[tuple[str, torch.Tensor]], objects: Mapping[str, Any]) -> WriteResult:
+        stream = self.open_rank_file(self.rank, [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors]) \
+            if tensors else None
+        try:
+            for key, t in tensors:
+                stream.append(key, t)
+        except BaseException:
+            stream.abort()
+            raise
+        return self.finish_rank(self.rank, stream, objects)
+
+    def open_rank_file(self, rank: int, specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> "RankFile":
+        """The tensor file of ``rank`` in staging, declared up front (``specs``: key, dtype name,
+        shape, in write order) and filled one tensor at a time: how ``write`` writes, and how
+        the offline import writes several ranks' files while reading each source tensor once."""
+        return RankFile(self, rank, specs)
+
+    def finish_rank(self, rank: int, stream: "RankFile | None", objects: Mapping[str, Any]) -> WriteResult:
+        """Close ``rank``'s tensor file (if any), write its objects, and describe what was
+        written (files, chunk locations with checksums and block digests)."""
         files, chunks, objs = [], {}, {}
-        if tensors:
-            name = rank_file(self.rank, "safetensors")
-            counted = self.counters.bytes_written
-            # bytes_written grows tensor by tensor (progress); the file's total is settled below
-            wf = write_file(os.path.join(self.staging, name), tensors, meta={"format": "pt"}, fsync=self.fsync,
-                            on_tensor=self._count_tensor)
-            self.counters.bytes_written = counted
-            files.append(FileMeta(name, wf.size, wf.checksum, self.rank))
+        if stream is not None:
+            name, wf = stream.close()
+            files.append(FileMeta(name, wf.size, wf.checksum, rank))
             for e in wf.entries:
                 chunks[e.key] = (name, e.byte_offset, e.checksum, e.blocks)
         if objects:
-            name = rank_file(self.rank, "objects.json")
+            name = rank_file(rank, "objects.json")
             texts = {k: json.dumps(v, separators=(",", ":")) for k, v in objects.items()}
             body = ("{" + ",".join(f"{json.dumps(k)}:{t}" for k, t in texts.items()) + "}").encode()
             with open(os.path.join(self.staging, name), "xb") as f, naming(f.name):
@@ -133,15 +172,12 @@ class FileSystemWriter(StorageWriter):
                 if self.fsync:
                     faults.point("file.fsync", path=f.name)
                     os.fsync(f.fileno())
-            files.append(FileMeta(name, len(body), digest(body), self.rank))
+            files.append(FileMeta(name, len(body), digest(body), rank))
             for k, t in texts.items():
                 objs[k] = (name, digest(t.encode()))
-        self.counters.bytes_written += sum(f.size for f in files)
+            self.counters.bytes_written += len(body)
         self.counters.files_written += len(files)
-        return WriteResult(self.rank, tuple(files), chunks, objs)
-
-    def _count_tensor(self, nbytes: int) -> None:
-        self.counters.bytes_written += nbytes
+        return WriteResult(rank, tuple(files), chunks, objs)
 
     def commit(self, metadata: Metadata) -> None:
         body = metadata.to_json().encode()

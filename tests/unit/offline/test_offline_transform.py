@@ -220,3 +220,21 @@ def test_merge_memory_stays_near_the_largest_tensor(tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert torch.equal(load_file(tmp_path / "hf" / index["weight_map"]["t11"])["t11"], got["t11"])
     assert index["metadata"]["total_size"] == 12 * (16 << 20)
+
+
+def test_an_import_writes_through_the_save_writer_with_block_digests(tmp_path):
+    """The import is not a second save path: its rank files carry what a save's carry,
+    including the per-block digests that let a partial read verify what it copies."""
+    from safetensors.torch import save_file
+
+    from hpdcp_runner.dcp import load, read_metadata
+    from hpdcp_runner.dcp.offline.transforms import import_checkpoint
+
+    big = torch.randn(700, 1024)  # 2.7 MiB: over the 1 MiB block size
+    save_file({"big": big, "small": torch.ones(3)}, str(tmp_path / "w.safetensors"))
+    import_checkpoint(tmp_path / "w.safetensors", tmp_path / "ours", world_size=2)
+    md = read_metadata(tmp_path / "ours")
+    assert all(("rank0000%d.safetensors" % r, f"big@{350 * r},0") in md.blocks for r in range(2))
+    tgt = {"big": torch.zeros(700, 1024), "small": torch.zeros(3)}
+    load(tgt, checkpoint_id=tmp_path / "ours")
+    assert torch.equal(tgt["big"], big)
