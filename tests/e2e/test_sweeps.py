@@ -19,6 +19,7 @@ def _tail(r):
 BENCH = ["+job=bench", "job.repeats=1", "job.warmup=0"]
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_launcher_sweep_2x2_with_two_workers_per_point_and_report(cli, tmp_path):
     sweep = tmp_path / "sweep"
     r = cli(["-m", "hydra/launcher=hpdcp_torchrun", "hydra.launcher.nproc_per_node=2", *BENCH,

@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.e2e.conftest import _env, metrics
 from tests.multiproc.harness import free_port
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_auto_mode_broadcasts_across_two_nodes(cli, tmp_path):
     ck = tmp_path / "ck"
     r = cli(["+job=save", "layout=dp", f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path}/save"], nproc=2)

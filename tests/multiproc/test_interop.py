@@ -126,20 +126,29 @@ def _export_hf(rank, ws, src, dst):
     return export_hf(src, dst, allow_pickle=True, max_shard_size=300, timeout=60)["files_written_here"]
 
 
+def _in_place_cases(rank, ws, src, hf):
+    """One spawn for all of it: torch DCP written by torch, read in place; exported to Hugging
+    Face by both ranks; that read in place."""
+    import torch.distributed as dist
+
+    _save_torch_dcp(rank, ws, src)
+    out = {"tdcp": _load_in_place(rank, ws, src, 1, "torch_dcp")}
+    dist.barrier()
+    out["written"] = _export_hf(rank, ws, src, hf)
+    out["hf"] = _load_in_place(rank, ws, hf, 0, "hf")
+    return out
+
+
 def test_foreign_checkpoints_load_in_place_reading_only_each_ranks_slices(tmp_path):
     """torch DCP written by torch (Shard(0) on 2 ranks) read in place under Shard(1), and a
     Hugging Face export written by both ranks, read in place under Shard(0): each rank reads
     its own columns/rows only (the replicated 0-d count is read by both)."""
-    src, hf = str(tmp_path / "tdcp"), str(tmp_path / "hf")
-    run_ranks(2, _save_torch_dcp, src)
+    res = run_ranks(2, _in_place_cases, str(tmp_path / "tdcp"), str(tmp_path / "hf"))
+    assert res[0]["written"] and res[1]["written"] and not set(res[0]["written"]) & set(res[1]["written"])
     full = _full()
-    for path, fmt, dim in ((src, "torch_dcp", 1), (hf, "hf", 0)):
-        if fmt == "hf":
-            written = run_ranks(2, _export_hf, src, hf)
-            assert written[0] and written[1] and not set(written[0]) & set(written[1])  # files split
-        got = run_ranks(2, _load_in_place, path, dim, fmt)
-        assert all(ok for ok, _ in got)
-        for rank, (_, nbytes) in enumerate(got):
+    for fmt, dim in (("tdcp", 1), ("hf", 0)):
+        for rank, r in enumerate(res):
+            ok, nbytes = r[fmt]
             kept = sum(split_piece(v.shape[dim], 2, rank)[1] * v.numel() // v.shape[dim] * v.element_size()
                        if v.dim() > dim else v.numel() * v.element_size() for v in full.values())
-            assert nbytes == kept, (fmt, rank, nbytes, kept)
+            assert ok and nbytes == kept, (fmt, rank, nbytes, kept)
