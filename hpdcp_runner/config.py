@@ -177,25 +177,65 @@ class SourceConf:
 
 @dataclass
 class JobConf:
+    """What every job has. Each job has its own schema below (``conf/job/<name>.yaml`` names it),
+    so a key of another job (``job.steps`` on a reshard) is an error naming it, not ignored."""
+
     name: str = MISSING
-    format: str = "table"  # inspect: table | json
+    fail_on_rank: Optional[int] = None  # fault injection for tests and drills: this rank raises
+
+
+@dataclass
+class SaveJob(JobConf):
+    pass
+
+
+@dataclass
+class ReadingJob(JobConf):
+    """A job that reads an existing checkpoint (``job.source``: a user's, any format)."""
+
     source: SourceConf = field(default_factory=SourceConf)
-    output: Optional[str] = None  # reshard: where the resharded checkpoint goes
-    output_format: str = "hpdcp"  # reshard: hpdcp | hf (Hugging Face shards + index, from_pretrained-ready)
-    hf_max_shard_size: str = "5GB"  # a size (bytes or 64MiB-style; a Union type here breaks OmegaConf merges); output_format=hf: cap per model-*.safetensors file
+
+
+@dataclass
+class LoadJob(ReadingJob):
+    verify: bool = True
+    strict: bool = True  # false loads the keys the state and the checkpoint share and reports the rest
+    include: Optional[str] = None  # only state keys matching this regex (re.search), e.g. '^model\.'
+
+
+@dataclass
+class ReshardJob(ReadingJob):
+    verify: bool = True
+    output: Optional[str] = None  # where the resharded checkpoint goes
+    output_format: str = "hpdcp"  # hpdcp | hf (Hugging Face shards + index, from_pretrained-ready)
+    # output_format=hf: cap per model-*.safetensors file (a size: bytes or 64MiB-style)
+    hf_max_shard_size: str = "5GB"
     # output_format=hf: directory whose config.json / tokenizer files travel with the output
     # (default: the source, when it is a Hugging Face directory)
     hf_files_from: Optional[str] = None
-    ranks: Optional[int] = None  # inspect: show the layout= shards for this many ranks
+
+
+@dataclass
+class InspectJob(ReadingJob):
+    format: str = "table"  # table | json
+    ranks: Optional[int] = None  # show the layout= shards for this many ranks
+
+
+@dataclass
+class VerifyJob(ReadingJob):
+    pass
+
+
+@dataclass
+class BenchJob(ReadingJob):
     warmup: int = 1
     repeats: int = 3
-    peer: bool = False  # bench: run torch.distributed.checkpoint side by side
+    peer: bool = False  # run torch.distributed.checkpoint side by side
     verify: bool = True
-    # load/reshard: false loads the keys the state and the checkpoint share and reports the rest
-    strict: bool = True
-    include: Optional[str] = None  # load: only state keys matching this regex (re.search), e.g. '^model\.'
-    fail_on_rank: Optional[int] = None  # fault injection for tests and drills: this rank raises
-    # train
+
+
+@dataclass
+class TrainJob(JobConf):
     steps: int = 20  # train up to this global step
     save_every: int = 5  # checkpoint every K steps (0: never)
     async_save: bool = True  # async_save (stage, persist in the background) or a blocking save
@@ -206,6 +246,15 @@ class JobConf:
     loss_rtol: float = 0.0  # tolerance of that match, relative per step; 0 = bitwise
     kill_after_step: Optional[int] = None  # drill: SIGKILL one rank after this step
     kill_rank: Optional[int] = None  # the rank killed (default: the last)
+
+
+@dataclass
+class TransformJob(JobConf):
+    pass  # its options are the transform= group
+
+
+JOB_SCHEMAS: dict[str, type] = {"save": SaveJob, "load": LoadJob, "reshard": ReshardJob, "inspect": InspectJob,
+                                "verify": VerifyJob, "bench": BenchJob, "train": TrainJob, "transform": TransformJob}
 
 
 @dataclass
@@ -234,14 +283,15 @@ class Config:
     model: ModelConf = field(default_factory=ModelConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     runtime: RuntimeConf = field(default_factory=RuntimeConf)
-    job: Optional[JobConf] = None
+    job: Any = None  # one of JOB_SCHEMAS, checked against it in validate_all
     transform: TransformConf = field(default_factory=TransformConf)
 
 
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="hpdcp_schema", node=Config)
-    cs.store(group="job", name="job_schema", node=JobConf)
+    for name, schema in JOB_SCHEMAS.items():
+        cs.store(group="job", name=f"{name}_schema", node=schema)
     cs.store(group="layout", name="layout_schema", node=LayoutConf)
     cs.store(group="model", name="model_schema", node=ModelConf)
     cs.store(group="transform", name="transform_schema", node=TransformConf)
@@ -309,25 +359,47 @@ def _source_problems(c: Config) -> list[str]:
     from .dcp.tools import FORMATS
 
     j, out = c.job, []
-    if j.source.format not in FORMATS:
-        out.append(f"job.source.format: {j.source.format!r} is not one of {', '.join(FORMATS)}")
-    for i, r in enumerate(j.source.rename or []):
-        if not isinstance(r, dict) or set(r) != {"pattern", "replace"} or not all(isinstance(v, str) for v in r.values()):
-            out.append(f"job.source.rename[{i}]: must be {{pattern: <regex>, replace: <text>}}, got {r!r}")
-            continue
+    source = getattr(j, "source", None)
+    if source is not None:
+        if source.format not in FORMATS:
+            out.append(f"job.source.format: {source.format!r} is not one of {', '.join(FORMATS)}")
+        for i, r in enumerate(source.rename or []):
+            if not isinstance(r, dict) or set(r) != {"pattern", "replace"} or not all(isinstance(v, str)
+                                                                                    for v in r.values()):
+                out.append(f"job.source.rename[{i}]: must be {{pattern: <regex>, replace: <text>}}, got {r!r}")
+                continue
+            try:
+                re.compile(r["pattern"]).sub(r["replace"], "")
+            except re.error as e:
+                out.append(f"job.source.rename[{i}]: bad rule {r['pattern']!r} -> {r['replace']!r} ({e})")
+    if isinstance(j, ReshardJob):
+        if j.output_format not in ("hpdcp", "hf"):
+            out.append(f"job.output_format: {j.output_format!r} is not hpdcp or hf")
         try:
-            re.compile(r["pattern"]).sub(r["replace"], "")
+            if parse_size(j.hf_max_shard_size, "job.hf_max_shard_size") == 0:
+                out.append("job.hf_max_shard_size: must be positive")
+        except ConfigError as e:
+            out.append(str(e))
+        from . import layouts
+
+        if not j.source.path and j.source.layout not in layouts.preset_names():
+            out.append(f"job.source.layout: unknown layout {j.source.layout!r} "
+                       f"(choose {', '.join(layouts.preset_names())})")
+    if isinstance(j, InspectJob):
+        if j.ranks is not None and j.ranks < 1:
+            out.append(f"job.ranks: must be >= 1, got {j.ranks}")
+        if j.format not in ("table", "json"):
+            out.append(f"job.format: {j.format!r} is not table or json")
+    if isinstance(j, LoadJob) and j.include is not None:
+        try:
+            re.compile(j.include)
         except re.error as e:
-            out.append(f"job.source.rename[{i}]: bad rule {r['pattern']!r} -> {r['replace']!r} ({e})")
-    if j.output_format not in ("hpdcp", "hf"):
-        out.append(f"job.output_format: {j.output_format!r} is not hpdcp or hf")
-    try:
-        if parse_size(j.hf_max_shard_size, "job.hf_max_shard_size") == 0:
-            out.append("job.hf_max_shard_size: must be positive")
-    except ConfigError as e:
-        out.append(str(e))
-    if j.ranks is not None and j.ranks < 1:
-        out.append(f"job.ranks: must be >= 1, got {j.ranks}")
+            out.append(f"job.include: bad regex {j.include!r} ({e})")
+    if isinstance(j, BenchJob):
+        if j.peer and importlib.util.find_spec("numpy") is None:
+            out.append("job.peer: the torch.distributed.checkpoint side needs numpy: pip install numpy")
+        if j.repeats < 1 or j.warmup < 0:
+            out.append("job.repeats/job.warmup: repeats must be >= 1 and warmup >= 0")
     return out
 
 
@@ -387,8 +459,16 @@ def validate_all(cfg: DictConfig, world_size: int) -> tuple[Config, "EngineOptio
 
     if c.job is None:
         problems.append(f"job: no job given; pick one with +job=<name>: {', '.join(JOBS)}")
-    elif c.job.name not in JOBS:
-        problems.append(f"job.name: unknown job {c.job.name!r} (jobs: {', '.join(JOBS)})")
+    elif not isinstance(c.job, dict) or c.job.get("name") not in JOB_SCHEMAS:
+        name = c.job.get("name") if isinstance(c.job, dict) else c.job
+        problems.append(f"job.name: unknown job {name!r} (jobs: {', '.join(JOBS)})")
+    else:  # the job's own schema: another job's key is an error naming it
+        try:
+            c.job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JOB_SCHEMAS[c.job["name"]]), c.job))
+        except OmegaConfBaseException as e:
+            key = getattr(e, "key", None) or getattr(e, "full_key", None) or "?"
+            raise ConfigError(f"invalid config: job.{key}: {str(e).splitlines()[0]} (the {c.job['name']} job "
+                              f"has no such key; its keys: {', '.join(_job_keys(c.job['name']))})") from None
     try:  # every engine knob: parsed and checked here, once
         options = engine_options(c)
     except ConfigError as e:
@@ -407,7 +487,7 @@ def validate_all(cfg: DictConfig, world_size: int) -> tuple[Config, "EngineOptio
     if c.runtime.backend == "nccl" and c.runtime.device == "cpu":
         problems.append("runtime.backend: nccl cannot carry CPU tensors; use runtime.device=cuda or backend gloo")
     # inspect only describes a layout, at job.ranks ranks when given
-    inspect = c.job is not None and c.job.name == "inspect"
+    inspect = isinstance(c.job, InspectJob)
     layout_ws = c.job.ranks if inspect and c.job.ranks else world_size
     hint = " (inspect: add job.ranks=<N> to show the layout at N ranks)" if inspect and not c.job.ranks else ""
     problems += [f"layout.{p}{hint if 'world size' in p else ''}" for p in layouts.problems(c.layout, layout_ws)]
@@ -416,31 +496,23 @@ def validate_all(cfg: DictConfig, world_size: int) -> tuple[Config, "EngineOptio
     if c.model.kind not in ("transformer", "peer", "mlp_adamw"):
         problems.append(f"model.kind: {c.model.kind!r} is not transformer, peer or mlp_adamw")
     if c.job is not None:
-        if c.job.name in ("inspect", "verify") and not (c.checkpoint.path or c.job.source.path):
+        if c.job.name in ("inspect", "verify") and not (c.checkpoint.path or c.job.source.path):  # ReadingJobs
             problems.append(f"checkpoint.path: the {c.job.name} job needs checkpoint.path=<checkpoint dir> "
                             f"(or job.source.path=)")
         problems += _source_problems(c)
-        if c.job.include is not None:
-            try:
-                re.compile(c.job.include)
-            except re.error as e:
-                problems.append(f"job.include: bad regex {c.job.include!r} ({e})")
-        if c.job.format not in ("table", "json"):
-            problems.append(f"job.format: {c.job.format!r} is not table or json")
-        if c.job.name == "reshard" and not c.job.source.path and c.job.source.layout not in layouts.preset_names():
-            problems.append(f"job.source.layout: unknown layout {c.job.source.layout!r} "
-                            f"(choose {', '.join(layouts.preset_names())})")
         if c.job.name == "train":
             problems += _train_problems(c)
         if c.job.name == "transform":
             problems += _transform_problems(c, world_size)
-        if c.job.name == "bench" and c.job.peer and importlib.util.find_spec("numpy") is None:
-            problems.append("job.peer: the torch.distributed.checkpoint side needs numpy: pip install numpy")
-        if c.job.repeats < 1 or c.job.warmup < 0:
-            problems.append("job.repeats/job.warmup: repeats must be >= 1 and warmup >= 0")
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     return c, options
+
+
+def _job_keys(name: str) -> list[str]:
+    from dataclasses import fields
+
+    return [f.name for f in fields(JOB_SCHEMAS[name]) if f.name != "name"]
 
 
 def validate(cfg: DictConfig, world_size: int) -> Config:

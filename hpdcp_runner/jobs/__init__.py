@@ -145,7 +145,7 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
     if ctx.info.rank != 0:
         return
     # a job on a user's checkpoint names it instead of the (unused) synthetic model= preset
-    source = ctx.cfg.job.source.path
+    source = getattr(getattr(ctx.cfg.job, "source", None), "path", None)
     doc = {"job": ctx.cfg.job.name, "world_size": ctx.info.world_size, "layout": ctx.cfg.layout.name,
            "model": None if source else ctx.cfg.model.name, "source": source, "run_dir": ctx.run_dir, "config": ctx.plain,
            "config_digest": digest, "ranks": records,
@@ -153,7 +153,7 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
            "engine": ctx.engine.knobs()}
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
     # a job that prints machine-readable output keeps stdout for it alone
-    machine = ctx.cfg.job.name == "inspect" and ctx.cfg.job.format == "json"
+    machine = ctx.cfg.job.name == "inspect" and getattr(ctx.cfg.job, "format", None) == "json"
     try:
         print(summary_table(doc), file=sys.stderr if machine else sys.stdout, flush=True)
     except BrokenPipeError:  # `... | head`: the reader left; not the job's failure

@@ -141,11 +141,13 @@ class JobContext:
     def reader(self, path: str, foreign: bool = False) -> dcp.StorageReader:
         """A reader of ``path`` with the storage knobs; ``foreign``: in ``job.source.format``
         (auto: ours, Hugging Face or torch DCP by the files present), else our format."""
-        fmt = self.cfg.job.source.format if foreign and self.cfg.job is not None else "hpdcp"
+        source = getattr(self.cfg.job, "source", None)
+        fmt = source.format if foreign and source is not None else "hpdcp"
         return open_reader(path, fmt, allow_pickle=self.engine.allow_pickle, **self.engine.reader.kwargs())
 
     def source_renames(self) -> list:
-        return [(r["pattern"], r["replace"]) for r in self.cfg.job.source.rename or []] if self.cfg.job is not None else []
+        source = getattr(self.cfg.job, "source", None)
+        return [(r["pattern"], r["replace"]) for r in source.rename or []] if source is not None else []
 
     def source_metadata(self, path: str, key: str = "job.source.path") -> dcp.Metadata:
         """A user's checkpoint described as it will load (format and renames applied): rank 0

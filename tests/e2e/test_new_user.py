@@ -88,7 +88,7 @@ def test_help_completion_and_schema_entries(cli, tmp_path):
     assert "_schema" not in r.stdout and "fsdp" in r.stdout and "mlp_adamw" in r.stdout
     r = cli(["+job=save", "--cfg", "job"], nproc=2)
     assert r.returncode == 0 and r.stdout.count("checkpoint:") == 1, _tail(r)
-    for bad in (["+job=job_schema"], ["+job=save", "layout=layout_schema"]):
+    for bad in (["+job=save_schema"], ["+job=save", "layout=layout_schema"]):
         r = cli(bad + [f"hydra.run.dir={tmp_path}/x"])
         assert r.returncode == 2 and "internal type schemas" in r.stderr, _tail(r)
     script = tmp_path / "comp.sh"

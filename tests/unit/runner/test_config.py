@@ -78,10 +78,8 @@ dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode
 dcp.storage.max_read_bytes_per_s dcp.storage.segment_bytes dcp.storage.shared
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
 dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas
-job.fail_on_rank job.format job.name job.output job.peer job.repeats job.source.layout job.source.path job.verify job.warmup
-job.async_save job.compare_losses job.kill_after_step job.kill_rank job.loss_rtol job.lr job.micro_batch job.save_every
-job.steps job.units job.strict job.include job.source.format job.source.rename job.output_format
-job.hf_max_shard_size job.hf_files_from job.ranks
+job.fail_on_rank job.name job.output job.output_format job.hf_max_shard_size job.hf_files_from job.verify
+job.source.layout job.source.path job.source.format job.source.rename
 layout.flat_units layout.kind layout.mesh layout.name layout.rules layout.strict
 model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab
 model.dropout model.heads model.seq_len

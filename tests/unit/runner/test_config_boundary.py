@@ -36,3 +36,15 @@ def test_every_bad_engine_knob_is_named_once():
 def test_the_registry_is_the_list_of_jobs():
     assert sorted(registry()) == sorted(JOB_HELP)
     assert all(callable(f) for f in registry().values())
+
+
+def test_each_job_has_its_own_schema():
+    from hpdcp_runner.config import BenchJob, ReshardJob, TrainJob
+
+    assert isinstance(validate_all(_compose(["+job=reshard"]), 1)[0].job, ReshardJob)
+    assert isinstance(validate_all(_compose(["+job=bench", "job.repeats=2"]), 1)[0].job, BenchJob)
+    assert isinstance(validate_all(_compose(["+job=train", "layout=fsdp"]), 1)[0].job, TrainJob)
+    with pytest.raises(ConfigError) as e:  # a train key on a reshard: named, with the job's own keys
+        validate_all(_compose(["+job=reshard", "+job.steps=3"]), 1)
+    assert "job.steps" in str(e.value) and "the reshard job has no such key" in str(e.value)
+    assert "output_format" in str(e.value)
