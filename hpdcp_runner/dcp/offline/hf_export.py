@@ -84,16 +84,16 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     def reader() -> StorageReader:
         return reader_factory() if reader_factory else open_reader(src, format, allow_pickle=allow_pickle)
 
-    def describe() -> str:
-        r = reader()
-        try:
-            return r.read_metadata_text()
-        finally:
-            r.close()
+    # one reader per rank for every round: a foreign checkpoint is described once, not per round
+    source_reader = reader()
+    kind, where = source_reader.format_name, metadata_source(source_reader, src)
 
-    first = reader()
-    kind, where = first.format_name, metadata_source(first, src)
-    first.close()
+    def describe() -> str:
+        try:
+            return source_reader.read_metadata_text()
+        finally:
+            source_reader.close()
+
     text = comm.agree_root("export_hf: metadata", describe)
     md = rename_keys(Metadata.from_json(text, source=where), rename, source=src)
     names = sorted(md.tensors, key=natural_key)
@@ -124,10 +124,9 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             i = mine[r] if r < len(mine) else None
             keys = shards[i] if i is not None else []
             state = {k: torch.empty(md.tensors[k].shape, dtype=dtype_from_name(md.tensors[k].dtype)) for k in keys}
-            res = load(state, storage_reader=reader(), process_group=process_group, strict=False,
+            res = load(state, storage_reader=source_reader, process_group=process_group, strict=False,
                        allow_pickle=allow_pickle, timeout=timeout, rename=rename, **(load_kwargs or {}))
-            for k, v in res.counters.items():
-                counters[k] = counters.get(k, 0) + v
+            counters = dict(res.counters)  # the reader's counters: cumulative over the rounds
 
             def write(i: int | None = i, keys: list = keys, state: dict = state) -> None:
                 if i is not None:

@@ -85,6 +85,7 @@ class _DescribedReader(FileSystemReader):
     def __init__(self, path: str, **kwargs: Any) -> None:
         kwargs["verify_checksums"] = False  # nothing to verify against: the format has no checksums
         super().__init__(path, **kwargs)
+        self._described: str | None = None
 
     def _stat_file(self, name: str) -> os.stat_result:
         try:
@@ -103,10 +104,14 @@ class _DescribedReader(FileSystemReader):
             raise MetadataError(f"{where}: file name {name!r} must be a plain file name inside {self.path}") from None
 
     def read_metadata_text(self) -> str:
+        """The description, built once per reader: a reader reused for several loads of the
+        same checkpoint (the Hugging Face export's rounds) parses the foreign files once."""
         if not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"no checkpoint directory at {self.path}")
         self._pin_directory()
-        return self.describe().to_json()
+        if self._described is None:
+            self._described = self.describe().to_json()
+        return self._described
 
     def describe(self) -> Metadata:
         raise NotImplementedError
