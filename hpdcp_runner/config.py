@@ -107,6 +107,9 @@ class DcpConf:
     allow_pickle: bool = False
     allow_cast: bool = False
     verify_replicas: bool = False
+    # repeated saves of one structure on one group reuse their plan (digest-checked: any change
+    # in keys, shapes, dtypes or placements is planned in full)
+    cache_plan: bool = True
 
 
 @dataclass
@@ -533,6 +536,7 @@ class EngineOptions:
     allow_pickle: bool
     allow_cast: bool
     verify_replicas: bool
+    cache_plan: bool
 
     def knobs(self) -> dict:
         """The knob values as the engine received them, for metrics.json."""
@@ -591,7 +595,7 @@ def engine_options(c: Config) -> EngineOptions:
     if problems:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
-                         d.verify_replicas)
+                         d.verify_replicas, d.cache_plan)
 
 
 def load_preset(name: str) -> "LayoutConf":

@@ -55,7 +55,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
          storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
          process_group: Any = None, overwrite: bool = False, allow_pickle: bool = False,
          verify_replicas: bool = False, timeout: Timeout = None, extra: Mapping[str, Any] | None = None,
-         timer: PhaseTimer | None = None) -> Metadata:
+         timer: PhaseTimer | None = None, cache_plan: bool = False) -> Metadata:
     """Save ``state_dict`` as one checkpoint; every rank of ``process_group`` must call it.
 
     Replicated chunks are written once. Top-level ``Stateful`` values (an ``nn.Module``, an
@@ -63,17 +63,22 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     their ``state_dict()``, never pickled. The checkpoint appears under its name only when
     complete; an existing one is refused unless ``overwrite`` and stays loadable until then.
     ``verify_replicas`` compares checksums of replicated chunks across their holders.
-    ``timeout`` (seconds) bounds every collective. Returns the committed metadata.
+    ``timeout`` (seconds) bounds every collective. ``cache_plan``: a save whose structure (keys,
+    shapes, dtypes, placements) equals the previous cached save's on the same process group skips
+    the gather and dedup: ranks exchange a digest and reuse their write lists; any change is
+    detected by the digest and planned in full. Returns the committed metadata.
     """
     path = _checkpoint_path(checkpoint_id, storage_writer)
     comm = Comm.create(process_group, timeout)
     writer = storage_writer or FileSystemWriter(path)
     timer = timer or PhaseTimer()
     steps = SaveSteps(stateful_to_state_dict(state_dict)[0], comm, writer, planner or StandardSavePlanner(), path,
-                      overwrite, allow_pickle, verify_replicas, extra)
+                      overwrite, allow_pickle, verify_replicas, extra, cache_plan=cache_plan and not verify_replicas)
     try:
         with timer.phase("plan"):
-            steps.accept(comm.coordinate("save: plan", steps.local_plan, steps.global_plan))
+            if not steps.accept(comm.coordinate("save: plan", steps.local_plan, steps.global_plan)):
+                # some rank's cached plan did not fit this save: plan it in full
+                steps.accept(comm.coordinate("save: replan", steps.local_plan, steps.global_plan))
         with timer.phase("write"):
             comm.coordinate("save: write", steps.write, steps.build_metadata)
         with timer.phase("commit"):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -42,32 +44,60 @@ from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
 
 @dataclass(frozen=True)
 class SavePlanMsg:
-    """Rank -> coordinator: the rank's save plan (columnar) and, from rank 0, the staging token."""
+    """Rank -> coordinator: the rank's save plan (columnar; None when the rank offers its cached
+    plan instead), the plan's structure digest and, from rank 0, the staging token."""
 
-    plan: CompactPlan
+    plan: CompactPlan | None
+    digest: str
     token: str | None
 
     def to_wire(self) -> dict:
-        return {"plan": self.plan.to_wire(), "token": self.token}
+        return {"plan": None if self.plan is None else self.plan.to_wire(), "digest": self.digest,
+                "token": self.token}
 
     @classmethod
     def from_wire(cls, w: Mapping, tables: dict | None = None) -> "SavePlanMsg":
-        return cls(CompactPlan.from_wire(w["plan"], tables), w["token"])
+        plan = None if w["plan"] is None else CompactPlan.from_wire(w["plan"], tables)
+        return cls(plan, w["digest"], w["token"])
 
 
 @dataclass(frozen=True, eq=False)
 class SaveReply:
-    """Coordinator -> one rank: the indices of its plan items it writes, and the staging token."""
+    """Coordinator -> one rank: the indices of its plan items it writes (None: its cached ones;
+    ``replan``: send the full plan again), and the staging token."""
 
-    writes: torch.Tensor
+    writes: torch.Tensor | None
     token: str
+    replan: bool = False
 
     def to_wire(self) -> dict:
-        return {"writes": pack_ints(self.writes), "token": self.token}
+        return {"writes": None if self.writes is None else pack_ints(self.writes), "token": self.token,
+                "replan": self.replan}
 
     @classmethod
     def from_wire(cls, w: Mapping) -> "SaveReply":
-        return cls(unpack_ints(w["writes"]), w["token"])
+        return cls(None if w["writes"] is None else unpack_ints(w["writes"]), w["token"], bool(w["replan"]))
+
+
+def plan_digest(plan: CompactPlan) -> str:
+    """The structure of a rank's save plan: keys, kinds, dtypes, shapes, paths, boxes, sizes (not
+    the data): equal digests mean the same write lists apply."""
+    w = plan.to_wire()
+    text = json.dumps([w["keys"], w["k"], w["b"], w["n"]], separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+# Cached save plans (``save(cache_plan=True)``): per (process group, planner), this rank's plan
+# digest and write list; on the coordinator also every rank's digest and the global plan.
+_PLAN_CACHE: dict[tuple, dict] = {}
+PLAN_CACHE_STATS = {"hits": 0, "misses": 0}
+
+
+def _cache_key(comm: Comm, planner: SavePlanner) -> tuple:
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(comm.group)) if comm.world_size > 1 else (0,)
+    return ranks, type(planner).__qualname__, getattr(planner, "policy", None)
 
 
 @dataclass(frozen=True)
@@ -166,31 +196,72 @@ class SaveSteps:
     allow_pickle: bool
     verify_replicas: bool
     extra: Mapping[str, Any] | None
+    cache_plan: bool = False
     token: str | None = None
     own: SavePlan | None = None
+    compact: CompactPlan | None = None
+    digest: str = ""
     gplan: GlobalSavePlan | None = None
     reply: SaveReply | None = None
     committed: Metadata | None = None
+    offer_cached: bool = True
+
+    @property
+    def _cache(self) -> dict | None:
+        return _PLAN_CACHE.get(_cache_key(self.comm, self.planner)) if self.cache_plan else None
 
     def local_plan(self) -> dict:
-        faults.point("save.plan", rank=self.comm.rank, path=self.path)
-        if self.comm.rank == 0:
-            self.token = self.writer.begin(overwrite=self.overwrite)
-        self.planner.configure(self.state_dict, rank=self.comm.rank, world_size=self.comm.world_size,
-                               allow_pickle=self.allow_pickle, verify_replicas=self.verify_replicas)
-        self.own = self.planner.create_local_plan()
-        return SavePlanMsg(CompactPlan.from_plan(self.own), self.token).to_wire()
+        if self.own is None:  # a replan round reuses the plan built in the first one
+            faults.point("save.plan", rank=self.comm.rank, path=self.path)
+            if self.comm.rank == 0:
+                self.token = self.writer.begin(overwrite=self.overwrite)
+            self.planner.configure(self.state_dict, rank=self.comm.rank, world_size=self.comm.world_size,
+                                   allow_pickle=self.allow_pickle, verify_replicas=self.verify_replicas)
+            self.own = self.planner.create_local_plan()
+            self.compact = CompactPlan.from_plan(self.own)
+            self.digest = plan_digest(self.compact)
+        cached = self._cache
+        # a structure seen last time with this group: offer the digest only (no plan travels)
+        hit = self.offer_cached and cached is not None and cached["digest"] == self.digest
+        return SavePlanMsg(None if hit else self.compact, self.digest, self.token).to_wire()
 
     def global_plan(self, gathered: list) -> list:
-        """Coordinator: every rank's plan in compact form -> each rank's write list."""
+        """Coordinator: every rank's plan in compact form -> each rank's write list; with cached
+        plans, digests only -> "use your cached list" when every rank's matches the cached
+        global plan's, else "send your plan" (never a stale list for a changed structure)."""
         tables: dict = {}
         msgs = [SavePlanMsg.from_wire(g, tables) for g in gathered]
+        token = msgs[0].token
+        cached = self._cache
+        if all(m.plan is None for m in msgs) and cached is not None and \
+                cached.get("digests") == [m.digest for m in msgs]:
+            self.gplan = cached["gplan"]
+            return [SaveReply(None, token).to_wire() for _ in msgs]
+        if any(m.plan is None for m in msgs):
+            return [SaveReply(None, token, replan=True).to_wire() for _ in msgs]
         self.gplan = self.planner.create_global_plan([m.plan for m in msgs])
-        return [SaveReply(w, msgs[0].token).to_wire() for w in self.gplan.write_idx]
+        if self.cache_plan and not self.verify_replicas:
+            _PLAN_CACHE.setdefault(_cache_key(self.comm, self.planner), {}).update(
+                digests=[m.digest for m in msgs], gplan=self.gplan)
+        return [SaveReply(w, token).to_wire() for w in self.gplan.write_idx]
 
-    def accept(self, wire: dict) -> None:
-        self.reply = SaveReply.from_wire(wire)
-        self.token = self.reply.token
+    def accept(self, wire: dict) -> bool:
+        """Take the coordinator's reply; False when it asks for the full plan (a second round)."""
+        reply = SaveReply.from_wire(wire)
+        self.token = reply.token
+        if reply.replan:
+            self.offer_cached = False
+            return False
+        if reply.writes is None:  # the cached list for this very structure
+            reply = dataclasses.replace(reply, writes=self._cache["writes"])
+            PLAN_CACHE_STATS["hits"] += 1
+        else:
+            PLAN_CACHE_STATS["misses"] += 1
+            if self.cache_plan and not self.verify_replicas:
+                entry = _PLAN_CACHE.setdefault(_cache_key(self.comm, self.planner), {})
+                entry.update(digest=self.digest, writes=reply.writes)
+        self.reply = reply
+        return True
 
     def write(self) -> dict:
         self.writer.attach(self.token, rank=self.comm.rank, world_size=self.comm.world_size)

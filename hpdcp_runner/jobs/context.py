@@ -113,6 +113,7 @@ class JobContext:
                           planner=dcp.SAVE_PLANNERS[e.planner](),
                           overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                           allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
+                          cache_plan=e.cache_plan,
                           extra=series_extra(*series) if series else None)
         self.metrics.add(writer.counters.as_dict(), f"{phase}.")
         return md
@@ -136,7 +137,7 @@ class JobContext:
                                   planner=dcp.SAVE_PLANNERS[e.planner](),
                                   overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                                   allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
-                                  callback=done, extra=series_extra(*series) if series else None)
+                                  cache_plan=e.cache_plan, callback=done, extra=series_extra(*series) if series else None)
 
     def reader(self, path: str, foreign: bool = False) -> dcp.StorageReader:
         """A reader of ``path`` with the storage knobs; ``foreign``: in ``job.source.format``
