@@ -309,6 +309,30 @@ def to_plain(cfg: DictConfig) -> dict:
     return d
 
 
+def _positive_size(value: Any, key: str) -> list[str]:
+    """The problem with a size that must be positive, if any."""
+    try:
+        return [f"{key}: must be positive"] if parse_size(value, key) == 0 else []
+    except ConfigError as e:
+        return [str(e)]
+
+
+def _rename_problems(rules: Any, key: str) -> list[str]:
+    """Each bad ``[{pattern, replace}]`` rule, checked by the engine's own compile_rules."""
+    from .dcp.tools import compile_rules
+
+    out = []
+    for i, r in enumerate(rules):
+        if not isinstance(r, dict) or set(r) != {"pattern", "replace"} or not all(isinstance(v, str) for v in r.values()):
+            out.append(f"{key}[{i}]: must be {{pattern: <regex>, replace: <text>}}, got {r!r}")
+            continue
+        try:
+            compile_rules([r])
+        except ConfigError as e:
+            out.append(f"{key}[{i}]: bad rule {r['pattern']!r} -> {r['replace']!r} ({str(e).split(': ', 1)[-1]})")
+    return out
+
+
 def _transform_problems(c: Config, world_size: int) -> list[str]:
     from .dcp.tools import DTYPES
     from . import layouts
@@ -324,11 +348,7 @@ def _transform_problems(c: Config, world_size: int) -> list[str]:
             out.append(f"transform.{key}: required (a path)")
     if t.source_format not in SOURCE_FORMATS:
         out.append(f"transform.source_format: {t.source_format!r} is not one of {', '.join(SOURCE_FORMATS)}")
-    try:
-        if parse_size(t.max_shard_size, "transform.max_shard_size") == 0:
-            out.append("transform.max_shard_size: must be positive")
-    except ConfigError as e:
-        out.append(str(e))
+    out += _positive_size(t.max_shard_size, "transform.max_shard_size")
     if t.dtype is not None and t.dtype not in DTYPES:
         out.append(f"transform.dtype: {t.dtype!r} is not a dtype ({', '.join(sorted(DTYPES))})")
     for key in ("include", "exclude"):
@@ -338,14 +358,7 @@ def _transform_problems(c: Config, world_size: int) -> list[str]:
                 re.compile(pat)
             except re.error as e:
                 out.append(f"transform.{key}: bad regex {pat!r} ({e})")
-    for i, r in enumerate(t.rename):
-        if not isinstance(r, dict) or set(r) != {"pattern", "replace"} or not all(isinstance(v, str) for v in r.values()):
-            out.append(f"transform.rename[{i}]: must be {{pattern: <regex>, replace: <text>}}, got {r!r}")
-            continue
-        try:
-            re.compile(r["pattern"])
-        except re.error as e:
-            out.append(f"transform.rename[{i}].pattern: bad regex {r['pattern']!r} ({e})")
+    out += _rename_problems(t.rename, "transform.rename")
     if t.world_size < 1:
         out.append(f"transform.world_size: must be >= 1, got {t.world_size}")
     elif t.kind == "import":
@@ -366,23 +379,11 @@ def _source_problems(c: Config) -> list[str]:
     if source is not None:
         if source.format not in FORMATS:
             out.append(f"job.source.format: {source.format!r} is not one of {', '.join(FORMATS)}")
-        for i, r in enumerate(source.rename or []):
-            if not isinstance(r, dict) or set(r) != {"pattern", "replace"} or not all(isinstance(v, str)
-                                                                                    for v in r.values()):
-                out.append(f"job.source.rename[{i}]: must be {{pattern: <regex>, replace: <text>}}, got {r!r}")
-                continue
-            try:
-                re.compile(r["pattern"]).sub(r["replace"], "")
-            except re.error as e:
-                out.append(f"job.source.rename[{i}]: bad rule {r['pattern']!r} -> {r['replace']!r} ({e})")
+        out += _rename_problems(source.rename or [], "job.source.rename")
     if isinstance(j, ReshardJob):
         if j.output_format not in ("hpdcp", "hf"):
             out.append(f"job.output_format: {j.output_format!r} is not hpdcp or hf")
-        try:
-            if parse_size(j.hf_max_shard_size, "job.hf_max_shard_size") == 0:
-                out.append("job.hf_max_shard_size: must be positive")
-        except ConfigError as e:
-            out.append(str(e))
+        out += _positive_size(j.hf_max_shard_size, "job.hf_max_shard_size")
         from . import layouts
 
         if not j.source.path and j.source.layout not in layouts.preset_names():
