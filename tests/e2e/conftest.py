@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("HPDCP_RUN_STAMP", None)
+    env.pop("HPDCP_LAUNCH_DIR", None)  # each launch resolves relative paths against its own cwd
     return env
 
 

@@ -27,7 +27,8 @@ def test_summary_is_the_max_over_ranks_with_rates(tmp_path):
 
 
 def test_relative_paths_resolve_against_the_launch_directory(monkeypatch, tmp_path):
-    monkeypatch.delenv(runtime.LAUNCH_DIR_ENV, raising=False)
+    monkeypatch.setenv(runtime.LAUNCH_DIR_ENV, "")  # recorded, so the test's own setting is undone after it
+    monkeypatch.delenv(runtime.LAUNCH_DIR_ENV)
     monkeypatch.chdir(tmp_path)
     assert runtime.remember_launch_dir() == str(tmp_path)
     os.chdir("/")
