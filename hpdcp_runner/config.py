@@ -88,7 +88,10 @@ class StorageConf:
     max_metadata_bytes: Size = "256MiB"
     shared: bool = False  # declare network/shared storage: replica broadcast pays off on one node too
     max_read_bytes_per_s: Optional[Size] = None  # per-process read cap (token bucket), to simulate slow storage
-    segment_bytes: Size = "4KiB"  # partial-chunk reads: runs at least this long are read alone, not as one slab
+    # partial-chunk reads: a gap between two kept runs up to this long is read through (one request)
+    # rather than split; auto = the measured per-request cost x read bandwidth (docs/benchmarks.md)
+    read_gap_bytes: Size = "auto"
+    max_request_bytes: Size = "16MiB"  # the most one read request (and a scratch window) carries
 
 
 @dataclass
@@ -545,7 +548,8 @@ class EngineOptions:
         return {"dcp.planner.name": self.planner, "dcp.broadcast.mode": b.mode,
                 "dcp.broadcast.batch_bytes": b.batch_bytes, "dcp.broadcast.max_in_flight": b.max_in_flight,
                 "dcp.storage.files_kept": r.files_kept, "dcp.storage.shared": r.shared_storage,
-                "dcp.storage.segment_bytes": r.segment_bytes,
+                "dcp.storage.read_gap_bytes": "auto" if r.read_gap_bytes is None else r.read_gap_bytes,
+                "dcp.storage.max_request_bytes": r.max_request_bytes,
                 "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s}
 
 
@@ -580,8 +584,9 @@ def engine_options(c: Config) -> EngineOptions:
     cap = s.max_read_bytes_per_s
     sizes = (size("dcp.storage.max_metadata_bytes", s.max_metadata_bytes, True),
              None if cap is None else size("dcp.storage.max_read_bytes_per_s", cap, True),
-             size("dcp.storage.segment_bytes", s.segment_bytes, True),
-             size("dcp.broadcast.batch_bytes", d.broadcast.batch_bytes))
+             None if s.read_gap_bytes == "auto" else size("dcp.storage.read_gap_bytes", s.read_gap_bytes),
+             size("dcp.broadcast.batch_bytes", d.broadcast.batch_bytes),
+             size("dcp.storage.max_request_bytes", s.max_request_bytes, True))
     if s.files_kept < 1:
         problems.append(f"dcp.storage.files_kept: must be >= 1, got {s.files_kept}")
     if d.broadcast.max_in_flight < 1:
@@ -591,7 +596,7 @@ def engine_options(c: Config) -> EngineOptions:
     if problems:
         raise ConfigError("\n".join(problems))
     reader = build("dcp.storage", lambda: ReaderOptions(s.files_kept, sizes[0], s.verify_checksums, s.shared,
-                                                        sizes[1], sizes[2]))
+                                                        sizes[1], sizes[2], sizes[4]))
     broadcast = build("dcp.broadcast", lambda: BroadcastOptions(d.broadcast.mode, sizes[3], d.broadcast.max_in_flight))
     if problems:
         raise ConfigError("\n".join(problems))

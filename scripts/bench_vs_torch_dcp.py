@@ -15,6 +15,17 @@ in alternating order):
   before each reshard case;
 * small tensors only (the 2064 small and medium ones): save and warm load, per item.
 
+``--reshard-rows`` runs the reshard matrix instead (issue 17), on model-like widths:
+``4W x W`` matrices of bf16 and fp32, ``W`` = 1024 and 2048 (``--matrix-mib`` per case), saved
+Shard(0) and loaded as Shard(0) -> Shard(1) at 2 and 4 ranks, FSDP (Shard(0), 4 ranks) -> 2-D
+FSDP x TP (2x2 mesh, [Shard(0), Shard(1)]), and world-size changes 4 -> 2 and 2 -> 4 (Shard(0)
+-> Shard(1)); warm (files read into the page cache first) and cold (the checkpoint's files
+evicted from the page cache with ``posix_fadvise(DONTNEED)`` after a sync: no root needed, no
+other process disturbed); ours with checksums verified (the default), ours unverified (exact
+reads), torch DCP. Read/kept = bytes read per rank / bytes the rank keeps (max over ranks).
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node=4 scripts/bench_vs_torch_dcp.py --reshard-rows --reps 3
+
 torch DCP runs with its default ``thread_count=1`` and with ``--dcp-threads`` (default 2); the
 best of the two is the peer. Times are the max over ranks; medians with min-max over repetitions;
 ratio = peer median / ours. Bytes read per rank come from /proc/self/io ``rchar`` (page-cache
@@ -164,8 +175,14 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true",
                     help="run the cold-load cases: drop the machine's page cache before each (root; affects "
                          "every process on the machine)")
+    ap.add_argument("--reshard-rows", action="store_true", help="run the reshard matrix (see the module doc)")
+    ap.add_argument("--matrix-mib", type=int, default=128, help="state size per reshard-matrix case, MiB")
     args = ap.parse_args()
     dist.init_process_group("gloo")
+    if args.reshard_rows:
+        reshard_rows(args)
+        dist.destroy_process_group()
+        return
     rank, ws = dist.get_rank(), dist.get_world_size()
     mesh = DeviceMesh("cpu", list(range(ws)))
     solo = dist.new_group([0])  # rank 0 alone: the world-size-1 side of the 2->1 and 1->2 reshards
@@ -260,6 +277,134 @@ def main() -> None:
                 f.write(text + "\n")
         shutil.rmtree(base, ignore_errors=True)
     dist.destroy_process_group()
+
+
+WIDTHS = [(torch.bfloat16, 1024), (torch.bfloat16, 2048), (torch.float32, 1024), (torch.float32, 2048)]
+
+
+def matrices(dtype: torch.dtype, width: int, total: int) -> dict:
+    """``4W x W`` matrices (a transformer's MLP-like shape), deterministic, ``total`` bytes."""
+    one = 4 * width * width * torch.empty(0, dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(width)
+    return {f"layers.{i}.w": torch.randn(4 * width, width, generator=g).to(dtype) for i in range(max(1, total // one))}
+
+
+def evict(path: str) -> None:
+    """Evict ``path``'s files from the page cache (rank 0 after a sync; every rank waits)."""
+    if dist.get_rank() == 0:
+        os.sync()
+        for dirpath, _, names in os.walk(path):
+            for n in names:
+                fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    dist.barrier()
+
+
+def reshard_rows(args) -> None:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    base = os.path.join(args.dir or tempfile.gettempdir(), f"hpdcp-reshard-{os.environ.get('MASTER_PORT', '0')}")
+    meshes = {2: DeviceMesh("cpu", [0, 1])}
+    if ws >= 4:
+        meshes[4] = DeviceMesh("cpu", [0, 1, 2, 3])
+        meshes["2x2"] = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    # (name, source mesh, target mesh, target placements)
+    cases = [("S0->S1 @2", 2, 2, [Shard(1)])]
+    if ws >= 4:
+        cases += [("S0->S1 @4", 4, 4, [Shard(1)]), ("FSDP->FSDPxTP @4", 4, "2x2", [Shard(0), Shard(1)]),
+                  ("4->2 S0->S1", 4, 2, [Shard(1)]), ("2->4 S0->S1", 2, 4, [Shard(1)])]
+    res = Results()
+    kept: dict[str, int] = {}
+
+    def place(full: dict, mesh_key, placements) -> dict | None:
+        mesh = meshes[mesh_key]
+        if mesh.get_coordinate() is None:
+            return None
+        return {k: distribute_tensor(v, mesh, placements, src_data_rank=None) for k, v in full.items()}
+
+    def group(mesh_key):
+        return dist.group.WORLD if mesh_key == "2x2" else meshes[mesh_key].get_group()
+
+    for dtype, width in WIDTHS:
+        full = matrices(dtype, width, args.matrix_mib << 20)
+        tag = f"{str(dtype).split('.')[-1]} W={width}"
+        for name, src, dst, placements in cases:
+            root = f"{base}/{tag.replace(' ', '_').replace('=', '')}-{name.replace(' ', '_').replace('>', '')}"
+            sd = place(full, src, [Shard(0)])
+            if sd is not None:
+                dcp.save(sd, checkpoint_id=f"{root}-ours", process_group=group(src))
+                tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(f"{root}-dcp"), process_group=group(src))
+            del sd
+            dist.barrier()
+            case = f"{tag} {name}"
+            for rep in range(args.reps):
+                for temp in ("warm", "cold"):
+                    order = ["ours", "ours unverified", "dcp"]
+                    for who in order if rep % 2 == 0 else order[::-1]:
+                        path = f"{root}-dcp" if who == "dcp" else f"{root}-ours"
+                        tgt = place({k: torch.zeros_like(v) for k, v in full.items()}, dst, placements)
+                        (warm if temp == "warm" else evict)(path)
+
+                        def run(t=tgt, w=who, p=path):
+                            if t is None:
+                                return
+                            if w == "dcp":
+                                tdcp.load(t, storage_reader=tdcp.FileSystemReader(p), process_group=group(dst))
+                            else:
+                                reader = dcp.FileSystemReader(p, verify_checksums=w == "ours")
+                                dcp.load(t, storage_reader=reader, process_group=group(dst))
+                        res.add(f"{case} {temp}|{who}", *measured(run))
+                        if tgt is not None:
+                            for k, v in tgt.items():
+                                ref = distribute_tensor(full[k], v.device_mesh, v.placements, src_data_rank=None)
+                                if not torch.equal(v.to_local(), ref.to_local()):
+                                    raise SystemExit(f"{case} {who}: mismatch in {k}")
+                            mine = sum(v.to_local().numel() * v.to_local().element_size() for v in tgt.values())
+                        else:
+                            mine = 0
+                        k_all = torch.tensor([mine], dtype=torch.int64)
+                        dist.all_reduce(k_all, op=dist.ReduceOp.MAX)
+                        kept[case] = int(k_all.item())
+                        del tgt
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(f"{root}-ours", ignore_errors=True)
+                shutil.rmtree(f"{root}-dcp", ignore_errors=True)
+        del full
+    if rank == 0:
+        text = reshard_report(res, kept, args, ws)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def reshard_report(res: Results, kept: dict[str, int], args, ws: int) -> str:
+    lines = ["# Reshard rows: hpdcp_runner.dcp vs torch.distributed.checkpoint", "",
+             f"Command: `OMP_NUM_THREADS=1 torchrun --nproc-per-node={ws} scripts/bench_vs_torch_dcp.py --reshard-rows "
+             f"--reps {args.reps} --matrix-mib {args.matrix_mib}`", "",
+             f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, torch "
+             f"{torch.__version__}, gloo on CPU, local disk. {args.matrix_mib} MiB of 4W x W matrices per case. Seconds: "
+             "median (min-max) over repetitions, max over ranks. Ratio = torch DCP median / ours. Read/kept = max "
+             "rchar per rank / max bytes kept per rank. RSS+ = peak RSS growth per rank.", "",
+             "| case | ours (verified), s | ratio | read/kept | ours unverified, s | ratio | read/kept | torch DCP, s | "
+             "read/kept DCP | RSS+ ours / unverified / DCP |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cases = list(dict.fromkeys(k.split("|")[0] for k in res.t))
+    for case in cases:
+        kb = kept[case.rsplit(" ", 1)[0]]
+        o, u, d = f"{case}|ours", f"{case}|ours unverified", f"{case}|dcp"
+
+        def rk(x):
+            return f"{statistics.median(res.read[x]) / kb:.2f}x"
+        lines.append(f"| {case} | {res.cell(o)} | **{res.med(d) / res.med(o):.2f}x** | {rk(o)} | {res.cell(u)} | "
+                     f"**{res.med(d) / res.med(u):.2f}x** | {rk(u)} | {res.cell(d)} | {rk(d)} | "
+                     f"{statistics.median(res.rss[o]):.0f} / {statistics.median(res.rss[u]):.0f} / "
+                     f"{statistics.median(res.rss[d]):.0f} MiB |")
+    return "\n".join(lines)
 
 
 def report(res: Results, args, ws: int, cold_ok: bool, n_small: int, peers: list[str]) -> str:

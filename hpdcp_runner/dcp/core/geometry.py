@@ -96,18 +96,41 @@ def contiguous_runs(sub_offsets: Sequence[int], sub_sizes: Sequence[int],
     """The sub-box of a row-major chunk as contiguous runs: (elements per run, flat element start
     of each run in the sub-box's row-major order). E.g. half the columns of a matrix: one run
     per row."""
-    nd = len(chunk_sizes)
-    k = nd - 1  # the innermost dimension the sub-box does not span whole
+    if not chunk_sizes:
+        return 1, torch.zeros(1, dtype=torch.int64)
+    k = run_dim(sub_sizes, chunk_sizes)
+    strides = row_major_strides(chunk_sizes)
+    return sub_sizes[k] * strides[k], run_starts(sub_offsets, sub_sizes, strides, k)
+
+
+def run_dim(sub_sizes: Sequence[int], chunk_sizes: Sequence[int]) -> int:
+    """The innermost dimension a sub-box does not span whole: its runs cover that dimension's
+    extent and every dimension inside it."""
+    k = len(chunk_sizes) - 1
     while k > 0 and sub_sizes[k] == chunk_sizes[k]:
         k -= 1
-    strides = row_major_strides(chunk_sizes)
-    if nd == 0:
-        return 1, torch.zeros(1, dtype=torch.int64)
-    run = sub_sizes[k] * strides[k]
-    starts = torch.tensor([sum(o * st for o, st in zip(sub_offsets, strides))], dtype=torch.int64)
+    return k
+
+
+def run_starts(offsets: Sequence[int], sizes: Sequence[int], strides: Sequence[int], k: int) -> torch.Tensor:
+    """Element start of each run of a box in memory of ``strides`` (dims ``< k`` enumerated in
+    row-major order, one run per index): the same order for a chunk in a file and for a
+    destination view, so the i-th file run lands in the i-th destination run."""
+    starts = torch.tensor([sum(o * st for o, st in zip(offsets, strides))], dtype=torch.int64)
     for j in range(k - 1, -1, -1):  # outer dimensions, innermost last in the final order
-        starts = (torch.arange(sub_sizes[j], dtype=torch.int64)[:, None] * strides[j] + starts[None, :]).flatten()
-    return run, starts
+        starts = (torch.arange(sizes[j], dtype=torch.int64)[:, None] * strides[j] + starts[None, :]).flatten()
+    return starts
+
+
+def runs_contiguous_in(t: torch.Tensor, k: int) -> bool:
+    """True when each run of ``t``'s dims ``k..`` (its full extent there) is one contiguous
+    stretch of its memory, so a read can land in ``t`` directly."""
+    expect = 1
+    for d in range(t.dim() - 1, k - 1, -1):
+        if t.shape[d] != 1 and t.stride(d) != expect:
+            return False
+        expect *= t.shape[d]
+    return True
 
 
 def span_is_exact(sub_offsets: Sequence[int], sub_sizes: Sequence[int], chunk_sizes: Sequence[int]) -> bool:

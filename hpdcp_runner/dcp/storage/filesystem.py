@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import dataclasses
 import json
+import math
 import os
 import shutil
 import stat
@@ -25,7 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -35,17 +36,17 @@ from ..core.utils import byte_view
 from ..format.safetensors_io import SafetensorsStreamWriter, digest, naming, pread_into
 from ..core.errors import (CheckpointChangedError, ConfigError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      MetadataError)
-from ..core.geometry import contiguous_runs, flat_span, row_major_strides
+from ..core.geometry import Box, flat_span, row_major_strides, run_dim, run_starts, runs_contiguous_in
 from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
                        dtype_from_name, dtype_name, element_size)
 from .commit import (STAGING_LOCK, STAGING_MARK, fsync_dir, hold_staging_lock, publish_dir, recover_displaced,
                      storage_access_error)
 from .interfaces import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
+from .vectored import DEFAULT_MAX_REQUEST_BYTES, Sink, check_destination, measured_cost_model, read_ranges
 from ..core.utils import get_logger, rank_of_env
 
 log = get_logger(__name__)
 DEFAULT_FILES_KEPT = 8
-DEFAULT_SEGMENT_BYTES = 4 << 10  # shortest run read on its own (see _read_runs)
 
 
 def rank_file(rank: int, kind: str) -> str:
@@ -236,15 +237,18 @@ class ReaderOptions:
     verify_checksums: bool = True
     shared_storage: bool = False
     max_read_bytes_per_s: int | None = None
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    read_gap_bytes: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if self.files_kept < 1:
             raise ConfigError(f"files_kept must be >= 1, got {self.files_kept}")
         if self.max_read_bytes_per_s is not None and self.max_read_bytes_per_s <= 0:
             raise ConfigError(f"max_read_bytes_per_s must be positive, got {self.max_read_bytes_per_s}")
-        if self.segment_bytes < 1:
-            raise ConfigError(f"segment_bytes must be >= 1, got {self.segment_bytes}")
+        if self.read_gap_bytes is not None and self.read_gap_bytes < 0:
+            raise ConfigError(f"read_gap_bytes must be >= 0, got {self.read_gap_bytes}")
+        if self.max_request_bytes < 4096:
+            raise ConfigError(f"max_request_bytes must be >= 4096, got {self.max_request_bytes}")
         if self.max_metadata_bytes < 1:
             raise ConfigError(f"max_metadata_bytes must be >= 1, got {self.max_metadata_bytes}")
 
@@ -253,9 +257,12 @@ class ReaderOptions:
 
 
 class FileSystemReader(StorageReader):
-    """Reads into preallocated destinations: one ``preadv`` per (chunk, destination) straight into
-    the destination memory when the bytes are contiguous on both sides, else into a reused scratch
-    buffer and one strided copy. Reads are sorted by file and offset; open files live in an LRU."""
+    """Reads into preallocated destinations. A whole chunk goes straight into a contiguous
+    destination and is verified against its checksum. Part of a chunk: with checksums on, the
+    blocks it touches are read window by window into a scratch buffer of at most
+    ``max_request_bytes``, verified, and the part copied out; with checksums off (or a format
+    without them) only the kept runs are read, by vectored reads into the destination itself
+    (``vectored.read_ranges``). Reads are sorted by file and offset; open files live in an LRU."""
 
     format_name = "hpdcp"
 
@@ -266,15 +273,17 @@ class FileSystemReader(StorageReader):
     def __init__(self, path: str | os.PathLike, *, files_kept: int = DEFAULT_FILES_KEPT,
                  max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True,
                  shared_storage: bool = False, max_read_bytes_per_s: int | None = None,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+                 read_gap_bytes: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         ReaderOptions(files_kept, max_metadata_bytes, verify_checksums, shared_storage, max_read_bytes_per_s,
-                      segment_bytes)  # the checks, in one place
+                      read_gap_bytes, max_request_bytes)  # the checks, in one place
         # A per-process token bucket that models network storage on one machine.
         self.throttle = _TokenBucket(max_read_bytes_per_s) if max_read_bytes_per_s else None
         self.slow_storage = shared_storage or self.throttle is not None
         self.path = os.path.abspath(os.fspath(path))
         self.files_kept = files_kept
-        self.segment_bytes = segment_bytes
+        self.read_gap_bytes = read_gap_bytes
+        self.max_request_bytes = max_request_bytes
+        self._sink = Sink()
         self.max_metadata_bytes = max_metadata_bytes
         self.verify_checksums = verify_checksums
         self.counters = IOCounters()
@@ -451,99 +460,135 @@ class FileSystemReader(StorageReader):
     def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype, span: int) -> None:
         faults.point("load.read", rank=rank_of_env(), path=self.path, file=name)
         fd = self._fd(name)
+        if not self.verify_checksums:
+            self._read_exact(fd, name, r, dt)
+            return
         whole_chunk = r.sub.sizes == r.chunk.sizes
-        exact = span == r.sub.numel
         dest = r.dest
-        if not whole_chunk and self.verify_checksums:
-            self._read_part_verified(fd, name, r, dt)
-            return
-        direct = exact and dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
-        if direct:
+        direct = whole_chunk and dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
+        hexes = self.metadata.blocks.get((name, r.chunk.key), "") if self.metadata is not None else ""
+        if direct:  # the whole chunk into its destination, then its checksum
             view = byte_view(dest)
+            self._check_bounds(fd, name, r, offset, nbytes)
             pread_into(fd, offset, view, name=name)
-        elif self._read_runs(fd, name, offset, nbytes, r, dt):
-            return
-        else:
-            buf = self._scratch_view(nbytes)
+            self._count(nbytes, 1)
+            self._verify(name, r, view)
+        elif hexes:
+            self._read_blocks_verified(fd, name, r, dt, hexes)
+        else:  # a chunk of one block (or written before block digests): read whole, verify, copy
+            chunk_bytes = r.chunk.box.numel * element_size(r.dtype)
+            self._check_bounds(fd, name, r, r.chunk.byte_offset, chunk_bytes)
+            buf = self._scratch_view(chunk_bytes)
             view = byte_view(buf)
-            pread_into(fd, offset, view, name=name)
+            pread_into(fd, r.chunk.byte_offset, view, name=name)
+            self._count(chunk_bytes, 1)
+            self._verify(name, r, view)
+            start = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)[0]
+            dest.copy_(buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), start))
+
+    def _count(self, nbytes: int, calls: int) -> None:
         self.counters.bytes_read += nbytes
-        self.counters.reads += 1
+        self.counters.reads += calls
         if self.throttle:
             self.throttle.take(nbytes)
-        if whole_chunk and self.verify_checksums:
-            if digest(view) != r.chunk.checksum:
-                raise CorruptCheckpointError(f"checkpoint file {os.path.join(self.path, name)}: key {r.chunk.key!r} "
-                                             f"fails its checksum (corrupted data)")
-            self.counters.chunks_verified += 1
-        if not direct:
-            src = buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), 0)
-            dest.copy_(src)
 
-    def _read_part_verified(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype) -> None:
-        """Part of a chunk, every byte copied verified: read the whole blocks the part touches (the
-        whole chunk when it has no block digests: a chunk of one block, or a checkpoint written
-        before them), check each digest, then copy the part out. Costs the blocks' extra bytes:
-        up to one block at each end of a row range, the whole chunk for a column split."""
-        esize = torch.empty(0, dtype=dt).element_size()
-        start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
-        chunk_bytes = r.chunk.box.numel * esize
-        md = self.metadata
-        hexes = md.blocks.get((name, r.chunk.key), "") if md is not None else ""
-        block = md.block_bytes if hexes else chunk_bytes
-        first, last = (start * esize) // block, -(-(stop * esize) // block)
-        lo, hi = first * block, min(last * block, chunk_bytes)
-        buf = self._scratch_view(hi - lo)
-        view = byte_view(buf)
-        pread_into(fd, r.chunk.byte_offset + lo, view, name=name)
-        self.counters.bytes_read += hi - lo
-        self.counters.reads += 1
-        if self.throttle:
-            self.throttle.take(hi - lo)
+    def _check_bounds(self, fd: int, name: str, r: ReadRequest, offset: int, nbytes: int) -> None:
+        size = os.fstat(fd).st_size
+        if offset < 0 or offset + nbytes > size:
+            raise CorruptCheckpointError(f"{os.path.join(self.path, name)}: chunk {r.chunk.key!r}: a read at offset "
+                                         f"{offset} of {nbytes} bytes would end past the file's {size} bytes "
+                                         f"(truncated file or bad metadata)")
+
+    def _verify(self, name: str, r: ReadRequest, view: memoryview) -> None:
+        if digest(view) != r.chunk.checksum:
+            raise CorruptCheckpointError(f"checkpoint file {os.path.join(self.path, name)}: key {r.chunk.key!r} "
+                                         f"fails its checksum (corrupted data)")
+        self.counters.chunks_verified += 1
+
+    def gap_bytes(self) -> int:
+        """Gaps up to this are read through rather than split into two requests: the knob, else
+        the measured cost model (capped by the throttle's rate when one is set)."""
+        if self.read_gap_bytes is not None:
+            return self.read_gap_bytes
+        cap = self.throttle.rate if self.throttle else None
+        return measured_cost_model().capped(cap).gap_bytes
+
+    def _read_exact(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype) -> None:
+        """Only the sub-box's bytes, straight into the destination (one run per kept row, gaps
+        read through where the cost model says a request costs more than the gap), unverified:
+        checksums are off or the format has none. Destinations the runs cannot land in directly
+        (another dtype or device, runs not contiguous there) go through the scratch buffer in
+        windows of at most ``max_request_bytes``."""
+        esize = element_size(r.dtype)
+        dest = r.dest
+        nd = len(r.chunk.sizes)
+        k = run_dim(r.sub.sizes, r.chunk.sizes) if nd else 0
+        into = dest.device.type == "cpu" and dest.dtype == dt and runs_contiguous_in(dest, k)
+        if not into:
+            for part, view in self._windows(r, esize, dest):
+                self._read_exact(fd, name, ReadRequest(r.chunk, r.dtype, part, self._scratch_for(part, dt)), dt)
+                view.copy_(self._scratch_for(part, dt))
+            return
+        run = (r.sub.sizes[k] * row_major_strides(r.chunk.sizes)[k] if nd else 1) * esize
+        starts = run_starts(r.sub.offsets, r.sub.sizes, row_major_strides(r.chunk.sizes), k)
+        what = f"chunk {r.chunk.key!r}"
         full = os.path.join(self.path, name)
-        if hexes:
-            for b in range(first, last):
-                piece = view[(b - first) * block:min((b + 1 - first) * block, hi - lo)]
+        addrs = check_destination(dest, run_starts((0,) * nd, r.sub.sizes, dest.stride(), k) * esize, run,
+                                  name=full, what=what)
+        gap = self.gap_bytes() if starts.numel() > 1 else 0
+        st = read_ranges(fd, r.chunk.byte_offset + starts * esize, run, addrs, gap_bytes=gap, sink=self._sink,
+                         name=full, what=what, file_size=os.fstat(fd).st_size,
+                         max_request_bytes=self.max_request_bytes)
+        self._count(st.bytes_read, st.calls)
+
+    def _scratch_for(self, part: Box, dt: torch.dtype) -> torch.Tensor:
+        n = math.prod(part.sizes)
+        return self._scratch_view(n * torch.empty(0, dtype=dt).element_size()).view(dt)[:n].view(part.sizes)
+
+    def _windows(self, r: ReadRequest, esize: int, dest: torch.Tensor) -> Iterator[tuple[Box, torch.Tensor]]:
+        """The sub-box in slices of whole dim-0 indices of at most ``max_request_bytes`` (at least
+        one index), each with its part of ``dest``: what bounds a scratch buffer."""
+        if not r.sub.sizes:
+            yield r.sub, dest
+            return
+        per = max(1, math.prod(r.sub.sizes[1:]) * esize)
+        step = max(1, self.max_request_bytes // per)
+        o0, n0 = r.sub.offsets[0], r.sub.sizes[0]
+        for i in range(0, n0, step):
+            m = min(step, n0 - i)
+            yield Box((o0 + i, *r.sub.offsets[1:]), (m, *r.sub.sizes[1:])), dest.narrow(0, i, m)
+
+    def _read_blocks_verified(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype, hexes: str) -> None:
+        """Part of a chunk (or a whole one whose destination is not one contiguous buffer), every
+        byte copied verified: window by window (at most ``max_request_bytes`` of the part plus
+        the ends of its first and last block), read the whole blocks the window touches, check
+        each digest (once: a block two windows share is checked by the first), then copy the
+        window's part out. Costs the blocks' extra bytes: up to a block at each end of a row
+        range, the whole chunk for a column split (docs/benchmarks.md gives the figures)."""
+        esize = element_size(r.dtype)
+        block = self.metadata.block_bytes
+        chunk_bytes = r.chunk.box.numel * esize
+        strides = row_major_strides(r.chunk.sizes)
+        full = os.path.join(self.path, name)
+        checked = -1  # the highest block verified so far
+        for part, view in self._windows(r, esize, r.dest):
+            start, stop = flat_span(part.offsets, part.sizes, r.chunk.sizes)
+            first, last = (start * esize) // block, -(-(stop * esize) // block)
+            lo, hi = first * block, min(last * block, chunk_bytes)
+            self._check_bounds(fd, name, r, r.chunk.byte_offset + lo, hi - lo)
+            buf = self._scratch_view(hi - lo)
+            bview = byte_view(buf)
+            pread_into(fd, r.chunk.byte_offset + lo, bview, name=name)
+            self._count(hi - lo, 1)
+            for b in range(max(first, checked + 1), last):
+                piece = bview[(b - first) * block:min((b + 1 - first) * block, hi - lo)]
                 if digest(piece) != hexes[16 * b:16 * b + 16]:
                     raise CorruptCheckpointError(f"checkpoint file {full}: key {r.chunk.key!r} fails the checksum of "
                                                  f"its block {b} (bytes {r.chunk.byte_offset + b * block}.."
                                                  f"{r.chunk.byte_offset + b * block + len(piece)}; corrupted data)")
-        elif digest(view) != r.chunk.checksum:
-            raise CorruptCheckpointError(f"checkpoint file {full}: key {r.chunk.key!r} fails its checksum "
-                                         f"(corrupted data)")
-        self.counters.chunks_verified += 1
-        rel = start - lo // esize  # the part's first element, counted from the first byte read
-        src = buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), rel)
-        r.dest.copy_(src)
-
-    def _read_runs(self, fd: int, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> bool:
-        """Read only the sub-box's bytes, one pread per contiguous run, when the span around it
-        carries over 10% of bytes not kept and runs are at least ``segment_bytes`` long; else
-        (returns False) one slab read and a strided copy. Measured on the peer workload's
-        Shard(0) -> Shard(1), 8 KiB rows, warm: 0.465 s reading 0.54 GiB per rank vs 0.532 s
-        reading 1.01 GiB as slabs (docs/benchmarks.md); shorter runs pay a syscall per few KiB."""
-        esize = torch.empty(0, dtype=dt).element_size()
-        wanted = r.sub.numel * esize
-        if nbytes * 10 <= wanted * 11:
-            return False
-        run, starts = contiguous_runs(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
-        run_bytes = run * esize
-        if run_bytes < self.segment_bytes:
-            return False
-        dest = r.dest
-        into_dest = dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
-        buf = dest if into_dest else self._scratch_view(wanted).view(dt)
-        view = byte_view(buf)
-        base = r.chunk.byte_offset
-        for i, st in enumerate(starts.tolist()):
-            pread_into(fd, base + st * esize, view[i * run_bytes:(i + 1) * run_bytes], name=name)
-        if not into_dest:
-            dest.copy_(buf[:r.sub.numel].view(r.sub.sizes))
-        self.counters.bytes_read += wanted
-        self.counters.reads += len(starts)
-        if self.throttle:
-            self.throttle.take(wanted)
-        return True
+                checked = b
+            self.counters.chunks_verified += 1
+            view.copy_(buf.view(dt).as_strided(part.sizes, strides, start - lo // esize))
 
     def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]:
         by_file: dict[str, list[str]] = {}

@@ -174,24 +174,25 @@ def _rchar() -> int:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
 
 
-@pytest.mark.parametrize("segment_bytes,cast", [(1024, False), (1024, True), (64 << 10, False)])
-def test_column_slices_read_only_their_rows_segments_when_rows_are_long_enough(tmp_path, segment_bytes, cast):
-    """Without checksum verification: segment reads. (Verified partial reads read whole blocks:
-    test_partial_reads_are_verified_block_by_block.)"""
+@pytest.mark.parametrize("gap,cast", [(0, False), (0, True), (64 << 10, False), (None, False)])
+def test_column_slices_read_only_their_rows_runs_or_read_through_short_gaps(tmp_path, gap, cast):
+    """Without checksum verification: vectored reads into the destination. (Verified partial
+    reads read whole blocks: test_partial_reads_are_verified_block_by_block.)"""
     from hpdcp_runner.dcp import FileSystemReader, LocalShard
 
     full = torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)  # rows of 4 KiB
     save({"w": full}, checkpoint_id=tmp_path / "c")
     # columns 256..767 (Shard(1)-like): 2 KiB of every 4 KiB row
     local = torch.zeros(256, 512, dtype=torch.float64 if cast else torch.float32)
-    reader = FileSystemReader(tmp_path / "c", segment_bytes=segment_bytes, verify_checksums=False)
+    reader = FileSystemReader(tmp_path / "c", read_gap_bytes=gap, verify_checksums=False)
     before = _rchar()
     res = load({"w": LocalShard(local, (0, 256), (256, 1024))}, storage_reader=reader, allow_cast=cast)
     read = _rchar() - before
     assert torch.equal(local, full[:, 256:768].to(local.dtype))
     kept = 256 * 512 * 4
-    if segment_bytes <= 2048:  # one pread per row, straight into the destination (or via scratch to cast)
+    gap = reader.gap_bytes()
+    if gap < 2048:  # the 2 KiB gaps split the requests: exactly the kept bytes, one request per row
         assert res.counters["bytes_read"] == kept and res.counters["reads"] == 256
         assert read <= 1.1 * kept + 65536, read
-    else:  # runs shorter than segment_bytes: one slab from the first wanted to the last wanted byte
+    else:  # gaps read through: one request from the first wanted to the last wanted byte
         assert res.counters["bytes_read"] == (255 * 1024 + 512) * 4 and res.counters["reads"] == 1

@@ -67,7 +67,7 @@ def test_two_fault_specs_for_one_point_both_apply():
 
 def test_user_input_errors_are_in_the_hierarchy(tmp_path):
     for make in (lambda: FileSystemReader(tmp_path, files_kept=0),
-                 lambda: FileSystemReader(tmp_path, segment_bytes=0),
+                 lambda: FileSystemReader(tmp_path, read_gap_bytes=-1),
                  lambda: FileSystemReader(tmp_path, max_read_bytes_per_s=-1),
                  lambda: _checkpoint_path(None, None),
                  lambda: open_source(tmp_path, "zip"),

@@ -75,7 +75,7 @@ GOLDEN_KEYS = sorted("""
 checkpoint.dir checkpoint.keep_last checkpoint.name checkpoint.overwrite checkpoint.path
 checkpoint.rank_state checkpoint.resume checkpoint.step
 dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode
-dcp.storage.max_read_bytes_per_s dcp.storage.segment_bytes dcp.storage.shared
+dcp.storage.max_read_bytes_per_s dcp.storage.read_gap_bytes dcp.storage.max_request_bytes dcp.storage.shared
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
 dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas
 dcp.cache_plan

@@ -13,22 +13,22 @@ from tests.unit.runner.test_config import _compose
 
 
 def test_validation_returns_the_engine_options_parsed():
-    c, o = validate_all(_compose(["+job=load", "dcp.broadcast.batch_bytes=64MiB", "dcp.storage.segment_bytes=1KiB",
+    c, o = validate_all(_compose(["+job=load", "dcp.broadcast.batch_bytes=64MiB", "dcp.storage.read_gap_bytes=1KiB",
                                   "dcp.storage.max_read_bytes_per_s=2MB", "dcp.storage.files_kept=3",
                                   "planner=minimum_rank"]), 1)
     assert o.broadcast == BroadcastOptions("auto", 64 << 20, 4)
     assert o.reader == ReaderOptions(files_kept=3, max_metadata_bytes=256 << 20, verify_checksums=True,
-                                     shared_storage=False, max_read_bytes_per_s=2_000_000, segment_bytes=1024)
+                                     shared_storage=False, max_read_bytes_per_s=2_000_000, read_gap_bytes=1024)
     assert o.planner == "minimum_rank" and o.fsync and o.timeout_s == c.dcp.timeout_s
     assert o.knobs()["dcp.broadcast.batch_bytes"] == 64 << 20
 
 
 def test_every_bad_engine_knob_is_named_once():
     with pytest.raises(ConfigError) as e:
-        validate_all(_compose(["+job=load", "dcp.broadcast.batch_bytes=lots", "dcp.storage.segment_bytes=0",
+        validate_all(_compose(["+job=load", "dcp.broadcast.batch_bytes=lots", "dcp.storage.max_request_bytes=0",
                                "dcp.broadcast.max_in_flight=0", "dcp.storage.files_kept=0"]), 1)
     msg = str(e.value)
-    for key in ("dcp.broadcast.batch_bytes", "dcp.storage.segment_bytes", "dcp.broadcast.max_in_flight",
+    for key in ("dcp.broadcast.batch_bytes", "dcp.storage.max_request_bytes", "dcp.broadcast.max_in_flight",
                 "dcp.storage.files_kept"):
         assert msg.count(key) == 1, (key, msg)
 
