@@ -42,7 +42,8 @@ from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMe
 from .commit import (STAGING_LOCK, STAGING_MARK, fsync_dir, hold_staging_lock, publish_dir, recover_displaced,
                      storage_access_error)
 from .interfaces import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
-from .vectored import DEFAULT_MAX_REQUEST_BYTES, Sink, check_destination, measured_cost_model, read_ranges
+from .vectored import (DEFAULT_MAX_REQUEST_BYTES, SCRATCH_WINDOW, ReadCostModel, Sink, check_destination,
+                       measured_cost_model, read_ranges)
 from ..core.utils import get_logger, rank_of_env
 
 log = get_logger(__name__)
@@ -259,10 +260,11 @@ class ReaderOptions:
 class FileSystemReader(StorageReader):
     """Reads into preallocated destinations. A whole chunk goes straight into a contiguous
     destination and is verified against its checksum. Part of a chunk: with checksums on, the
-    blocks it touches are read window by window into a scratch buffer of at most
-    ``max_request_bytes``, verified, and the part copied out; with checksums off (or a format
-    without them) only the kept runs are read, by vectored reads into the destination itself
-    (``vectored.read_ranges``). Reads are sorted by file and offset; open files live in an LRU."""
+    blocks it touches are read window by window into a cache-sized scratch buffer, verified,
+    and the part copied out; with checksums off (or a format without them) the measured cost
+    model picks exact runs or vectored requests straight into the destination
+    (``vectored.read_ranges``), or slabs. Reads are sorted by file and offset; open files live
+    in an LRU."""
 
     format_name = "hpdcp"
 
@@ -461,7 +463,7 @@ class FileSystemReader(StorageReader):
         faults.point("load.read", rank=rank_of_env(), path=self.path, file=name)
         fd = self._fd(name)
         if not self.verify_checksums:
-            self._read_exact(fd, name, r, dt)
+            self._read_unverified(fd, name, r, dt)
             return
         whole_chunk = r.sub.sizes == r.chunk.sizes
         dest = r.dest
@@ -474,7 +476,7 @@ class FileSystemReader(StorageReader):
             self._count(nbytes, 1)
             self._verify(name, r, view)
         elif hexes:
-            self._read_blocks_verified(fd, name, r, dt, hexes)
+            self._read_windows(fd, name, r, dt, hexes)
         else:  # a chunk of one block (or written before block digests): read whole, verify, copy
             chunk_bytes = r.chunk.box.numel * element_size(r.dtype)
             self._check_bounds(fd, name, r, r.chunk.byte_offset, chunk_bytes)
@@ -505,90 +507,113 @@ class FileSystemReader(StorageReader):
                                          f"fails its checksum (corrupted data)")
         self.counters.chunks_verified += 1
 
+    def cost_model(self) -> ReadCostModel:
+        """The measured read costs of this machine, bytes capped at the throttle's rate."""
+        return measured_cost_model().capped(self.throttle.rate if self.throttle else None)
+
     def gap_bytes(self) -> int:
         """Gaps up to this are read through rather than split into two requests: the knob, else
-        the measured cost model (capped by the throttle's rate when one is set)."""
-        if self.read_gap_bytes is not None:
-            return self.read_gap_bytes
-        cap = self.throttle.rate if self.throttle else None
-        return measured_cost_model().capped(cap).gap_bytes
+        the cost model's."""
+        return self.read_gap_bytes if self.read_gap_bytes is not None else self.cost_model().gap_bytes
 
-    def _read_exact(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype) -> None:
-        """Only the sub-box's bytes, straight into the destination (one run per kept row, gaps
-        read through where the cost model says a request costs more than the gap), unverified:
-        checksums are off or the format has none. Destinations the runs cannot land in directly
-        (another dtype or device, runs not contiguous there) go through the scratch buffer in
-        windows of at most ``max_request_bytes``."""
+    def strategy(self, n: int, run: int, span: int) -> tuple[str, int]:
+        """How to read ``n`` runs of ``run`` bytes over ``span`` bytes: ``exact``, ``through`` (with
+        the largest gap read through) or ``slab`` (see ``vectored.ReadCostModel``). An explicit
+        ``read_gap_bytes`` decides alone: 0 is exact, more is through."""
+        if n <= 1:
+            return "exact", 0
+        if self.read_gap_bytes is not None:
+            return ("exact", 0) if self.read_gap_bytes == 0 else ("through", self.read_gap_bytes)
+        model = self.cost_model()
+        how = model.choose(n, run, span)
+        return how, model.gap_bytes if how == "through" else 0
+
+    def _read_unverified(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype) -> None:
+        """Checksums off, or a format without them: the cheapest of exact runs, vectored requests
+        reading short gaps through, or cache-sized slabs and a strided copy, by the measured cost
+        model. Exact and through land in the destination itself; destinations they cannot land in
+        (another dtype or device, runs not contiguous there) take slabs."""
         esize = element_size(r.dtype)
         dest = r.dest
         nd = len(r.chunk.sizes)
         k = run_dim(r.sub.sizes, r.chunk.sizes) if nd else 0
+        strides = row_major_strides(r.chunk.sizes)
+        run = (r.sub.sizes[k] * strides[k] if nd else 1) * esize
+        n = r.sub.numel * esize // run if run else 0
+        start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
+        how, gap = self.strategy(n, run, (stop - start) * esize)
         into = dest.device.type == "cpu" and dest.dtype == dt and runs_contiguous_in(dest, k)
-        if not into:
-            for part, view in self._windows(r, esize, dest):
-                self._read_exact(fd, name, ReadRequest(r.chunk, r.dtype, part, self._scratch_for(part, dt)), dt)
-                view.copy_(self._scratch_for(part, dt))
+        if how == "slab" or not into:
+            self.counters.bump("partial_reads_slab", 1)
+            self._read_windows(fd, name, r, dt, "")
             return
-        run = (r.sub.sizes[k] * row_major_strides(r.chunk.sizes)[k] if nd else 1) * esize
-        starts = run_starts(r.sub.offsets, r.sub.sizes, row_major_strides(r.chunk.sizes), k)
+        self.counters.bump(f"partial_reads_{how}", 1)
+        starts = run_starts(r.sub.offsets, r.sub.sizes, strides, k)
         what = f"chunk {r.chunk.key!r}"
         full = os.path.join(self.path, name)
         addrs = check_destination(dest, run_starts((0,) * nd, r.sub.sizes, dest.stride(), k) * esize, run,
                                   name=full, what=what)
-        gap = self.gap_bytes() if starts.numel() > 1 else 0
         st = read_ranges(fd, r.chunk.byte_offset + starts * esize, run, addrs, gap_bytes=gap, sink=self._sink,
                          name=full, what=what, file_size=os.fstat(fd).st_size,
                          max_request_bytes=self.max_request_bytes)
         self._count(st.bytes_read, st.calls)
 
-    def _scratch_for(self, part: Box, dt: torch.dtype) -> torch.Tensor:
-        n = math.prod(part.sizes)
-        return self._scratch_view(n * torch.empty(0, dtype=dt).element_size()).view(dt)[:n].view(part.sizes)
-
-    def _windows(self, r: ReadRequest, esize: int, dest: torch.Tensor) -> Iterator[tuple[Box, torch.Tensor]]:
-        """The sub-box in slices of whole dim-0 indices of at most ``max_request_bytes`` (at least
-        one index), each with its part of ``dest``: what bounds a scratch buffer."""
+    def _windows(self, r: ReadRequest, esize: int) -> Iterator[tuple[Box, torch.Tensor]]:
+        """The sub-box in slices of whole dim-0 indices whose span in the chunk is at most a
+        scratch window (``SCRATCH_WINDOW``, or ``max_request_bytes`` if smaller; at least one
+        index), each with its part of the destination: what bounds the scratch buffer and keeps
+        it in the CPU cache for the copy out."""
         if not r.sub.sizes:
-            yield r.sub, dest
+            yield r.sub, r.dest
             return
-        per = max(1, math.prod(r.sub.sizes[1:]) * esize)
-        step = max(1, self.max_request_bytes // per)
+        per = max(1, math.prod(r.chunk.sizes[1:]) * esize)
+        step = max(1, min(SCRATCH_WINDOW, self.max_request_bytes) // per)
         o0, n0 = r.sub.offsets[0], r.sub.sizes[0]
         for i in range(0, n0, step):
             m = min(step, n0 - i)
-            yield Box((o0 + i, *r.sub.offsets[1:]), (m, *r.sub.sizes[1:])), dest.narrow(0, i, m)
+            yield Box((o0 + i, *r.sub.offsets[1:]), (m, *r.sub.sizes[1:])), r.dest.narrow(0, i, m)
 
-    def _read_blocks_verified(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype, hexes: str) -> None:
-        """Part of a chunk (or a whole one whose destination is not one contiguous buffer), every
-        byte copied verified: window by window (at most ``max_request_bytes`` of the part plus
-        the ends of its first and last block), read the whole blocks the window touches, check
-        each digest (once: a block two windows share is checked by the first), then copy the
-        window's part out. Costs the blocks' extra bytes: up to a block at each end of a row
-        range, the whole chunk for a column split (docs/benchmarks.md gives the figures)."""
+    def _read_windows(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype, hexes: str) -> None:
+        """Window by window (:meth:`_windows`): read the window's span into the scratch buffer,
+        then copy its part out (one strided copy, casting or moving to the destination's device
+        as needed). With ``hexes`` (the chunk's block digests) every byte copied is verified:
+        the read covers the whole blocks the window touches and each block is read and checked
+        once (a block two windows share stays in the scratch buffer). That costs the blocks'
+        extra bytes: up to a block at each end of a row range, the whole chunk for a column
+        split."""
         esize = element_size(r.dtype)
-        block = self.metadata.block_bytes
         chunk_bytes = r.chunk.box.numel * esize
+        block = self.metadata.block_bytes if hexes else 0
         strides = row_major_strides(r.chunk.sizes)
         full = os.path.join(self.path, name)
-        checked = -1  # the highest block verified so far
-        for part, view in self._windows(r, esize, r.dest):
-            start, stop = flat_span(part.offsets, part.sizes, r.chunk.sizes)
-            first, last = (start * esize) // block, -(-(stop * esize) // block)
-            lo, hi = first * block, min(last * block, chunk_bytes)
-            self._check_bounds(fd, name, r, r.chunk.byte_offset + lo, hi - lo)
-            buf = self._scratch_view(hi - lo)
-            bview = byte_view(buf)
-            pread_into(fd, r.chunk.byte_offset + lo, bview, name=name)
-            self._count(hi - lo, 1)
-            for b in range(max(first, checked + 1), last):
-                piece = bview[(b - first) * block:min((b + 1 - first) * block, hi - lo)]
-                if digest(piece) != hexes[16 * b:16 * b + 16]:
-                    raise CorruptCheckpointError(f"checkpoint file {full}: key {r.chunk.key!r} fails the checksum of "
-                                                 f"its block {b} (bytes {r.chunk.byte_offset + b * block}.."
-                                                 f"{r.chunk.byte_offset + b * block + len(piece)}; corrupted data)")
-                checked = b
-            self.counters.chunks_verified += 1
-            view.copy_(buf.view(dt).as_strided(part.sizes, strides, start - lo // esize))
+        parts = list(self._windows(r, esize))
+        spans = [flat_span(p.offsets, p.sizes, r.chunk.sizes) for p, _ in parts]
+        cap = max((stop - start) * esize for start, stop in spans) + 2 * block
+        scratch = self._scratch_view(min(cap, chunk_bytes))  # one buffer for every window
+        have_lo = have_hi = 0  # the chunk bytes the scratch holds (verified when ``block``)
+        for (part, view), (start, stop) in zip(parts, spans):
+            lo, hi = start * esize, stop * esize
+            if block:
+                lo, hi = lo // block * block, min(-(-hi // block) * block, chunk_bytes)
+            keep = min(max(0, have_hi - lo), hi - lo) if lo >= have_lo else 0  # the last window's (verified) tail
+            if keep:
+                scratch[:keep].copy_(scratch[lo - have_lo:have_hi - have_lo].clone())
+            if hi > lo + keep:
+                self._check_bounds(fd, name, r, r.chunk.byte_offset + lo + keep, hi - lo - keep)
+                pread_into(fd, r.chunk.byte_offset + lo + keep, byte_view(scratch[keep:hi - lo]), name=name)
+                self._count(hi - lo - keep, 1)
+            if block:
+                bview = byte_view(scratch[:hi - lo])
+                for b in range((lo + keep) // block, -(-hi // block)):
+                    piece = bview[b * block - lo:min((b + 1) * block, hi) - lo]
+                    if digest(piece) != hexes[16 * b:16 * b + 16]:
+                        raise CorruptCheckpointError(
+                            f"checkpoint file {full}: key {r.chunk.key!r} fails the checksum of its block {b} (bytes "
+                            f"{r.chunk.byte_offset + b * block}..{r.chunk.byte_offset + b * block + len(piece)}; "
+                            f"corrupted data)")
+                self.counters.chunks_verified += 1
+            have_lo, have_hi = lo, hi
+            view.copy_(scratch[:hi - lo].view(dt).as_strided(part.sizes, strides, start - lo // esize))
 
     def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]:
         by_file: dict[str, list[str]] = {}

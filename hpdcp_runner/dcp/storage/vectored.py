@@ -16,6 +16,7 @@ The iovec arrays are built as int64 tensors (no Python object per run) and passe
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import os
 import tempfile
@@ -48,25 +49,33 @@ _PREADV = _libc_preadv()
 def _preadv_table(fd: int, table: torch.Tensor, offset: int) -> int:
     """One ``preadv`` of the iovecs in ``table`` (an ``[n, 2]`` int64 tensor of address, length)."""
     if _PREADV is not None:
-        while True:
-            n = _PREADV(fd, table.data_ptr(), table.shape[0], offset)
-            if n >= 0:
-                return n
-            e = ctypes.get_errno()
-            if e != errno.EINTR:
-                raise OSError(e, os.strerror(e))
+        return _preadv_ptr(fd, table.data_ptr(), table.shape[0], offset)
     views = [memoryview((ctypes.c_char * ln).from_address(a)).cast("B") for a, ln in table.tolist()]
     return os.preadv(fd, views, offset)
 
 
+SCRATCH_WINDOW = 2 << 20  # slab reads go through a window this size: it stays in the CPU cache for the copy
+
+
 @dataclass(frozen=True)
 class ReadCostModel:
-    """What one read request costs on this machine: ``call_s`` per request (system call and
-    Python around it) plus ``1 / bytes_per_s`` per byte. A gap between two wanted ranges is read
-    through when reading it is cheaper than another request."""
+    """What reading part of a chunk costs on this machine, measured (``measured_cost_model``):
+
+    * ``call_s``: one read request (system call and the Python around it);
+    * ``run_s``: one more run in a vectored request (its iovec and the gap's iovec after it);
+    * ``bytes_per_s``: bytes delivered by the storage (page cache, or a throttle/network cap);
+    * ``copy_bytes_per_s``: a strided copy out of a cache-warm scratch window.
+
+    Three ways to read ``n`` runs of ``run`` bytes spread over ``span`` bytes (:meth:`choose`):
+    ``exact`` (one request per run, only the kept bytes), ``through`` (vectored requests into the
+    destination, gaps read into a discard buffer) and ``slab`` (whole windows into a scratch
+    buffer, then one strided copy). A gap inside ``through`` is read when cheaper than a request
+    (:attr:`gap_bytes`)."""
 
     call_s: float
+    run_s: float
     bytes_per_s: float
+    copy_bytes_per_s: float
 
     @property
     def gap_bytes(self) -> int:
@@ -77,39 +86,67 @@ class ReadCostModel:
         network link): bytes cost more, so fewer gaps are worth reading."""
         if not bytes_per_s or bytes_per_s >= self.bytes_per_s:
             return self
-        return ReadCostModel(self.call_s, float(bytes_per_s))
+        return dataclasses.replace(self, bytes_per_s=float(bytes_per_s))
+
+    def costs(self, n: int, run: int, span: int) -> dict[str, float]:
+        kept = n * run
+        per_request = (IOV_MAX - 2) // 2
+        return {"exact": n * self.call_s + kept / self.bytes_per_s,
+                "through": -(-n // per_request) * self.call_s + n * self.run_s + span / self.bytes_per_s,
+                "slab": -(-span // SCRATCH_WINDOW) * self.call_s + span / self.bytes_per_s
+                + kept / self.copy_bytes_per_s}
+
+    def choose(self, n: int, run: int, span: int) -> str:
+        c = self.costs(n, run, span)
+        return min(c, key=c.__getitem__)
 
 
 _MEASURED: ReadCostModel | None = None
 
 
 def measured_cost_model() -> ReadCostModel:
-    """Measured once per process (~20 ms) on a scratch file in the page cache: many small reads
-    against a few large ones through the same read path the loads use."""
+    """Measured once per process (~50 ms) on a scratch file in the page cache, through the same
+    read path the loads use: small requests, a large one, vectored runs against one iovec, and
+    the strided copy out of a window."""
     global _MEASURED
     if _MEASURED is None:
         _MEASURED = _measure()
     return _MEASURED
 
 
-def _measure(small: int = 4096, count: int = 256, big: int = 16 << 20) -> ReadCostModel:
-    buf = torch.empty(big, dtype=torch.uint8)
+def _measure(big: int = 16 << 20) -> ReadCostModel:
+    """Each strategy timed on a pattern of its own through ``read_ranges`` (the loads' path),
+    destinations larger than the CPU cache; the best of a few tries of each."""
+    dest = torch.empty(big, dtype=torch.uint8)
+    dest.fill_(0)  # touched: page faults are not a read cost
+    sink = Sink()
     with tempfile.TemporaryFile() as f:
         f.write(bytes(big))
         f.flush()
         fd = f.fileno()
-        whole = torch.tensor([[buf.data_ptr(), big]], dtype=torch.int64)
+        whole = torch.tensor([[dest.data_ptr(), big]], dtype=torch.int64)
         _preadv_table(fd, whole, 0)  # in the page cache from here on
-        best_big = min(_timed(lambda: _preadv_table(fd, whole, 0)) for _ in range(4))
-        tables = [torch.tensor([[buf.data_ptr() + i * small, small]], dtype=torch.int64) for i in range(count)]
+        bytes_per_s = big / max(min(_timed(lambda: _preadv_table(fd, whole, 0)) for _ in range(3)), 1e-9)
 
-        def smalls() -> None:
-            for i, t in enumerate(tables):
-                _preadv_table(fd, t, 2 * i * small)
-        best_small = min(_timed(smalls) for _ in range(3))
-    bytes_per_s = big / max(best_big, 1e-9)
-    call_s = max(best_small / count - small / bytes_per_s, 1e-7)
-    return ReadCostModel(call_s, bytes_per_s)
+        def ranges(run: int, n: int, gap_bytes: int) -> float:
+            offs = torch.arange(n, dtype=torch.int64) * 2 * run
+            addrs = dest.data_ptr() + torch.arange(n, dtype=torch.int64) * run
+            return min(_timed(lambda: read_ranges(fd, offs, run, addrs, gap_bytes=gap_bytes, sink=sink, name="",
+                                                  what="", file_size=big)) for _ in range(3))
+        n = 256  # exact: 4 KiB runs, each its own request
+        call_s = max((ranges(4096, n, 0) - n * 4096 / bytes_per_s) / n, 1e-7)
+        n = big // 1024  # through: 512-byte runs and gaps over the whole file
+        calls = -(-n // ((IOV_MAX - 2) // 2))
+        run_s = max((ranges(512, n, 1 << 20) - big / bytes_per_s - calls * call_s) / n, 1e-9)
+    # slab: the strided copy of half of each 2-KiB row out of a cache-warm window into a big destination
+    win = torch.zeros(SCRATCH_WINDOW, dtype=torch.uint8).view(-1, 2048)
+    out = dest.view(-1, 1024)
+
+    def copies() -> None:
+        for i in range(0, out.shape[0], win.shape[0]):
+            out[i:i + win.shape[0]].copy_(win[:, :1024])
+    copy_bytes_per_s = big / max(min(_timed(copies) for _ in range(3)), 1e-9)
+    return ReadCostModel(call_s, run_s, bytes_per_s, copy_bytes_per_s)
 
 
 def _timed(fn) -> float:
@@ -190,15 +227,31 @@ def read_ranges(fd: int, file_offsets: torch.Tensor, length: int, addrs: torch.T
     entry_start = (torch.cumsum(keep.to(torch.int64), 0) - keep.to(torch.int64))[2 * starts]
     entry_stop = torch.cat([entry_start[1:], torch.tensor([table.shape[0]])])
     spans = ends[stops - 1] - offs[starts]
+    base = table.data_ptr()
     for a, e0, e1, total in zip(offs[starts].tolist(), entry_start.tolist(), entry_stop.tolist(), spans.tolist()):
-        _read_request(fd, table[e0:e1], a, total, name, what)
+        done = _preadv_ptr(fd, base + 16 * e0, e1 - e0, a)
+        if done < total:
+            _finish_request(fd, table[e0:e1], a, total, done, name, what)
         stats.calls += 1
         stats.bytes_read += total
     return stats
 
 
-def _read_request(fd: int, table: torch.Tensor, offset: int, total: int, name: str, what: str) -> None:
-    done = _preadv_table(fd, table, offset)
+def _preadv_ptr(fd: int, ptr: int, count: int, offset: int) -> int:
+    """``preadv`` of ``count`` iovecs at address ``ptr`` (rows of an int64 table)."""
+    if _PREADV is not None:
+        while True:
+            n = _PREADV(fd, ptr, count, offset)
+            if n >= 0:
+                return n
+            e = ctypes.get_errno()
+            if e != errno.EINTR:
+                raise OSError(e, os.strerror(e))
+    table = torch.frombuffer((ctypes.c_int64 * (2 * count)).from_address(ptr), dtype=torch.int64).view(count, 2)
+    return _preadv_table(fd, table, offset)
+
+
+def _finish_request(fd: int, table: torch.Tensor, offset: int, total: int, done: int, name: str, what: str) -> None:
     while done < total:  # a short read: EOF (a damaged file) or an interrupted call; go on from there
         cum = torch.cumsum(table[:, 1], 0)
         i = int(torch.searchsorted(cum, done, right=True))

@@ -175,9 +175,9 @@ def _rchar() -> int:
 
 
 @pytest.mark.parametrize("gap,cast", [(0, False), (0, True), (64 << 10, False), (None, False)])
-def test_column_slices_read_only_their_rows_runs_or_read_through_short_gaps(tmp_path, gap, cast):
-    """Without checksum verification: vectored reads into the destination. (Verified partial
-    reads read whole blocks: test_partial_reads_are_verified_block_by_block.)"""
+def test_column_slices_read_exact_runs_through_gaps_or_slabs(tmp_path, gap, cast):
+    """Without checksum verification. (Verified partial reads read whole blocks:
+    test_partial_reads_are_verified_block_by_block.)"""
     from hpdcp_runner.dcp import FileSystemReader, LocalShard
 
     full = torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)  # rows of 4 KiB
@@ -189,10 +189,13 @@ def test_column_slices_read_only_their_rows_runs_or_read_through_short_gaps(tmp_
     res = load({"w": LocalShard(local, (0, 256), (256, 1024))}, storage_reader=reader, allow_cast=cast)
     read = _rchar() - before
     assert torch.equal(local, full[:, 256:768].to(local.dtype))
-    kept = 256 * 512 * 4
-    gap = reader.gap_bytes()
-    if gap < 2048:  # the 2 KiB gaps split the requests: exactly the kept bytes, one request per row
+    kept, span = 256 * 512 * 4, (255 * 1024 + 512) * 4
+    how = "slab" if cast else reader.strategy(256, 2048, span)[0]  # a cast cannot land in the destination
+    assert res.counters[f"partial_reads_{how}"] == 1
+    if how == "exact":  # exactly the kept bytes, one request per row, straight into the destination
         assert res.counters["bytes_read"] == kept and res.counters["reads"] == 256
         assert read <= 1.1 * kept + 65536, read
-    else:  # gaps read through: one request from the first wanted to the last wanted byte
-        assert res.counters["bytes_read"] == (255 * 1024 + 512) * 4 and res.counters["reads"] == 1
+    elif how == "through":  # one vectored request from the first wanted to the last wanted byte
+        assert res.counters["bytes_read"] == span and res.counters["reads"] == 1
+    else:  # slabs: the span in cache-sized windows
+        assert res.counters["bytes_read"] == span and res.counters["reads"] == 1  # 1 MiB: one window
