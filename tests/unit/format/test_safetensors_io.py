@@ -68,3 +68,26 @@ def test_a_short_read_names_the_file(tmp_path):
             pread_into(fd, 0, memoryview(bytearray(8)), name="short")
     finally:
         os.close(fd)
+
+
+def test_hashing_while_writing_gives_the_digests_of_the_bytes_and_keeps_file_offsets(tmp_path):
+    """Large tensors are hashed and written block by block, bypassing the file's buffer; small
+    ones go through it. Digests equal those of the whole bytes, and every entry lands at its
+    declared offset whatever the mix (a small entry after a large one, sizes around a block)."""
+    from hpdcp_runner.dcp.core.utils import byte_view
+    from hpdcp_runner.dcp.format.safetensors_io import BLOCK_BYTES, block_digests, digest
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [3, BLOCK_BYTES // 4, BLOCK_BYTES // 4 + 1, 7, 3 * BLOCK_BYTES // 4 - 5, 0, 2 * BLOCK_BYTES // 4 + 1, 1]
+    tensors = [(f"t{i}", torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g))
+               for i, n in enumerate(sizes)]
+    path = str(tmp_path / "f.safetensors")
+    wf = write_file(path, tensors)
+    back = load_file(path)
+    data = open(path, "rb").read()
+    for (key, t), e in zip(tensors, wf.entries):
+        assert torch.equal(back[key], t)
+        view = byte_view(t)
+        assert e.checksum == digest(view) and e.blocks == block_digests(view)
+        assert data[e.byte_offset:e.byte_offset + e.nbytes] == bytes(view)
+    assert wf.size == len(data)
