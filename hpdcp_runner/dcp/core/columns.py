@@ -46,14 +46,41 @@ def group_rows(keyrows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 def padded_boxes(flat: torch.Tensor, ndims: torch.Tensor, d: int) -> torch.Tensor:
     """Boxes stored back to back in ``flat`` (offsets then sizes, ``ndims[i]`` each) as one
     ``[n, 2d]`` int64 matrix: offsets padded with 0, sizes padded with 1 (so 0-d boxes and
-    missing dimensions compare equal and count one element)."""
-    out = torch.zeros((ndims.numel(), 2 * d), dtype=torch.int64)
+    missing dimensions compare equal and count one element). One gather per distinct rank of
+    box (a state dict has a handful), not one pass per dimension."""
+    n = ndims.numel()
+    out = torch.zeros((n, 2 * d), dtype=torch.int64)
     out[:, d:] = 1
     if not flat.numel():  # only 0-d boxes: nothing but padding
         return out
+    if n and bool((ndims == d).all()):
+        return flat.view(n, 2 * d).clone()
     start = torch.cumsum(2 * ndims, 0) - 2 * ndims  # where each box starts in ``flat``
-    for j in range(d):
-        has = ndims > j
-        out[:, j] = torch.where(has, flat[torch.where(has, start + j, 0)], 0)
-        out[:, d + j] = torch.where(has, flat[torch.where(has, start + ndims + j, 0)], 1)
+    for k in torch.unique(ndims).tolist():
+        if k == 0:
+            continue
+        rows = torch.nonzero(ndims == k).flatten()
+        vals = flat[start[rows, None] + torch.arange(2 * k)]
+        out[rows, :k] = vals[:, :k]
+        out[rows, d:d + k] = vals[:, k:]
+    return out
+
+
+def singletons(keyrows: torch.Tensor) -> torch.Tensor:
+    """A mask of rows whose key occurs once (cheap: one 64-bit hash per row and one sort; a
+    hash collision only keeps a row for the exact grouping). Lets a planner drop rows that
+    cannot be in a group of two before grouping the rest column by column."""
+    n = keyrows.shape[0]
+    if n < 2:
+        return torch.ones(n, dtype=torch.bool)
+    mult = torch.tensor([(0x9E3779B97F4A7C15 * (2 * j + 1)) % (1 << 63) | 1 for j in range(keyrows.shape[1])],
+                        dtype=torch.int64)
+    h = (keyrows * mult).sum(1)  # wraps modulo 2**64
+    hs, order = torch.sort(h)
+    dup = torch.zeros(n, dtype=torch.bool)
+    same = hs[1:] == hs[:-1]
+    dup[1:] |= same
+    dup[:-1] |= same
+    out = torch.ones(n, dtype=torch.bool)
+    out[order] = ~dup
     return out

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..core.errors import ConfigError
-from ..core.columns import group_rows, pack_ints, padded_boxes, unpack_ints
+from ..core.columns import group_rows, pack_ints, padded_boxes, singletons, unpack_ints
 
 MODES = ("always", "never", "auto")
 
@@ -134,6 +133,9 @@ def plan_replica_reads(per_rank: Sequence[Sequence[ShardSummary] | CompactShards
         return []
     shards = [p if isinstance(p, CompactShards) else CompactShards.from_summaries(p) for p in per_rank]
     rows, attrs, fqns, dtypes = _shard_rows(shards)
+    # only shards with bytes that another rank also holds can form a group worth broadcasting
+    keep = (attrs[:, 2] > 0) & ~singletons(rows[:, 1:])
+    rows, attrs = rows[keep], attrs[keep]
     if not len(rows):
         return []
     order, _, starts = group_rows(rows[:, 1:])
@@ -164,48 +166,63 @@ _DEVICES = ("cpu", "cuda", "none")
 def _shard_rows(shards: Sequence[CompactShards]) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str]]:
     """All shards, rank-major, as int64 rows ``[rank, fqn order, offsets (padded 0), sizes (padded
     1)]`` (fqns numbered in sorted order, so sorted rows are in key order) and attributes
-    ``[dtype id, device id, nbytes, ndim]``; plus the fqn and dtype names."""
-    fqns = sorted({k[0] for s in shards for k in s.keys})
+    ``[dtype id, device id, nbytes, ndim]``; plus the fqn and dtype names. Each distinct key
+    table (ranks of one layout share one, see ``CompactShards.from_wire``) is turned into numbers
+    once; everything per shard is one tensor operation over all ranks."""
+    distinct: dict[int, tuple[int, tuple]] = {}  # id(keys) -> (table number, keys)
+    for s in shards:
+        distinct.setdefault(id(s.keys), (len(distinct), s.keys))
+    all_keys = [keys for _, keys in distinct.values()]
+    fqns = sorted({k[0] for keys in all_keys for k in keys})
     fid = {f: i for i, f in enumerate(fqns)}
-    dtypes = sorted({k[1] for s in shards for k in s.keys})
-    d = max([k[3] for s in shards for k in s.keys] or [1]) or 1
-    rows, attrs = [], []
-    for rank, s in enumerate(shards):
-        n = s.key_idx.numel()
-        if not n:
-            continue
-        table = torch.tensor([[fid[k[0]], dtypes.index(k[1]), _DEVICES.index(k[2] if k[2] in _DEVICES else "none"),
-                               k[3]] for k in s.keys], dtype=torch.int64)
-        per = table[s.key_idx]
-        nd = per[:, 3]
-        r = torch.zeros((n, 2 + 2 * d), dtype=torch.int64)
-        r[:, 0], r[:, 1] = rank, per[:, 0]
-        r[:, 2:] = padded_boxes(s.boxes, nd, d)
-        rows.append(r)
-        attrs.append(torch.stack([per[:, 1], per[:, 2], s.nbytes, nd], 1))
-    if not rows:
+    dtypes = sorted({k[1] for keys in all_keys for k in keys})
+    did = {t: i for i, t in enumerate(dtypes)}
+    d = max([k[3] for keys in all_keys for k in keys] or [1]) or 1
+    tables = [torch.tensor([[fid[k[0]], did[k[1]], _DEVICES.index(k[2] if k[2] in _DEVICES else "none"), k[3]]
+                            for k in keys], dtype=torch.int64).view(-1, 4) for keys in all_keys]
+    base = torch.tensor([0] + [len(keys) for keys in all_keys], dtype=torch.int64).cumsum(0)
+    counts = torch.tensor([s.key_idx.numel() for s in shards], dtype=torch.int64)
+    n = int(counts.sum())
+    if not n:
         return torch.zeros((0, 2 + 2 * d), dtype=torch.int64), torch.zeros((0, 4), dtype=torch.int64), fqns, dtypes
-    return torch.cat(rows), torch.cat(attrs), fqns, dtypes
+    table_of = torch.tensor([distinct[id(s.keys)][0] for s in shards], dtype=torch.int64)
+    idx = torch.cat([s.key_idx for s in shards]) + base[table_of].repeat_interleave(counts)
+    per = torch.cat(tables)[idx]
+    nd = per[:, 3]
+    rows = torch.empty((n, 2 + 2 * d), dtype=torch.int64)
+    rows[:, 0] = torch.arange(len(shards), dtype=torch.int64).repeat_interleave(counts)
+    rows[:, 1] = per[:, 0]
+    rows[:, 2:] = padded_boxes(torch.cat([s.boxes for s in shards]), nd, d)
+    attrs = torch.stack([per[:, 1], per[:, 2], torch.cat([s.nbytes for s in shards]), nd], 1)
+    return rows, attrs, fqns, dtypes
 
 
 def _assign_sources(cand: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
                     rows: torch.Tensor, attrs: torch.Tensor, fqns: Sequence[str], dtypes: Sequence[str],
                     policy: str) -> list[BroadcastOp]:
-    """One op per candidate group (in ``cand`` order); only candidate rows become Python ints."""
+    """One op per candidate group (in ``cand`` order); only candidate rows become Python ints.
+    Holders come out of ``group_rows`` in rank order (rows are rank-major, the sort is stable);
+    the balanced choice (least bytes assigned so far, then lowest rank) is one ``argmin`` over a
+    group's holders, not a Python loop."""
     d = (rows.shape[1] - 2) // 2
     is_cand = torch.zeros(len(starts), dtype=torch.bool)
     is_cand[cand] = True
-    holder_rank = rows[order[is_cand.repeat_interleave(counts)], 0].tolist()
+    holders = rows[order[is_cand.repeat_interleave(counts)], 0]
+    holder_rank = holders.tolist()
     ccounts = torch.where(is_cand, counts, 0)
     cstart = (torch.cumsum(ccounts, 0) - ccounts)[cand].tolist()
     first = order[starts[cand]]
     heads, head_attrs = rows[first].tolist(), attrs[first].tolist()
     ops = []
-    assigned: dict[int, int] = defaultdict(int)
+    assigned = torch.zeros(int(rows[:, 0].max()) + 1, dtype=torch.int64)
     for a, n, head, (dt_id, dev_id, nbytes, nd) in zip(cstart, counts[cand].tolist(), heads, head_attrs):
-        ranks = tuple(sorted(holder_rank[a:a + n]))
+        ranks = tuple(holder_rank[a:a + n])
         key = (fqns[head[1]], tuple(head[2:2 + nd]), tuple(head[2 + d:2 + d + nd]))
-        src = ranks[0] if policy == "minimum_rank" else min(ranks, key=lambda r: (assigned[r], r))
+        if policy == "minimum_rank":
+            src = ranks[0]
+        else:
+            group = holders[a:a + n]
+            src = int(group[torch.argmin(assigned[group])])  # the first minimum: the lowest rank
         assigned[src] += nbytes
         ops.append(BroadcastOp(key, ranks, src, nbytes, dtypes[dt_id], _DEVICES[dev_id]))
     return ops

@@ -93,7 +93,8 @@ def _reference_ops(per_rank, mode, nodes, slow_storage, policy):
     holders = {}
     for rank, shards in enumerate(per_rank):
         for s in shards:
-            holders.setdefault(s.key, []).append((rank, s))
+            if s.nbytes:  # a shard without bytes has nothing to read or send
+                holders.setdefault(s.key, []).append((rank, s))
     cands = []
     for key, hs in holders.items():
         first = hs[0][1]
@@ -113,7 +114,7 @@ def _reference_ops(per_rank, mode, nodes, slow_storage, policy):
     return ops
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", range(30))
 def test_vectorised_replica_plan_matches_reference(seed):
     import random
 
@@ -123,14 +124,15 @@ def test_vectorised_replica_plan_matches_reference(seed):
     per_rank = [[] for _ in range(ws)]
     for k in range(rnd.randint(1, 12)):
         ndim = rnd.choice([0, 1, 2])
+        size = 0 if ndim and rnd.random() < 0.2 else 4  # some keys have empty shards (more ranks than rows)
         for r in range(ws):
             if rnd.random() < 0.3:
                 continue  # this rank does not hold this key
             offs = tuple(rnd.choice([0, 4]) for _ in range(ndim))
-            sizes = tuple(4 for _ in range(ndim))
+            sizes = tuple(size for _ in range(ndim))
             dtype = "float32" if rnd.random() < 0.9 else "bfloat16"
             device = rnd.choice(["cpu"] * 8 + ["cuda", "none"])
-            nb = 4 * 4 ** ndim if rnd.random() < 0.95 else 7
+            nb = 4 * size ** ndim if rnd.random() < 0.95 or not size else 7
             per_rank[r].append(ShardSummary(f"w{k % 7}.{k}", offs, sizes, nb, dtype, device))
     for mode in ("always", "auto"):
         for slow in (False, True):
