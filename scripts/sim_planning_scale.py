@@ -71,16 +71,21 @@ def wires(n: int, t: int) -> list[str]:
     return out
 
 
-def shard_wires(n: int, t: int) -> list[str]:
-    """Every rank's gathered shard summaries for a load of the same layout (columnar wire)."""
+def shard_wires(n: int, t: int, all_shards: bool = False) -> list[str]:
+    """Every rank's gathered shard summaries for a load of the same layout (columnar wire). A
+    rank sends only the shards another rank may hold (``StandardLoadPlanner._summaries``): the
+    replicated tenth here, not the DTensors sharded over the whole mesh (``all_shards``: the
+    protocol before that, every shard)."""
     keys = tuple((f"t{i}", "float32", "cpu", 2) for i in range(t))
     rep = torch.tensor([i % 10 == 9 for i in range(t)])
+    sent = torch.arange(t) if all_shards else torch.nonzero(rep).flatten()
     out = []
     for r in range(n):
         start, size = split_piece(ROWS, n, r)
-        off0, size0 = torch.where(rep, 0, start), torch.where(rep, ROWS, size)
-        boxes = torch.stack([off0, torch.zeros(t, dtype=torch.int64), size0, torch.full((t,), COLS)], 1).flatten()
-        cs = CompactShards(keys, torch.arange(t), boxes, size0 * COLS * 4)
+        off0, size0 = torch.where(rep, 0, start)[sent], torch.where(rep, ROWS, size)[sent]
+        m = len(sent)
+        boxes = torch.stack([off0, torch.zeros(m, dtype=torch.int64), size0, torch.full((m,), COLS)], 1).flatten()
+        cs = CompactShards(keys, sent, boxes, size0 * COLS * 4)
         out.append(json.dumps({"ok": {"shards": cs.to_wire()}}, separators=(",", ":")))
     return out
 

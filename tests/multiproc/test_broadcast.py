@@ -170,3 +170,48 @@ def test_failed_reader_fails_every_rank_and_fills_nothing_by_broadcast(tmp_path)
     for r in res:
         assert "rank00001.safetensors is missing" in r["msg"] and r["elapsed"] < 20
     assert res[0]["msg"] == res[1]["msg"]
+
+
+def _submesh_replicas(rank: int, ws: int, root: str) -> dict:
+    """TP on each data-parallel replica's own 2-rank mesh (no Replicate placement anywhere):
+    ranks 0/2 and 1/3 hold the same boxes. A DTensor sharded over the whole 4-rank mesh is held
+    by one rank each and is left out of the replica plan's input."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from hpdcp_runner.dcp import StandardLoadPlanner
+
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    world = DeviceMesh("cpu", list(range(ws)))
+    full = {"tp_w": _ref("tp_w", SHAPES["tp_w"]), "full": _ref("full", SHAPES["full"])}
+
+    def state(zeros):
+        out = {}
+        for name, mesh in (("tp_w", tp), ("full", world)):
+            d = distribute_tensor(full[name], mesh, [Shard(0)], src_data_rank=None)
+            out[name] = DTensor.from_local(torch.zeros_like(d.to_local()), mesh, [Shard(0)], run_check=False,
+                                           shape=d.shape, stride=d.stride()) if zeros else d
+        return out
+
+    save(state(False), checkpoint_id=f"{root}/c", timeout=60)
+    tgt = state(True)
+    planner = StandardLoadPlanner()
+    from hpdcp_runner.dcp import read_metadata
+    planner.configure(tgt, read_metadata(f"{root}/c"), rank=rank, world_size=ws, allow_cast=False,
+                      sendable=("cpu",))
+    summarized = sorted({s.fqn for s in planner.create_local_plan().shards})
+    res = load(tgt, checkpoint_id=f"{root}/c", timeout=60, broadcast=BroadcastOptions("always"))
+    ok = all(torch.equal(tgt[k].to_local(), distribute_tensor(full[k], tgt[k].device_mesh, [Shard(0)],
+                                                               src_data_rank=None).to_local()) for k in full)
+    return {"summarized": summarized, "ok": ok, "read": res.counters["bytes_read"],
+            "broadcasts": res.counters.get("broadcasts", 0)}
+
+
+def test_replicas_across_submeshes_are_broadcast_and_fully_sharded_tensors_never_planned(tmp_path):
+    res = run_ranks(4, _submesh_replicas, str(tmp_path), timeout=300)
+    assert all(r["ok"] for r in res)
+    assert all(r["summarized"] == ["tp_w"] for r in res)  # "full" is held by one rank each
+    tp_bytes = torch.Size(SHAPES["tp_w"]).numel() * 4
+    full_bytes = torch.Size(SHAPES["full"]).numel() * 4
+    assert sum(r["read"] for r in res) == tp_bytes + full_bytes  # the TP halves read once, not per replica
+    assert sum(r["broadcasts"] for r in res) > 0

@@ -48,6 +48,16 @@ def local_pieces(v: Any) -> list[tuple[Box, torch.Tensor]]:
     return [(whole(v.shape), v.detach())]
 
 
+def _held_by_one_rank(v: Any, world_size: int) -> bool:
+    """True for a DTensor whose mesh spans the whole group and whose every placement is a Shard:
+    each rank's box is its own. A mesh smaller than the group (TP inside each data-parallel
+    replica), a Replicate dimension, plain tensors and explicit shards may be held twice."""
+    if not isinstance(v, DTensor) or v.device_mesh.size() != world_size:
+        return False
+    from torch.distributed.tensor import Shard
+    return all(isinstance(p, Shard) for p in v.placements)
+
+
 def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -151,10 +161,15 @@ class StandardLoadPlanner(LoadPlanner):
                         self._summaries(items))
 
     def _summaries(self, items: Sequence[ReadItem]) -> tuple[ShardSummary, ...]:
+        """The destination shards another rank may hold too (the replica plan's input): a DTensor
+        split along every dimension of a mesh as large as the group is held by no other rank,
+        so it is left out and the coordinator's replica plan grows with the replicated shards
+        only (at 8,192 ranks x 2,000 tensors, 1.6M rows instead of 16.4M)."""
         seen: dict[tuple, ShardSummary] = {}
+        unique = {fqn for fqn in {it.fqn for it in items} if _held_by_one_rank(self.flat.get(fqn), self.world_size)}
         for it in items:
             k = (it.fqn, it.dest)
-            if k not in seen:
+            if it.fqn not in unique and k not in seen:
                 box, t = self._pieces[it.fqn][it.dest]
                 seen[k] = ShardSummary(it.fqn, box.offsets, box.sizes, t.numel() * t.element_size(),
                                        dtype_name(t.dtype),
