@@ -215,3 +215,70 @@ def test_replicas_across_submeshes_are_broadcast_and_fully_sharded_tensors_never
     full_bytes = torch.Size(SHAPES["full"]).numel() * 4
     assert sum(r["read"] for r in res) == tp_bytes + full_bytes  # the TP halves read once, not per replica
     assert sum(r["broadcasts"] for r in res) > 0
+
+
+def _corrupt_part_on_one_rank(rank: int, ws: int, root: str) -> dict:
+    """bf16 1024-wide matrices saved Shard(0) by 2 ranks, loaded Shard(1) (partial reads) and
+    Shard(0) (whole chunks): a flipped byte in rank 1's file, and a checkpoint whose metadata
+    places a chunk past its file's end, fail the load on every rank, naming the file."""
+    import json
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from hpdcp_runner.dcp import CorruptCheckpointError, HpdcpError
+
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    full = {f"w{i}": (torch.arange(1024 * 1024, dtype=torch.float32) % 251 + i).reshape(1024, 1024).to(torch.bfloat16)
+            for i in range(2)}
+
+    def state(dim, zeros):
+        out = {}
+        for k, v in full.items():
+            d = distribute_tensor(v, mesh, [Shard(dim)], src_data_rank=None)
+            out[k] = DTensor.from_local(torch.zeros_like(d.to_local()), mesh, [Shard(dim)], run_check=False,
+                                        shape=d.shape, stride=d.stride()) if zeros else d
+        return out
+
+    save(state(0, False), checkpoint_id=f"{root}/c", timeout=60)
+    out = {}
+    if rank == 0:  # one byte in the middle of rank 1's file
+        p = f"{root}/c/rank00001.safetensors"
+        with open(p, "r+b") as f:
+            f.seek(os.path.getsize(p) - 1500)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x40]))
+    dist.barrier()
+    for dim in (1, 0):
+        try:
+            load(state(dim, True), checkpoint_id=f"{root}/c", timeout=60)
+            out[f"flip S{dim}"] = "loaded"
+        except HpdcpError as e:
+            out[f"flip S{dim}"] = f"{type(e).__name__}: {e}"
+    # unverified reads of a chunk the metadata places past its file's end
+    if rank == 0:
+        md = json.load(open(f"{root}/c/metadata.json"))
+        size = md["files"]["rank00001.safetensors"]["size"] if "files" in md else None
+        for chunk in md["tensors"]["w1"]["chunks"]:
+            if chunk[3] == "rank00001.safetensors" or "rank00001.safetensors" in chunk:
+                chunk[4] = (size or 1 << 30) - 1000
+        json.dump(md, open(f"{root}/c/metadata.json", "w"))
+    dist.barrier()
+    try:
+        load(state(1, True), storage_reader=FileSystemReader(f"{root}/c", verify_checksums=False), timeout=60)
+        out["past end"] = "loaded"
+    except HpdcpError as e:
+        out["past end"] = f"{type(e).__name__}: {e}"
+    out["corrupt_type"] = CorruptCheckpointError.__name__
+    return out
+
+
+def test_a_bad_partial_read_on_one_rank_fails_the_load_on_every_rank(tmp_path):
+    res = run_ranks(2, _corrupt_part_on_one_rank, str(tmp_path), timeout=300)
+    for r in res:
+        assert r["flip S1"].startswith("CorruptCheckpointError") and "rank00001.safetensors" in r["flip S1"], r
+        assert "fails its checksum" in r["flip S1"]
+        # read by rank 1 alone: rank 0 fails too, with rank 1's reason
+        assert r["flip S0"].startswith("CorruptCheckpointError") and "rank 1: checkpoint file" in r["flip S0"], r
+        assert "rank00001.safetensors" in r["past end"] and "beyond the end" in r["past end"], r
