@@ -236,7 +236,7 @@ class SaveSteps:
         if all(m.plan is None for m in msgs) and cached is not None and \
                 cached.get("digests") == [m.digest for m in msgs]:
             self.gplan = cached["gplan"]
-            return [SaveReply(None, token).to_wire() for _ in msgs]
+            return [SaveReply(None, token).to_wire()] * len(msgs)  # one reply, encoded once
         if any(m.plan is None for m in msgs):
             return [SaveReply(None, token, replan=True).to_wire() for _ in msgs]
         self.gplan = self.planner.create_global_plan([m.plan for m in msgs])

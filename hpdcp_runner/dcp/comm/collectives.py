@@ -163,7 +163,7 @@ class Comm:
             sizes = torch.empty(2, dtype=torch.int64)
             bufs = None
             if self.rank == 0:
-                payloads = [json.dumps(o, separators=(",", ":")).encode() for o in objs]
+                payloads = encode_each(objs)
                 n = max(len(p) for p in payloads)
                 meta = [torch.tensor([len(p), n], dtype=torch.int64) for p in payloads]
                 bufs = [_padded(p, n) for p in payloads]
@@ -211,7 +211,8 @@ class Comm:
             if not failures:
                 planned, root_exc = _attempt(phase, lambda: root([g["ok"] for g in gathered]))
                 if root_exc is None:
-                    replies = [{"ok": v} for v in planned["ok"]]
+                    boxed: dict[int, dict] = {}  # one envelope per distinct reply: encoded once
+                    replies = [boxed.setdefault(id(v), {"ok": v}) for v in planned["ok"]]
                 else:
                     local_exc = root_exc
                     failures = [[0, *planned["err"]]]
@@ -230,6 +231,14 @@ class Comm:
         if "err" in got:
             raise agreed_error(phase, {0: got["err"]}) from local_exc
         return got["ok"]
+
+
+def encode_each(objs: list[Any]) -> list[bytes]:
+    """Each object as compact JSON bytes; an object repeated in the list (the same reply for
+    every rank, e.g. a cached save plan's "use your list") is encoded once."""
+    done: dict[int, bytes] = {}
+    return [done[id(o)] if id(o) in done else done.setdefault(id(o), json.dumps(o, separators=(",", ":")).encode())
+            for o in objs]
 
 
 def _attempt(phase: str, fn: Callable[[], Any]) -> tuple[dict, BaseException | None]:

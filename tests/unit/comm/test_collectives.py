@@ -46,3 +46,17 @@ def test_one_process_needs_no_process_group():
     assert comm.coordinate("c", lambda: 2, lambda vals: [vals[0] * 3]) == 6
     with pytest.raises(DistributedError, match="rank 0: KeyError"):
         comm.agree("k", lambda: {}["missing"])
+
+
+def test_a_reply_repeated_for_every_rank_is_encoded_once(monkeypatch):
+    import json as _json
+
+    from hpdcp_runner.dcp.comm import collectives
+
+    calls = []
+    real = _json.dumps
+    monkeypatch.setattr(collectives.json, "dumps", lambda o, **kw: calls.append(o) or real(o, **kw))
+    same, other = {"ok": {"writes": None, "token": "t"}}, {"ok": 1}
+    out = collectives.encode_each([same] * 1000 + [other, same])
+    assert len(calls) == 2 and out[0] is out[999] is out[1001]
+    assert [_json.loads(b) for b in (out[0], out[1000])] == [same, other]
