@@ -91,18 +91,6 @@ def flat_span(sub_offsets: Sequence[int], sub_sizes: Sequence[int], chunk_sizes:
     return first, last + 1
 
 
-def contiguous_runs(sub_offsets: Sequence[int], sub_sizes: Sequence[int],
-                    chunk_sizes: Sequence[int]) -> tuple[int, torch.Tensor]:
-    """The sub-box of a row-major chunk as contiguous runs: (elements per run, flat element start
-    of each run in the sub-box's row-major order). E.g. half the columns of a matrix: one run
-    per row."""
-    if not chunk_sizes:
-        return 1, torch.zeros(1, dtype=torch.int64)
-    k = run_dim(sub_sizes, chunk_sizes)
-    strides = row_major_strides(chunk_sizes)
-    return sub_sizes[k] * strides[k], run_starts(sub_offsets, sub_sizes, strides, k)
-
-
 def run_dim(sub_sizes: Sequence[int], chunk_sizes: Sequence[int]) -> int:
     """The innermost dimension a sub-box does not span whole: its runs cover that dimension's
     extent and every dimension inside it."""

@@ -424,12 +424,12 @@ class FileSystemReader(StorageReader):
             dt = dtype_from_name(r.dtype)
             esize = element_size(r.dtype)
             start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
-            plans.append((r.chunk.file, r.chunk.byte_offset + start * esize, (stop - start) * esize, r, dt, stop - start, k))
+            plans.append((r.chunk.file, r.chunk.byte_offset + start * esize, (stop - start) * esize, r, dt, k))
         if not (keep_order and len({p[0] for p in plans}) <= self.files_kept):
             plans.sort(key=lambda p: (p[0], p[1]))
-        for name, offset, nbytes, r, dt, span, k in plans:
+        for name, offset, nbytes, r, dt, k in plans:
             if nbytes:
-                self._read_one(name, offset, nbytes, r, dt, span)
+                self._read_one(name, offset, nbytes, r, dt)
             if on_done is not None:
                 on_done(k)
 
@@ -459,7 +459,8 @@ class FileSystemReader(StorageReader):
                 raise CorruptCheckpointError(f"checkpoint file {full} is {st.st_size} bytes but {METADATA_FILE} "
                                              f"records {expected} (truncated or modified)")
 
-    def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype, span: int) -> None:
+    def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> None:
+        """One request: ``offset``/``nbytes`` is the flat span of its part in the file."""
         faults.point("load.read", rank=rank_of_env(), path=self.path, file=name)
         fd = self._fd(name)
         if not self.verify_checksums:
@@ -510,11 +511,6 @@ class FileSystemReader(StorageReader):
     def cost_model(self) -> ReadCostModel:
         """The measured read costs of this machine, bytes capped at the throttle's rate."""
         return measured_cost_model().capped(self.throttle.rate if self.throttle else None)
-
-    def gap_bytes(self) -> int:
-        """Gaps up to this are read through rather than split into two requests: the knob, else
-        the cost model's."""
-        return self.read_gap_bytes if self.read_gap_bytes is not None else self.cost_model().gap_bytes
 
     def strategy(self, n: int, run: int, span: int) -> tuple[str, int]:
         """How to read ``n`` runs of ``run`` bytes over ``span`` bytes: ``exact``, ``through`` (with
