@@ -237,8 +237,13 @@ def encode_each(objs: list[Any]) -> list[bytes]:
     """Each object as compact JSON bytes; an object repeated in the list (the same reply for
     every rank, e.g. a cached save plan's "use your list") is encoded once."""
     done: dict[int, bytes] = {}
-    return [done[id(o)] if id(o) in done else done.setdefault(id(o), json.dumps(o, separators=(",", ":")).encode())
-            for o in objs]
+    out = []
+    for o in objs:
+        b = done.get(id(o))
+        if b is None:
+            b = done[id(o)] = json.dumps(o, separators=(",", ":")).encode()
+        out.append(b)
+    return out
 
 
 def _attempt(phase: str, fn: Callable[[], Any]) -> tuple[dict, BaseException | None]:

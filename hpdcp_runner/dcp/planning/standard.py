@@ -21,9 +21,9 @@ from ..format.metadata import WriteResult
 from ..core.utils import TENSOR_LEAVES, flatten_state_dict, set_element
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # torch built without distributed
-    DTensor = ()  # type: ignore[assignment,misc]
+    DTensor = Shard = ()  # type: ignore[assignment,misc]
 
 
 def is_tensor_leaf(v: Any) -> bool:
@@ -54,7 +54,6 @@ def _held_by_one_rank(v: Any, world_size: int) -> bool:
     replica), a Replicate dimension, plain tensors and explicit shards may be held twice."""
     if not isinstance(v, DTensor) or v.device_mesh.size() != world_size:
         return False
-    from torch.distributed.tensor import Shard
     return all(isinstance(p, Shard) for p in v.placements)
 
 

@@ -1,13 +1,13 @@
 """Many byte ranges of one file read straight into destination memory, few system calls.
 
 A reshard reads part of a stored chunk: one run of bytes per kept row (a Shard(0) -> Shard(1)
-split of a 2048-wide bf16 matrix over 2 ranks keeps 2 KiB of every 4 KiB row). Each run is
-copied by the kernel into the destination tensor's own memory: one ``preadv`` covers a stretch
-of the file whose iovecs point alternately at destination runs and at a discard buffer for the
-gaps between them, so there is no scratch slab and no second copy. Whether a gap is read through
-(one request, its bytes discarded) or the request split there (one more call, the gap's bytes
-never read) is a cost model measured on the machine: reading through costs ``gap / bytes_per_s``,
-splitting costs ``call_s``; gaps up to ``call_s * bytes_per_s`` are read through.
+split of a 2048-wide bf16 matrix over 2 ranks keeps 2 KiB of every 4 KiB row). ``read_ranges``
+has the kernel copy each run into the destination tensor's own memory: one ``preadv`` covers a
+stretch of the file whose iovecs point alternately at destination runs and at a discard buffer
+for the gaps, so there is no scratch slab and no second copy; a gap longer than
+``call_s * bytes_per_s`` splits the request instead (never read). Whether that, one request per
+run, or cache-sized slabs and a strided copy is cheapest for a given part is
+:class:`ReadCostModel`'s choice, measured on the machine.
 
 The iovec arrays are built as int64 tensors (no Python object per run) and passed to libc's
 ``preadv`` through ctypes; where libc has none the same requests go through ``os.preadv``.
