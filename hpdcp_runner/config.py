@@ -113,6 +113,9 @@ class DcpConf:
     # repeated saves of one structure on one group reuse their plan (digest-checked: any change
     # in keys, shapes, dtypes or placements is planned in full)
     cache_plan: bool = True
+    # 2: the chunk table in chunk_index.safetensors, read in part by each loading rank; 1: all of
+    # it in metadata.json, for readers older than format version 2
+    format_version: int = 2
 
 
 @dataclass
@@ -541,6 +544,7 @@ class EngineOptions:
     allow_cast: bool
     verify_replicas: bool
     cache_plan: bool
+    format_version: int = 2
 
     def knobs(self) -> dict:
         """The knob values as the engine received them, for metrics.json."""
@@ -550,7 +554,7 @@ class EngineOptions:
                 "dcp.storage.files_kept": r.files_kept, "dcp.storage.shared": r.shared_storage,
                 "dcp.storage.read_gap_bytes": "auto" if r.read_gap_bytes is None else r.read_gap_bytes,
                 "dcp.storage.max_request_bytes": r.max_request_bytes,
-                "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s}
+                "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s, "dcp.format_version": self.format_version}
 
 
 def engine_options(c: Config) -> EngineOptions:
@@ -591,6 +595,8 @@ def engine_options(c: Config) -> EngineOptions:
         problems.append(f"dcp.storage.files_kept: must be >= 1, got {s.files_kept}")
     if d.broadcast.max_in_flight < 1:
         problems.append(f"dcp.broadcast.max_in_flight: must be >= 1, got {d.broadcast.max_in_flight}")
+    if d.format_version not in (1, 2):
+        problems.append(f"dcp.format_version: {d.format_version!r} is not 1 or 2 (the format versions this build writes)")
     if d.broadcast.mode not in ("always", "never", "auto"):
         problems.append(f"dcp.broadcast.mode: {d.broadcast.mode!r} is not always, never or auto")
     if problems:
@@ -601,7 +607,7 @@ def engine_options(c: Config) -> EngineOptions:
     if problems:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
-                         d.verify_replicas, d.cache_plan)
+                         d.verify_replicas, d.cache_plan, d.format_version)
 
 
 def load_preset(name: str) -> "LayoutConf":

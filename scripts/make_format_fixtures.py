@@ -1,4 +1,5 @@
-"""Write the committed format-v1 fixtures (tests/fixtures/format_v1/<case>/), once.
+"""Write the committed fixtures of the format version this build writes
+(tests/fixtures/format_v<N>/<case>/), once per version.
 
     OMP_NUM_THREADS=1 python scripts/make_format_fixtures.py            # refuses to overwrite
     OMP_NUM_THREADS=1 python scripts/make_format_fixtures.py --force    # only for a NEW version's set
@@ -22,7 +23,9 @@ sys.path.insert(0, ROOT)
 from tests.format_fixtures import objects, tensors  # noqa: E402
 from tests.multiproc.harness import run_ranks  # noqa: E402
 
-OUT = os.path.join(ROOT, "tests", "fixtures", "format_v1")
+from hpdcp_runner.dcp.format.metadata import FORMAT_VERSION  # noqa: E402
+
+OUT = os.path.join(ROOT, "tests", "fixtures", f"format_v{FORMAT_VERSION}")
 
 
 def _ws2(rank: int, ws: int, path: str) -> bool:

@@ -29,8 +29,12 @@ also counts torch allocations; tracemalloc's peak where the reset is not permitt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import os
+import shutil
+import tempfile
 import time
 import tracemalloc
 
@@ -38,11 +42,14 @@ import torch
 
 from hpdcp_runner.dcp.planning.save_dedup import CompactPlan, KeyInfo, assign_owners
 from hpdcp_runner.dcp.core.geometry import Box, split_piece, whole
-from hpdcp_runner.dcp.format.metadata import FileMeta
+from hpdcp_runner.dcp.format.chunk_index import INDEX_FILE
+from hpdcp_runner.dcp.format.metadata import METADATA_FILE, FileMeta, Metadata
+from hpdcp_runner.dcp.format.safetensors_io import write_index
 from hpdcp_runner.dcp.planning.interfaces import TENSOR, SavePlan, WriteItem
 from hpdcp_runner.dcp.core.ragged import LocalShard
 from hpdcp_runner.dcp.planning.load_replicas import CompactShards, plan_replica_reads
-from hpdcp_runner.dcp.planning.standard import StandardLoadPlanner, build_metadata, chunk_key
+from hpdcp_runner.dcp.format.metadata import chunk_key
+from hpdcp_runner.dcp.planning.standard import StandardLoadPlanner, build_metadata
 from hpdcp_runner.dcp.storage.interfaces import WriteResult
 
 ROWS, COLS = 1024, 1024
@@ -148,7 +155,7 @@ def results_for(n: int, gplan) -> list[WriteResult]:
     return res
 
 
-def row(n: int, t: int, skip_metadata: bool) -> str:
+def row(n: int, t: int, skip_metadata: bool, v1: bool = False) -> str:
     cols = []
     plan = rank_plan(n, t, n // 2)
     s, m, _ = measure(lambda: json.dumps(CompactPlan.from_plan(plan).to_wire()))
@@ -162,13 +169,28 @@ def row(n: int, t: int, skip_metadata: bool) -> str:
     text = md = None
     if not skip_metadata:
         results = results_for(n, gplan)
-        s, m, text = measure(lambda: build_metadata(gplan, results, n).to_json())
-        del results
-        cols.append(f"{s:.2f} ({m:.0f}); {len(text) / 2**20:.0f} MiB")
-        from hpdcp_runner.dcp.format.metadata import Metadata
+        tmp = tempfile.mkdtemp(prefix="sim_md_")
 
-        s, m, md = measure(lambda: Metadata.from_json(text))
-        cols.append(f"{s:.2f} ({m:.0f})")
+        def commit() -> str:  # what the coordinator does after the writes: metadata, index file, JSON
+            built = build_metadata(gplan, results, n)
+            if v1:  # the format before the chunk index: every chunk inline in metadata.json
+                built = dataclasses.replace(built, index=None, tensors={
+                    k: dataclasses.replace(tm, chunks=tuple(tm.chunks)) for k, tm in built.tensors.items()})
+            else:
+                write_index(os.path.join(tmp, INDEX_FILE), built.index, fsync=False)
+            return built.to_json()
+
+        s, m, text = measure(commit)
+        del results
+        with open(os.path.join(tmp, METADATA_FILE), "w") as f:
+            f.write(text)
+        cols.append(f"{s:.2f} ({m:.0f}); {len(text) / 2**20:.1f} MiB")
+
+        def opener(name: str) -> int:
+            return os.open(os.path.join(tmp, name), os.O_RDONLY)
+
+        s, m, md = measure(lambda: Metadata.from_json(text, source=os.path.join(tmp, METADATA_FILE), open_file=opener))
+        cols.append(f"{s:.3f} ({m:.0f})")
         target = {}
         for i in range(t):
             b = _box(i, n, n // 2)
@@ -176,7 +198,9 @@ def row(n: int, t: int, skip_metadata: bool) -> str:
         lp = StandardLoadPlanner()
         lp.configure(target, md, rank=n // 2, world_size=n, sendable=frozenset({"cpu"}))
         s, m, _ = measure(lp.create_local_plan)
-        cols.append(f"{s:.3f} ({m:.0f})")
+        index_kib = md.index.bytes_read / 1024 if md.index is not None else 0
+        cols.append(f"{s:.3f} ({m:.0f}); {index_kib:.0f} KiB of index")
+        shutil.rmtree(tmp, ignore_errors=True)
     else:
         cols += ["-", "-", "-"]
     del gplan, text, md
@@ -237,6 +261,8 @@ def main() -> None:
     ap.add_argument("--hostile", type=int, nargs="*", default=[],
                     help="also time validating the adversarial strips metadata at these strip counts")
     ap.add_argument("--cached", action="store_true", help="time a repeated save with a cached plan instead")
+    ap.add_argument("--format-v1", action="store_true",
+                    help="commit and read format v1 (every chunk inline in metadata.json): the 'before' of the index")
     args = ap.parse_args()
     if args.cached:
         print("| ranks | tensors | any rank: plan -> digest ms (MiB) | coordinator: N digests parsed, compared, "
@@ -249,12 +275,12 @@ def main() -> None:
         for n in args.hostile:
             print(hostile_strips(n), flush=True)
     rows = ["| ranks | tensors | save, any rank: plan to wire s (MiB) | save, coordinator: gather parse + dedup s (MiB) "
-            "| save, coordinator: metadata build + JSON s (MiB) | metadata parse, per rank s (MiB) "
+            "| save, coordinator: metadata build + index + JSON s (MiB) | load, every rank: metadata parse s (MiB) "
             "| load, one rank: local plan s (MiB) | load, coordinator: replica plan s (MiB) | coordinator dedup us/item |",
             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for n in args.ranks:
-        rows.append(row(n, args.tensors, n * args.tensors > args.skip_metadata_above))
+        rows.append(row(n, args.tensors, n * args.tensors > args.skip_metadata_above, args.format_v1))
         print(rows[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,8 +1,10 @@
-"""The reference content of the committed format-v1 checkpoints (tests/fixtures/format_v1/):
-deterministic values, so any later version can check it still reads them bit for bit.
+"""The reference content of the committed checkpoints of every format version
+(tests/fixtures/format_v<N>/): deterministic values, so any later version can check it still
+reads them bit for bit.
 
-Written once by ``scripts/make_format_fixtures.py`` with the code of 2026-12-03; never rewrite
-them to make a test pass: a reader that cannot load them has broken compatibility.
+Written once per version by ``scripts/make_format_fixtures.py`` (v1 and v2 both with the code of
+2026-12-03, before and after the chunk index); never rewrite them to make a test pass: a reader
+that cannot load them has broken compatibility.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-FORMAT_VERSION = 1
+VERSIONS = (1, 2)  # one committed set per format version, each loaded by every later build
 CASES = ("ws1_plain", "ws2_sharded", "ws4_mesh_flat")
 
 

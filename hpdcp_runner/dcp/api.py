@@ -16,13 +16,13 @@ from .comm.broadcast import BroadcastOptions
 from .comm.collectives import Comm
 from .core.errors import ConfigError
 from .core.utils import PhaseTimer, get_logger, pauses_gc
-from .format.metadata import METADATA_FILE, DeferredMetadata, Metadata
+from .format.metadata import FORMAT_VERSION, METADATA_FILE, READ_VERSIONS, DeferredMetadata, Metadata
 from .format.renames import rename_keys
 from .planning.interfaces import LoadPlanner, SavePlanner
 from .planning.standard import StandardLoadPlanner, StandardSavePlanner
 from .protocol import LoadSteps, SaveSteps, metadata_source
 from .state_dict import restore_stateful, stateful_to_state_dict
-from .storage.filesystem import DEFAULT_FILES_KEPT, FileSystemWriter
+from .storage.filesystem import DEFAULT_FILES_KEPT, FileSystemWriter, open_regular
 from .storage.foreign import open_reader
 from .storage.interfaces import StorageReader, StorageWriter
 
@@ -55,7 +55,8 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
          storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
          process_group: Any = None, overwrite: bool = False, allow_pickle: bool = False,
          verify_replicas: bool = False, timeout: Timeout = None, extra: Mapping[str, Any] | None = None,
-         timer: PhaseTimer | None = None, cache_plan: bool = False) -> Metadata:
+         timer: PhaseTimer | None = None, cache_plan: bool = False,
+         format_version: int = FORMAT_VERSION) -> Metadata:
     """Save ``state_dict`` as one checkpoint; every rank of ``process_group`` must call it.
 
     Replicated chunks are written once. Top-level ``Stateful`` values (an ``nn.Module``, an
@@ -67,13 +68,18 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     shapes, dtypes, placements) equals the previous cached save's on the same process group skips
     the gather and dedup: ranks exchange a digest and reuse their write lists; any change is
     detected by the digest and planned in full. Returns the committed metadata.
+    ``format_version``: 2 (the default) keeps the chunk table in a chunk index each loading rank
+    reads in part; 1 writes everything into ``metadata.json``, for readers older than version 2.
     """
+    if format_version not in READ_VERSIONS or type(format_version) is not int:
+        raise ConfigError(f"format_version must be one of {list(READ_VERSIONS)}, got {format_version!r}")
     path = _checkpoint_path(checkpoint_id, storage_writer)
     comm = Comm.create(process_group, timeout)
     writer = storage_writer or FileSystemWriter(path)
     timer = timer or PhaseTimer()
     steps = SaveSteps(stateful_to_state_dict(state_dict)[0], comm, writer, planner or StandardSavePlanner(), path,
-                      overwrite, allow_pickle, verify_replicas, extra, cache_plan=cache_plan and not verify_replicas)
+                      overwrite, allow_pickle, verify_replicas, extra, cache_plan=cache_plan and not verify_replicas,
+                      format_version=format_version)
     try:
         with timer.phase("plan"):
             if not steps.accept(comm.coordinate("save: plan", steps.local_plan, steps.global_plan)):
@@ -89,9 +95,10 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
             writer.abort()
         raise
     source = os.path.join(path, METADATA_FILE) if path else METADATA_FILE
-    metadata = steps.committed if comm.rank == 0 else DeferredMetadata(text, source=source)
-    log.debug("saved %s: %d tensors, %d bytes written here", path, len(metadata.tensors),
-              writer.counters.bytes_written)
+    opener = (lambda name: open_regular(os.path.join(path, name))) if path else None
+    metadata = steps.committed if comm.rank == 0 else DeferredMetadata(text, source=source, open_file=opener)
+    # (nothing here may touch ``metadata``'s fields on other ranks: that would parse it)
+    log.debug("saved %s: %d bytes written here", path, writer.counters.bytes_written)
     return metadata
 
 
@@ -101,7 +108,8 @@ def read_metadata(checkpoint_id: str | os.PathLike, *, format: str = "auto", all
     auto | hpdcp | hf | torch_dcp; ``rename``: the key renames a load with them would see."""
     reader = open_reader(checkpoint_id, format, allow_pickle=allow_pickle, **reader_kwargs)
     try:
-        md = Metadata.from_json(reader.read_metadata_text(), source=metadata_source(reader, checkpoint_id))
+        md = Metadata.from_json(reader.read_metadata_text(), source=metadata_source(reader, checkpoint_id),
+                                open_file=reader.open_file)
     finally:
         reader.close()
     return rename_keys(md, rename, source=os.fspath(checkpoint_id))

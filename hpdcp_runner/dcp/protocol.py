@@ -30,12 +30,12 @@ from .core import faults
 from .core.columns import pack_ints, unpack_ints
 from .core.errors import KeyMismatchError
 from .core.geometry import Box, relative
-from .format.metadata import METADATA_FILE, Metadata, WriteResult
+from .format.metadata import METADATA_FILE, Metadata, WriteResult, chunk_key
 from .format.renames import rename_keys
 from .planning.interfaces import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .planning.load_replicas import Batch, CompactShards, batch_ops
 from .planning.plans import CompactPlan, GlobalSavePlan
-from .planning.standard import build_metadata, chunk_key
+from .planning.standard import build_metadata
 from .storage.filesystem import FileSystemReader
 from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
 
@@ -197,6 +197,7 @@ class SaveSteps:
     verify_replicas: bool
     extra: Mapping[str, Any] | None
     cache_plan: bool = False
+    format_version: int = 2
     token: str | None = None
     own: SavePlan | None = None
     compact: CompactPlan | None = None
@@ -281,6 +282,8 @@ class SaveSteps:
         """Coordinator: the checkpoint's metadata from the global plan and what every rank wrote."""
         self.committed = build_metadata(self.gplan, [WriteResult.from_wire(w) for w in results],
                                         self.comm.world_size, self.extra)
+        if self.format_version == 1:
+            self.committed = self.committed.as_v1()
         return [None] * self.comm.world_size
 
     def commit(self) -> str:
@@ -314,7 +317,8 @@ class LoadSteps:
         agreement (``local_plan`` raises it), so every rank raises it."""
         msg = MetadataMsg.from_wire(wire)
         try:
-            md = Metadata.from_json(msg.text, source=metadata_source(self.reader, self.path))
+            md = Metadata.from_json(msg.text, source=metadata_source(self.reader, self.path),
+                                    open_file=self.reader.open_file)
             self.reader.attach_metadata(md, pin=msg.pin)
             self.md = rename_keys(md, self.rename, source=self.path or "checkpoint")
         except Exception as e:

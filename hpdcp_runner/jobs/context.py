@@ -113,7 +113,7 @@ class JobContext:
                           planner=dcp.SAVE_PLANNERS[e.planner](),
                           overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                           allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
-                          cache_plan=e.cache_plan,
+                          cache_plan=e.cache_plan, format_version=e.format_version,
                           extra=series_extra(*series) if series else None)
         self.metrics.add(writer.counters.as_dict(), f"{phase}.")
         return md
@@ -137,7 +137,7 @@ class JobContext:
                                   planner=dcp.SAVE_PLANNERS[e.planner](),
                                   overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                                   allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
-                                  cache_plan=e.cache_plan, callback=done, extra=series_extra(*series) if series else None)
+                                  cache_plan=e.cache_plan, format_version=e.format_version, callback=done, extra=series_extra(*series) if series else None)
 
     def reader(self, path: str, foreign: bool = False) -> dcp.StorageReader:
         """A reader of ``path`` with the storage knobs; ``foreign``: in ``job.source.format``
@@ -159,7 +159,7 @@ class JobContext:
                 got = self.comm.agree_root("read source metadata", reader.read_metadata_text)
                 source = f"{path} (as {reader.format_name})" if reader.format_name != "hpdcp" else \
                     os.path.join(path, METADATA_FILE)
-                md = dcp.Metadata.from_json(got, source=source)
+                md = dcp.Metadata.from_json(got, source=source, open_file=reader.open_file)
                 return rename_keys(md, self.source_renames(), source=f"{path} (job.source.rename)")
         finally:
             reader.close()

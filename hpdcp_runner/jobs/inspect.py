@@ -9,9 +9,10 @@ layout can be checked against a real checkpoint before any rank is started.
 from __future__ import annotations
 
 import json
+import os
 
 from ..dcp import ConfigError, Metadata, rename_keys
-from ..dcp.tools import describe
+from ..dcp.tools import METADATA_FILE, describe
 from ..layouts import Placer, mesh_shape, problems
 from .context import JobContext
 
@@ -90,7 +91,9 @@ def run(ctx: JobContext) -> dict:
     reader = ctx.reader(path, foreign=True)
     with ctx.user_errors(key):
         try:
-            md = Metadata.from_json(reader.read_metadata_text(), source=f"{path} (as {reader.format_name})")
+            source = f"{path} (as {reader.format_name})" if reader.format_name != "hpdcp" else \
+                os.path.join(path, METADATA_FILE)
+            md = Metadata.from_json(reader.read_metadata_text(), source=source, open_file=reader.open_file)
         finally:
             reader.close()
         md = rename_keys(md, ctx.source_renames(), source=f"{path} (job.source.rename)")

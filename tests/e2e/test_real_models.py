@@ -7,12 +7,12 @@ Needs the optional extra: pip install -e ".[interop]" (skipped cleanly without i
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
 import torch
 
+from hpdcp_runner.dcp import read_metadata
 from tests.e2e.conftest import metrics
 from tests.e2e.test_cli import _tail
 
@@ -54,7 +54,7 @@ def _reopened(path):
 
 
 def _chunks(path, key):
-    return [(c[0], c[1]) for c in json.loads((path / "metadata.json").read_text())["tensors"][key]["chunks"]]
+    return [(list(c.offsets), list(c.sizes)) for c in read_metadata(path).tensors[key].chunks]
 
 
 def _reshard(cli, tmp_path, tag, *args):

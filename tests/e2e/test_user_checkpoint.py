@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from hpdcp_runner.dcp import load, save
+from hpdcp_runner.dcp import load, read_metadata, save
 from tests.e2e.conftest import metrics
 from tests.e2e.test_cli import _tail
 
@@ -35,8 +35,7 @@ def _llama_state() -> dict:
 
 
 def _chunks(path, key):
-    doc = json.loads((path / "metadata.json").read_text())
-    return [(c[0], c[1]) for c in doc["tensors"][key]["chunks"]]
+    return [(list(c.offsets), list(c.sizes)) for c in read_metadata(path).tensors[key].chunks]
 
 
 @pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier

@@ -39,6 +39,15 @@ def two_checkpoints(tmp_path):
 
 
 @pytest.fixture
+def two_v1_checkpoints(tmp_path):
+    """As ``two_checkpoints``, with ``step_2`` in format v1 (every chunk in metadata.json): the
+    faults that tamper with the inline chunk table, which v1 readers must keep refusing."""
+    save(state(1), checkpoint_id=tmp_path / "step_1")
+    save(state(2), checkpoint_id=tmp_path / "step_2", format_version=1)
+    return tmp_path
+
+
+@pytest.fixture
 def fault_row():
     def record(fault: str, category: str, behaviour: str, error: str | None = None, named: str | None = None,
                previous_intact: bool | None = None, marker_absent: bool | None = None, verify: str | None = None):

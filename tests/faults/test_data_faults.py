@@ -130,15 +130,15 @@ def _retarget(doc, new_name):
 
 
 @pytest.mark.parametrize("name", ["../step_1/rank00000.safetensors", "/etc/passwd", ".hidden", "a/b"])
-def test_file_name_escaping_the_directory(two_checkpoints, fault_row, name):
-    ck = two_checkpoints / "step_2"
+def test_file_name_escaping_the_directory(two_v1_checkpoints, fault_row, name):
+    ck = two_v1_checkpoints / "step_2"
     doc = _md(ck)
     _retarget(doc, name)
     _write_md(ck, doc)
     _raises(_load(ck), MetadataError, "metadata.json", repr(name)[:20])
     v = _verify_flags(ck, "metadata.json")
-    assert loads_bitwise(two_checkpoints / "step_1", 1)
-    fault_row(f"file name {name!r} in metadata.json", "tampered metadata", "refused while validating metadata",
+    assert loads_bitwise(two_v1_checkpoints / "step_1", 1)
+    fault_row(f"file name {name!r} in metadata.json (format v1)", "tampered metadata", "refused while validating metadata",
               "MetadataError", "file", True, None, v)
 
 
@@ -170,8 +170,8 @@ def test_fifo_in_place_of_a_rank_file_does_not_hang(two_checkpoints, fault_row):
 
 
 @pytest.mark.parametrize("case", ["offsets_out_of_bounds", "absurd_shape", "overlap", "gap", "bytes_past_eof"])
-def test_bad_geometry(two_checkpoints, fault_row, case):
-    ck = two_checkpoints / "step_2"
+def test_bad_geometry(two_v1_checkpoints, fault_row, case):
+    ck = two_v1_checkpoints / "step_2"
     doc = _md(ck)
     w = doc["tensors"]["w"]
     c = w["chunks"][0]
@@ -194,15 +194,15 @@ def test_bad_geometry(two_checkpoints, fault_row, case):
     _write_md(ck, doc)
     _raises(_load(ck), MetadataError, "metadata.json", "'w'", needle)
     v = _verify_flags(ck, needle)
-    fault_row(f"chunk geometry: {case.replace('_', ' ')}", "tampered metadata",
+    fault_row(f"chunk geometry: {case.replace('_', ' ')} (format v1)", "tampered metadata",
               "refused while validating metadata, before any allocation or read", "MetadataError", "file and key",
-              loads_bitwise(two_checkpoints / "step_1", 1), None, v)
+              loads_bitwise(two_v1_checkpoints / "step_1", 1), None, v)
 
 
-def test_absurd_shape_with_matching_claimed_size_is_refused_before_allocating(two_checkpoints, fault_row, tmp_path):
+def test_absurd_shape_with_matching_claimed_size_is_refused_before_allocating(two_v1_checkpoints, fault_row, tmp_path):
     """A shape of 1e12 x 1e12 with a file size claimed to match: offline tools check the real file
     size before allocating anything from the metadata."""
-    ck = two_checkpoints / "step_2"
+    ck = two_v1_checkpoints / "step_2"
     doc = _md(ck)
     doc["tensors"] = {"w": {**doc["tensors"]["w"], "shape": [10**6, 10**6]}}
     doc["tensors"]["w"]["chunks"] = [[[0, 0], [10**6, 10**6], RANK0, "w@0,0", 4096, "0"]]
@@ -213,16 +213,16 @@ def test_absurd_shape_with_matching_claimed_size_is_refused_before_allocating(tw
     assert not (tmp_path / "hf").exists()
     fault_row("absurd shape (1e6 x 1e6 fp32) with a matching claimed file size", "tampered metadata",
               "load: shape mismatch with the target; offline tools: real file size checked before allocating",
-              "CorruptCheckpointError", "file", loads_bitwise(two_checkpoints / "step_1", 1), None, None)
+              "CorruptCheckpointError", "file", loads_bitwise(two_v1_checkpoints / "step_1", 1), None, None)
 
 
 def test_unknown_version_pickle_and_oversized_metadata(two_checkpoints, fault_row, tmp_path):
     ck = two_checkpoints / "step_2"
     doc = _md(ck)
     _write_md(ck, {**doc, "format_version": 99})
-    _raises(_load(ck), MetadataError, "metadata.json", "format_version 99")
+    _raises(_load(ck), MetadataError, "metadata.json", "unsupported format version 99")
     fault_row("unknown format_version", "tampered metadata", "refused", "MetadataError", "file",
-              loads_bitwise(two_checkpoints / "step_1", 1), None, _verify_flags(ck, "format_version"))
+              loads_bitwise(two_checkpoints / "step_1", 1), None, _verify_flags(ck, "format version"))
     marker = tmp_path / "PWNED"
     (ck / "metadata.json").write_bytes(pickle.dumps(_Payload(marker)))
     _raises(_load(ck), MetadataError, "metadata.json", "not valid JSON")

@@ -200,7 +200,7 @@ def test_verify_checks_every_claim_of_the_metadata(tmp_path, fault_row):
 
     def fresh(name):
         save({"w": torch.arange(12, dtype=torch.float32).view(3, 4), "meta": {"step": 3, "tag": "x"}},
-             checkpoint_id=tmp_path / name)
+             checkpoint_id=tmp_path / name, format_version=1)  # the chunk table inline, to tamper with
         return tmp_path / name, json.loads((tmp_path / name / "metadata.json").read_text())
 
     def rewrite(ck, doc):
@@ -245,17 +245,18 @@ def _flip(path, offset):
     path.write_bytes(bytes(data))
 
 
-def test_partial_reads_are_verified_block_by_block(tmp_path, fault_row):
-    from hpdcp_runner.dcp import CorruptCheckpointError, LocalShard
+@pytest.mark.parametrize("version", [1, 2])
+def test_partial_reads_are_verified_block_by_block(tmp_path, fault_row, version):
+    from hpdcp_runner.dcp import CorruptCheckpointError, LocalShard, read_metadata
     from hpdcp_runner.dcp.format.safetensors_io import BLOCK_BYTES
 
     full = torch.arange(1024 * 1024, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB: 4 blocks
     ck = tmp_path / "c"
-    save({"w": full}, checkpoint_id=ck)
-    doc = json.loads((ck / "metadata.json").read_text())
-    [(key, hexes)] = doc["block_checksums"]["chunks"]["rank00000.safetensors"].items()
-    assert doc["block_checksums"]["block_bytes"] == BLOCK_BYTES and len(hexes) == 4 * 16
-    byte0 = doc["tensors"]["w"]["chunks"][0][4]
+    save({"w": full}, checkpoint_id=ck, format_version=version)
+    md = read_metadata(ck)
+    [chunk] = md.tensors["w"].chunks
+    assert md.format_version == version and md.block_bytes == BLOCK_BYTES and len(chunk.blocks) == 4 * 16
+    byte0 = chunk.byte_offset
 
     def part(a, b):  # rows a..b: a dim-0 reshard's share
         t = torch.zeros(b - a, 1024)
@@ -272,7 +273,7 @@ def test_partial_reads_are_verified_block_by_block(tmp_path, fault_row):
     t = torch.zeros(1024, 512)
     with pytest.raises(CorruptCheckpointError, match="fails the checksum of its block 3"):
         load({"w": LocalShard(t, (0, 512), (1024, 1024))}, checkpoint_id=ck)
-    fault_row("a flipped bit inside a chunk read only in part (a reshard)", "corrupted data",
+    fault_row(f"a flipped bit inside a chunk read only in part (a reshard; format v{version})", "corrupted data",
               "load fails naming the file, key and block; blocks the read does not touch are not read",
               "CorruptCheckpointError", "file and key", None, None, None)
 
@@ -282,7 +283,7 @@ def test_partial_reads_of_small_and_legacy_chunks_verify_the_whole_chunk(tmp_pat
 
     full = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)  # 16 KiB: one block
     ck = tmp_path / "c"
-    save({"w": full}, checkpoint_id=ck)
+    save({"w": full}, checkpoint_id=ck, format_version=1)
     doc = json.loads((ck / "metadata.json").read_text())
     assert "block_checksums" not in doc
     # a byte_offset off by 4 in a damaged metadata.json: the part read is caught
@@ -297,7 +298,7 @@ def test_verify_checks_block_checksums(tmp_path):
     from hpdcp_runner.dcp.offline.inspection import verify
 
     ck = tmp_path / "c"
-    save({"w": torch.arange(1024 * 1024, dtype=torch.float32)}, checkpoint_id=ck)
+    save({"w": torch.arange(1024 * 1024, dtype=torch.float32)}, checkpoint_id=ck, format_version=1)
     assert verify(ck).ok
     doc = json.loads((ck / "metadata.json").read_text())
     chunks = doc["block_checksums"]["chunks"]["rank00000.safetensors"]
@@ -347,7 +348,7 @@ def test_overlapping_tensors_and_a_pt_that_is_a_system_file(tmp_path):
 def test_huge_offsets_in_metadata_are_a_clear_error(tmp_path):
     from hpdcp_runner.dcp.offline.inspection import describe, verify
 
-    save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "c")
+    save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "c", format_version=1)
     doc = json.loads((tmp_path / "c" / "metadata.json").read_text())
     doc["tensors"]["w"]["shape"] = [2 ** 63]
     doc["tensors"]["w"]["chunks"][0][1] = [2 ** 63]

@@ -240,7 +240,7 @@ def _corrupt_part_on_one_rank(rank: int, ws: int, root: str) -> dict:
                                         shape=d.shape, stride=d.stride()) if zeros else d
         return out
 
-    save(state(0, False), checkpoint_id=f"{root}/c", timeout=60)
+    save(state(0, False), checkpoint_id=f"{root}/c", timeout=60, format_version=1)  # chunk table tampered below
     out = {}
     if rank == 0:  # one byte in the middle of rank 1's file
         p = f"{root}/c/rank00001.safetensors"

@@ -7,19 +7,23 @@ malformed or hostile file is an error naming the problem, never a crash or a pat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from ..core.errors import MetadataError
-from ..core.geometry import Box, tiling_problem
+from ..core.geometry import Box, boxes_tile, intersect, relative, tiling_problem
+from .chunk_index import BLOCK_COUNT, BLOCK_START, BYTE_OFFSET, CHECKSUM, FILE, TENSOR, ChunkIndex, i64_to_hex
 
 FORMAT_NAME = "hpdcp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what saves write: metadata.json + the chunk index (chunk_index.py)
+READ_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 DEFAULT_MAX_METADATA_BYTES = 256 * 1024 * 1024
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -87,6 +91,8 @@ class ChunkMeta:
     key: str
     byte_offset: int
     checksum: str
+    #: per-block digests (16 hex digits per ``block_bytes``) of a chunk larger than one block
+    blocks: str = ""
 
     @property
     def box(self) -> Box:
@@ -97,7 +103,8 @@ class ChunkMeta:
 class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[ChunkMeta, ...]
+    #: a tuple (format v1, foreign formats) or ``IndexedChunks`` (v2: rows read on demand)
+    chunks: Sequence[ChunkMeta]
     path: tuple[str | int, ...]
 
     @property
@@ -145,19 +152,161 @@ class WriteResult:
                    {k: tuple(v) for k, v in w["chunks"].items()}, {k: tuple(v) for k, v in w["objects"].items()})
 
 
+def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
+    """The safetensors key of a stored chunk; names inside files only, never file names."""
+    return f"{fqn}@{','.join(map(str, offsets))}"
+
+
+class IndexedChunks(Sequence[ChunkMeta]):
+    """A format-v2 tensor's chunks: rows of the chunk index read on demand, each checked as it is
+    read (its tensor, bounds against the shape and its file, block count, sort key). A rank that
+    loads a few shards reads a few rows (``overlapping``); anything that iterates reads them all."""
+
+    def __init__(self, index: ChunkIndex, tid: int, key: str, shape: tuple[int, ...], dtype: str,
+                 files: Sequence[FileMeta], block_bytes: int) -> None:
+        self.index, self.tid, self.key, self.shape, self.dtype = index, tid, key, shape, dtype
+        self.files, self.block_bytes = files, block_bytes
+        self.lo, self.hi = index.row_range(tid)
+        self._cache: dict[int, ChunkMeta] = {}
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        c = self._cache.get(i)
+        if c is None:
+            self._load(self.lo + i, self.lo + i + 1)
+            c = self._cache[i]
+        return c
+
+    def __iter__(self) -> Iterator[ChunkMeta]:
+        if len(self._cache) < len(self):
+            self._load(self.lo, self.hi)
+        return (self._cache[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, list, IndexedChunks)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"IndexedChunks({self.key!r}, rows {self.lo}..{self.hi} of {self.index.name})"
+
+    def _bad(self, row: int, what: str) -> MetadataError:
+        return MetadataError(f"{self.index.name}: row {row} (tensor {self.key!r}): {what}")
+
+    def _load(self, a: int, b: int) -> None:
+        for j, row in enumerate(self.index.rows(a, b)):
+            if a + j - self.lo not in self._cache:
+                self._cache[a + j - self.lo] = self._chunk(a + j, row)
+
+    def _chunk(self, r: int, row: list[int]) -> ChunkMeta:
+        d, nd, shape = self.index.ndim, len(self.shape), self.shape
+        offs, sizes = row[6:6 + d], row[6 + d:6 + 2 * d]
+        if row[TENSOR] != self.tid:
+            raise self._bad(r, f"belongs to tensor id {row[TENSOR]}, not {self.tid} (rows out of order)")
+        for k in range(d):
+            o, z = offs[k], sizes[k]
+            if not (0 <= o and 0 <= z and (o + z <= shape[k] if k < nd else (o == 0 and z == 1))):
+                raise self._bad(r, f"chunk offsets={offs[:nd]} sizes={sizes[:nd]} outside shape {list(shape)}")
+        dim, span = self.index.tensor_sort[self.tid]
+        if sizes[dim] > span or self.index.key(r) != offs[dim]:
+            raise self._bad(r, f"its key {self.index.key(r)} / size {sizes[dim]} disagree with its offset "
+                               f"{offs[dim]} along sort dimension {dim} (span {span})")
+        fid = row[FILE]
+        if not 0 <= fid < len(self.files):
+            raise self._bad(r, f"file id {fid} is not one of the {len(self.files)} files of metadata.json")
+        f = self.files[fid]
+        n = math.prod(sizes[:nd]) * element_size(self.dtype)
+        boff = row[BYTE_OFFSET]
+        if boff < 0 or boff + n > f.size:
+            raise self._bad(r, f"chunk bytes [{boff}, {boff + n}) lie beyond the end of {f.name} ({f.size} bytes)")
+        bb, start, count = self.block_bytes, row[BLOCK_START], row[BLOCK_COUNT]
+        want = -(-n // bb) if bb and n > bb else 0
+        if count not in (0, want) or start < 0 or start + count > self.index.nblocks:  # 0: none recorded
+            raise self._bad(r, f"block digests [{start}, {start + count}) of {self.index.nblocks}: a "
+                               f"{n}-byte chunk has 0 or {want}")
+        hexes = "".join(map(i64_to_hex, self.index.blocks(start, count))) if count else ""
+        o = tuple(offs[:nd])
+        return ChunkMeta(o, tuple(sizes[:nd]), f.name, chunk_key(self.key, o), boff, i64_to_hex(row[CHECKSUM]), hexes)
+
+    def overlapping(self, box: Box) -> list[int]:
+        """Indices of the chunks that intersect ``box``: a bisection of the sort keys and the rows
+        around it, nothing else of the tensor. Keys out of order around the answer are an error
+        naming the row; disorder elsewhere shows as a coverage gap (``check_all`` then names it)."""
+        if not len(self) or not box.numel:
+            return []
+        dim, span = self.index.tensor_sort[self.tid]
+        q_lo = box.offsets[dim] if dim < len(box.offsets) else 0
+        q_hi = q_lo + (box.sizes[dim] if dim < len(box.sizes) else 1)
+        a, b = self.index.search(self.tid, q_lo - span + 1, q_hi, self.shape[dim] if dim < len(self.shape) else 1)
+        prev = None
+        for j in range(max(a - 1, self.lo), min(b + 1, self.hi)):
+            k = self.index.key(j)
+            if prev is not None and k < prev:
+                raise self._bad(j, f"sort key {k} after {prev}: rows out of order")
+            prev = k
+        if any(j - self.lo not in self._cache for j in range(a, b)):
+            self._load(a, b)
+        return [j - self.lo for j in range(a, b) if intersect(self._cache[j - self.lo].box, box) is not None]
+
+    def check_disjoint(self, box: Box, found: Sequence[int]) -> None:
+        """The chunks a rank uses tile its box: no two overlap inside it (with the volume check
+        of the caller, an exact tiling of what this rank reads)."""
+        if len(found) > 1:
+            parts = []
+            for i in found:
+                ov = intersect(self[i].box, box)
+                parts.append(Box(relative(ov, box), ov.sizes))
+            problem = boxes_tile(box.sizes, parts)
+            if problem and "overlap" in problem:
+                raise MetadataError(f"{self.index.name}: tensor {self.key!r}: {problem} inside the box at offsets "
+                                    f"{list(box.offsets)} sizes {list(box.sizes)}")
+
+    def check_all(self) -> None:
+        """Every row of the tensor read and checked, keys ascending, and the chunks tiling the
+        tensor exactly: what ``verify`` runs, and what explains a coverage gap."""
+        chunks = list(self)
+        keys = [self.index.key(j) for j in range(self.lo, self.hi)]
+        for j in range(1, len(keys)):
+            if keys[j] < keys[j - 1]:
+                raise self._bad(self.lo + j, f"sort key {keys[j]} after {keys[j - 1]}: rows out of order")
+        if math.prod(self.shape) or chunks:
+            problem = boxes_tile(self.shape, [c.box for c in chunks])
+            if problem:
+                raise MetadataError(f"{self.index.name}: tensor {self.key!r} (rows {self.lo}..{self.hi}): {problem}")
+
+
+def overlapping_chunks(chunks: Sequence[ChunkMeta], box: Box, index: Any = None) -> list[int]:
+    """Indices of ``chunks`` that intersect ``box`` (``index``: a ``BoxIndex`` over a tuple)."""
+    if isinstance(chunks, IndexedChunks):
+        return chunks.overlapping(box)
+    cand = index.overlapping(box) if index is not None else range(len(chunks))
+    return [c for c in cand if intersect(box, chunks[c].box) is not None]
+
+
 @dataclass(frozen=True)
 class Metadata:
     world_size: int
     tensors: Mapping[str, TensorMeta]
     objects: Mapping[str, ObjectMeta]
     files: Mapping[str, FileMeta]
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     extra: Mapping[str, Any] = field(default_factory=dict)
-    #: chunks larger than ``block_bytes`` also carry one digest per block, so a read of part of
-    #: the chunk verifies the blocks it touches: (file, chunk key) -> concatenated 16-hex digests
+    #: chunks larger than ``block_bytes`` also carry one digest per block (``ChunkMeta.blocks``),
+    #: so a read of part of the chunk verifies the blocks it touches
     block_bytes: int = 0
-    blocks: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    #: format v2: the chunk index the tensors' ``IndexedChunks`` read from (None: chunks in memory)
+    index: ChunkIndex | None = field(default=None, compare=False, repr=False)
 
     def keys(self) -> list[str]:
         return sorted({*self.tensors, *self.objects})
@@ -166,39 +315,79 @@ class Metadata:
     def total_tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    @property
+    def blocks(self) -> dict[tuple[str, str], str]:
+        """{(file, chunk key): block digests} of every chunk that has them (reads every chunk)."""
+        return {(c.file, c.key): c.blocks for t in self.tensors.values() for c in t.chunks if c.blocks}
+
+    def as_v1(self) -> "Metadata":
+        """The same checkpoint described in format v1 (every chunk in ``metadata.json``): what a
+        save with ``format_version=1`` commits, for readers older than the chunk index."""
+        if self.index is None:
+            return self
+        return dataclasses.replace(self, index=None, format_version=1, tensors={
+            k: dataclasses.replace(t, chunks=tuple(t.chunks)) for k, t in self.tensors.items()})
+
+    def validate_all(self) -> None:
+        """Everything a load checks only in part: every row of the index (``verify``)."""
+        for t in self.tensors.values():
+            if isinstance(t.chunks, IndexedChunks):
+                t.chunks.check_all()
+
     # -- JSON -------------------------------------------------------------------------------
-    def to_json(self) -> str:
-        doc = {
+    def _common_doc(self, version: int) -> dict:
+        return {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": version,
             "world_size": self.world_size,
             "checksum_algorithm": self.checksum_algorithm,
             "files": {n: {"size": f.size, "checksum": f.checksum, "rank": f.rank} for n, f in sorted(self.files.items())},
-            "tensors": {
-                k: {
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "path": list(t.path),
-                    "chunks": [[list(c.offsets), list(c.sizes), c.file, c.key, c.byte_offset, c.checksum] for c in t.chunks],
-                }
-                for k, t in sorted(self.tensors.items())
-            },
-            "objects": {k: {"file": o.file, "checksum": o.checksum, "path": list(o.path)} for k, o in sorted(self.objects.items())},
-            "extra": dict(self.extra),
         }
-        if self.blocks:  # an optional field: readers before it ignored it and verified less
+
+    def to_json(self) -> str:
+        """Format v2 when the chunks are in an index, else v1 (foreign checkpoints described in
+        memory, and anything built from chunk tuples)."""
+        if self.index is not None:
+            doc = self._common_doc(2)
+            doc["tensors"] = {k: {"dtype": t.dtype, "shape": list(t.shape), "path": list(t.path)}
+                              for k, t in sorted(self.tensors.items())}
+            doc["objects"] = {k: {"file": o.file, "checksum": o.checksum, "path": list(o.path)}
+                              for k, o in sorted(self.objects.items())}
+            doc["extra"] = dict(self.extra)
+            doc["index"] = dict(self.index.describe(), block_bytes=self.block_bytes)
+            return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        doc = self._common_doc(1)
+        doc["tensors"] = {
+            k: {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "path": list(t.path),
+                "chunks": [[list(c.offsets), list(c.sizes), c.file, c.key, c.byte_offset, c.checksum] for c in t.chunks],
+            }
+            for k, t in sorted(self.tensors.items())
+        }
+        doc["objects"] = {k: {"file": o.file, "checksum": o.checksum, "path": list(o.path)}
+                          for k, o in sorted(self.objects.items())}
+        doc["extra"] = dict(self.extra)
+        blocks = self.blocks
+        if blocks:  # an optional field: readers before it ignored it and verified less
             by_file: dict[str, dict[str, str]] = {}
-            for (f, k), hexes in sorted(self.blocks.items()):
+            for (f, k), hexes in sorted(blocks.items()):
                 by_file.setdefault(f, {})[k] = hexes
             doc["block_checksums"] = {"block_bytes": self.block_bytes, "chunks": by_file}
         return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
     @classmethod
-    def from_json(cls, text: str | bytes, *, source: str = METADATA_FILE) -> "Metadata":
+    def from_json(cls, text: str | bytes, *, source: str = METADATA_FILE,
+                  open_file: Callable[[str], int] | None = None) -> "Metadata":
+        """``open_file(name)``: a read-only descriptor of a regular file of the checkpoint (how a
+        v2 checkpoint's chunk index is opened; the reader's pinned directory)."""
         try:
             doc = json.loads(text)
         except (ValueError, RecursionError) as e:
             raise MetadataError(f"{source}: not valid JSON ({e})") from None
+        if isinstance(doc, dict) and doc.get("format_version") == 2 and doc.get("format") == FORMAT_NAME:
+            return _parse_v2(doc, source, open_file)
         return _parse(doc, source)
 
 
@@ -207,13 +396,14 @@ class DeferredMetadata(Metadata):
     the coordinator. Parsing costs every rank ~10 us per chunk of the whole checkpoint (20 s at
     1,024 ranks x 2,000 tensors), which most callers never need."""
 
-    def __init__(self, text: str, source: str = METADATA_FILE) -> None:  # noqa: D107
-        object.__setattr__(self, "_deferred", (text, source))
+    def __init__(self, text: str, source: str = METADATA_FILE,  # noqa: D107
+                 open_file: Callable[[str], int] | None = None) -> None:
+        object.__setattr__(self, "_deferred", (text, source, open_file))
 
     def _materialize(self) -> None:
         pending = self.__dict__.pop("_deferred", None)
         if pending is not None:
-            md = Metadata.from_json(pending[0], source=pending[1])
+            md = Metadata.from_json(pending[0], source=pending[1], open_file=pending[2])
             for f in fields(Metadata):
                 object.__setattr__(self, f.name, getattr(md, f.name))
             object.__setattr__(self, "__class__", Metadata)  # from now on a plain Metadata
@@ -266,24 +456,29 @@ _TOP_FIELDS = {"format", "format_version", "world_size", "checksum_algorithm", "
 _HEX = re.compile(r"[0-9a-f]*")
 
 
-def _parse(doc: Any, source: str) -> Metadata:
-    """Unknown fields are rejected, not ignored: a reader that skipped a field it does not
-    understand could load something other than what was written. Additions go into ``extra``
-    (kept and round-tripped) or come with a new format version."""
+def _check_header(doc: Any, source: str, fields: set[str]) -> int:
+    """The fields every version shares: kind, version, world size, checksum algorithm."""
     _need(isinstance(doc, dict), source, "top level must be an object")
-    unknown = sorted(set(doc) - _TOP_FIELDS)
-    _need(not unknown, source, f"unknown field(s) {unknown[:5]} (this build reads format version {FORMAT_VERSION}; "
-                               f"additions belong in 'extra')")
     _need(doc.get("format") == FORMAT_NAME, source, f"not an hpdcp checkpoint (format={doc.get('format')!r})")
     version = doc.get("format_version")
-    _need(version == FORMAT_VERSION, source,
-          f"format_version {version!r} is not supported (this build reads version {FORMAT_VERSION})")
+    _need(version in READ_VERSIONS and type(version) is int, source,
+          f"unsupported format version {version!r} (this build reads versions "
+          f"{', '.join(map(str, READ_VERSIONS))}; a newer release wrote it)")
+    unknown = sorted(set(doc) - fields)
+    _need(not unknown, source, f"unknown field(s) {unknown[:5]} (this build reads format version {version} with "
+                               f"fields {sorted(fields)}; additions belong in 'extra')")
     ws = doc.get("world_size")
     _need(type(ws) is int and ws >= 1, source, f"world_size must be a positive integer, got {ws!r}")
     algo = doc.get("checksum_algorithm")
     _need(algo == CHECKSUM_ALGORITHM, source, f"unknown checksum_algorithm {algo!r}")
     for section in ("files", "tensors", "objects"):
         _need(isinstance(doc.get(section), dict), source, f"'{section}' must be an object")
+    extra = doc.get("extra", {})
+    _need(isinstance(extra, dict), source, "'extra' must be an object")
+    return version
+
+
+def _parse_files(doc: dict, source: str) -> dict[str, FileMeta]:
     files: dict[str, FileMeta] = {}
     for name, f in doc["files"].items():
         try:
@@ -295,8 +490,10 @@ def _parse(doc: Any, source: str) -> Metadata:
               and isinstance(f.get("checksum"), str) and type(f.get("rank")) is int,
               source, f"file {name!r}: bad entry {f!r:.120}")
         files[name] = FileMeta(name, f["size"], f["checksum"], f["rank"])
-    tensors = {k: _parse_tensor(k, t, files, source) for k, t in doc["tensors"].items()}
-    _check_tilings(tensors, source)
+    return files
+
+
+def _parse_objects(doc: dict, tensors: Mapping[str, Any], files: Mapping[str, FileMeta], source: str) -> dict:
     objects: dict[str, ObjectMeta] = {}
     for k, o in doc["objects"].items():
         _need(k not in tensors, source, f"key {k!r} is both a tensor and an object")
@@ -304,10 +501,83 @@ def _parse(doc: Any, source: str) -> Metadata:
               and isinstance(o.get("checksum"), str),
               source, f"object {k!r}: bad entry or unknown file {o!r:.120}")
         objects[k] = ObjectMeta(o["file"], o["checksum"], _path(o.get("path"), source, k))
-    extra = doc.get("extra", {})
-    _need(isinstance(extra, dict), source, "'extra' must be an object")
+    return objects
+
+
+def _parse(doc: Any, source: str) -> Metadata:
+    """Format v1: the chunk table inline, all of it validated (bounds, files, tiling).
+
+    Unknown fields are rejected, not ignored: a reader that skipped a field it does not
+    understand could load something other than what was written. Additions go into ``extra``
+    (kept and round-tripped) or come with a new format version."""
+    version = _check_header(doc, source, _TOP_FIELDS)
+    _need(version == 1, source, f"format_version {version} needs its 'index'")
+    files = _parse_files(doc, source)
+    tensors = {k: _parse_tensor(k, t, files, source) for k, t in doc["tensors"].items()}
+    _check_tilings(tensors, source)
+    objects = _parse_objects(doc, tensors, files, source)
     block_bytes, blocks = _parse_blocks(doc.get("block_checksums"), tensors, source)
-    return Metadata(ws, tensors, objects, files, version, algo, extra, block_bytes, blocks)
+    if blocks:
+        tensors = {k: dataclasses.replace(t, chunks=tuple(
+            dataclasses.replace(c, blocks=blocks[(c.file, c.key)]) if (c.file, c.key) in blocks else c
+            for c in t.chunks)) for k, t in tensors.items()}
+    return Metadata(doc["world_size"], tensors, objects, files, 1, doc["checksum_algorithm"], doc.get("extra", {}),
+                    block_bytes)
+
+
+_V2_FIELDS = {"format", "format_version", "world_size", "checksum_algorithm", "files", "tensors", "objects", "extra",
+              "index"}
+_V2_TENSOR_FIELDS = {"dtype", "shape", "path"}
+_INDEX_FIELDS = {"file", "size", "checksum", "rows", "ndim", "blocks", "block_bytes"}
+
+
+def _parse_v2(doc: dict, source: str, open_file: Callable[[str], int] | None) -> Metadata:
+    """Format v2: ``metadata.json`` validated whole (it is small: O(tensors + files)), the chunk
+    index opened and checked in structure (O(tensors)); its rows are read and checked when used
+    (``IndexedChunks``), all of them by ``verify``."""
+    _check_header(doc, source, _V2_FIELDS)
+    files = _parse_files(doc, source)
+    ix = doc.get("index")
+    _need(isinstance(ix, dict) and set(ix) == _INDEX_FIELDS
+          and all(type(ix[f]) is int and 0 <= ix[f] < _MAX_INT for f in ("size", "rows", "ndim", "blocks", "block_bytes"))
+          and isinstance(ix.get("checksum"), str) and ix["ndim"] >= 1,
+          source, f"'index' must be {{{', '.join(sorted(_INDEX_FIELDS))}}} with non-negative integer counts, "
+                  f"got {ix!r:.160}")
+    try:
+        check_file_name(ix["file"])
+    except MetadataError as e:
+        raise MetadataError(f"{source}: index: {e}") from None
+    _need(ix["file"] not in files, source, f"index file {ix['file']!r} is also listed as a data file")
+    specs = []
+    for key in sorted(doc["tensors"]):
+        t = doc["tensors"][key]
+        if not (isinstance(t, dict) and set(t) == _V2_TENSOR_FIELDS):
+            raise MetadataError(f"{source}: tensor {key!r}: entry must be an object with fields "
+                                f"{sorted(_V2_TENSOR_FIELDS)}, got {t!r:.100}")
+        dtype = t["dtype"]
+        _need(dtype in DTYPES, source, f"tensor {key!r}: unknown dtype {dtype!r}")
+        shape = _int_list(t["shape"], source, f"tensor {key!r} shape")
+        _need(math.prod(shape) < _MAX_INT, source, f"tensor {key!r}: shape {list(shape)} has 2**62 elements or more")
+        _need(len(shape) <= ix["ndim"], source, f"tensor {key!r}: {len(shape)} dimensions, more than the index's "
+                                                f"ndim {ix['ndim']}")
+        specs.append((key, dtype, shape, _path(t["path"], source, key)))
+    if open_file is None:
+        raise MetadataError(f"{source}: format version 2 keeps its chunks in {ix['file']}, and this caller gave no "
+                            f"way to open it (read the checkpoint directory, not metadata.json alone)")
+    name = os.path.join(os.path.dirname(source), ix["file"])
+    index = ChunkIndex.open(open_file(ix["file"]), name, size=ix["size"], tensors=len(specs), rows=ix["rows"],
+                            ndim=ix["ndim"], blocks=ix["blocks"])
+    index.recorded = ix  # what metadata.json says of it (verify checks its checksum)
+    file_list = [files[n] for n in sorted(files)]
+    tensors = {}
+    for tid, (key, dtype, shape, path) in enumerate(specs):
+        chunks = IndexedChunks(index, tid, key, shape, dtype, file_list, ix["block_bytes"])
+        if not len(chunks) and math.prod(shape):
+            raise MetadataError(f"{name}: tensor {key!r} ({math.prod(shape)} elements) has no chunks")
+        tensors[key] = TensorMeta(dtype, shape, chunks, path)
+    objects = _parse_objects(doc, tensors, files, source)
+    return Metadata(doc["world_size"], tensors, objects, files, 2, doc["checksum_algorithm"], doc.get("extra", {}),
+                    ix["block_bytes"], index)
 
 
 def _parse_blocks(raw: Any, tensors: Mapping[str, TensorMeta], source: str) -> tuple[int, dict]:

@@ -16,7 +16,7 @@ import os
 import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -24,6 +24,8 @@ import xxhash
 from ..core import faults
 from ..core.errors import CorruptCheckpointError
 from ..core.utils import byte_view
+from .checksums import BLOCK_BYTES, digest, file_checksum
+from .chunk_index import ChunkIndex
 from .metadata import DTYPES, dtype_name, element_size
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -31,22 +33,6 @@ _WRITE_BUFFER = 1 << 20
 _SAFETENSORS_CODES = {name: code for name, (_, code) in DTYPES.items()}
 _CODE_TO_NAME = {code: name for name, code in _SAFETENSORS_CODES.items()}
 _MAX_INT = 1 << 62  # sizes, offsets and dims beyond this are hostile, not data (and overflow int64)
-
-
-def digest(data: memoryview | bytes) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-BLOCK_BYTES = 1 << 20  # chunks larger than this also get one checksum per block (verified partial reads)
-
-
-def block_digests(view: memoryview, block: int = BLOCK_BYTES) -> str:
-    """Concatenated 16-hex-digit digests of each ``block`` bytes of ``view`` ('' for one block or
-    less: the chunk's own checksum covers it)."""
-    n = len(view)
-    if n <= block:
-        return ""
-    return "".join(xxhash.xxh3_64_hexdigest(view[i:i + block]) for i in range(0, n, block))
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -86,18 +72,6 @@ class WrittenFile:
     size: int
     checksum: str
     entries: tuple[WrittenEntry, ...]
-
-
-def file_checksum(header: bytes, entry_digests: Iterable[str]) -> str:
-    """A file's checksum: the hash of its header and of its entries' digests, in file order.
-
-    Hashing digests instead of the bytes again halves the hashing work of a save; ``verify``
-    recomputes every entry digest from the bytes, so it is just as strong.
-    """
-    h = xxhash.xxh3_64(header)
-    for d in entry_digests:
-        h.update(d.encode("ascii"))
-    return h.hexdigest()
 
 
 def _header(specs: Sequence[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> tuple[bytes, list[int], list[int]]:
@@ -248,6 +222,21 @@ def write_file(path: str, entries: Sequence[tuple[str, torch.Tensor]], *, meta: 
         w.abort()
         raise
     return w.close()
+
+
+def write_index(path: str, index: ChunkIndex, *, fsync: bool = True) -> None:
+    """Write a format-v2 chunk index (a safetensors file of int64 arrays) from memory."""
+    header, cols = index.encode()
+    with open(path, "xb") as f, naming(path):
+        faults.point("file.write", path=path)
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for c in cols:
+            f.write(byte_view(c))
+        f.flush()
+        if fsync:
+            faults.point("file.fsync", path=path)
+            os.fdatasync(f.fileno())
 
 
 def pread_into(fd: int, offset: int, view: memoryview, *, name: str) -> None:

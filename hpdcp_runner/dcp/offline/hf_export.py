@@ -95,7 +95,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             source_reader.close()
 
     text = comm.agree_root("export_hf: metadata", describe)
-    md = rename_keys(Metadata.from_json(text, source=where), rename, source=src)
+    md = rename_keys(Metadata.from_json(text, source=where, open_file=source_reader.open_file), rename, source=src)
     names = sorted(md.tensors, key=natural_key)
     if "__metadata__" in names:
         raise ConfigError(f"{src}: a tensor named '__metadata__' cannot be written to safetensors; rename it")

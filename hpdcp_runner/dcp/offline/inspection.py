@@ -15,7 +15,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..format.safetensors_io import block_digests, digest, file_checksum, read_header
+from ..format.checksums import block_digests, digest, file_checksum
+from ..format.safetensors_io import read_header
 from ..format import objects as objcodec
 from ..core.errors import HpdcpError, PickleNotAllowedError
 from ..storage.commit import STAGING_MARK, TRASH_MARK
@@ -42,7 +43,8 @@ def describe(path: str | os.PathLike, reader: StorageReader | None = None, md: M
     reader = reader or FileSystemReader(path)
     if md is None:
         try:
-            md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+            md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE),
+                                    open_file=reader.open_file)
         finally:
             reader.close()
     tensors = {k: {"dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes,
@@ -65,7 +67,8 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
     (freed multi-MiB blocks otherwise fragment the heap and RSS creeps up).
     """
     reader = reader or FileSystemReader(path, files_kept=4)
-    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(os.fspath(path), METADATA_FILE))
+    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(os.fspath(path), METADATA_FILE),
+                            open_file=reader.open_file)
     reader.attach_metadata(md)
     keys = list(keys) if keys is not None else sorted(md.tensors)
     reader.check_files(sorted({c.file for k in keys for c in md.tensors[k].chunks}))  # sizes real before allocating
@@ -122,8 +125,11 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
     abspath = os.path.abspath(os.fspath(path))
     try:
         md = FileSystemReader(path).read_metadata_once()
+        md.validate_all()  # format v2: every row of the chunk index (a load checks the rows it uses)
     except HpdcpError as e:
         return VerifyReport(abspath, (str(e),), 0, 0)
+    if md.index is not None:
+        problems += _verify_index(os.path.join(abspath, md.index.recorded["file"]), md.index.recorded["checksum"])
     by_file: dict[str, dict[str, tuple]] = {}
     for k, t in md.tensors.items():
         for c in t.chunks:
@@ -162,7 +168,8 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
             problems += _object_file_problems(name, body, objects_by_file.get(name, []), md)
         if on_file is not None:
             on_file(name, size)
-    extra = sorted(set(os.listdir(abspath)) - set(md.files) - {METADATA_FILE})
+    extra = sorted(set(os.listdir(abspath)) - set(md.files) - {METADATA_FILE}
+                   - ({md.index.recorded["file"]} if md.index is not None else set()))
     problems += [f"{n}: not listed in {METADATA_FILE}" for n in extra]
     return VerifyReport(abspath, tuple(problems), checked, nbytes)
 
@@ -203,6 +210,21 @@ def _object_file_problems(name: str, body: bytes, keys: list[str], md: Metadata)
         except HpdcpError as e:
             out.append(str(e))
     return out
+
+
+def _verify_index(full: str, checksum: str) -> list[str]:
+    """The chunk index's own checksum (as a rank file's: header, then each entry's digest)."""
+    name = os.path.basename(full)
+    try:
+        raw, entries = read_header(full)
+        with open(full, "rb") as f:
+            digests = []
+            for e in entries:
+                f.seek(e.byte_offset)
+                digests.append(digest(f.read(e.nbytes)))
+    except (HpdcpError, OSError) as e:
+        return [f"{name}: {e}"]
+    return [] if file_checksum(raw, digests) == checksum else [f"{name}: checksum mismatch (recorded in metadata.json)"]
 
 
 def _verify_tensor_file(full: str, name: str, checksum: str, chunks: dict, blocks: dict[str, str],

@@ -37,7 +37,8 @@ from .inspection import iter_full_tensors
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from .sources import HF_INDEX, HF_SINGLE, TensorSource, open_source
 from ..planning.interfaces import OBJECT, TENSOR, SavePlan, WriteItem
-from ..planning.standard import assign_owners, build_metadata, chunk_key
+from ..format.metadata import chunk_key
+from ..planning.standard import assign_owners, build_metadata
 from ..core.utils import get_logger
 
 log = get_logger(__name__)
@@ -90,7 +91,8 @@ def check_with_safetensors(path: str) -> None:
 
 def _read_our_metadata(src: str | os.PathLike) -> tuple[FileSystemReader, Metadata]:
     reader = FileSystemReader(src)
-    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE))
+    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE),
+                            open_file=reader.open_file)
     reader.attach_metadata(md)
     return reader, md
 

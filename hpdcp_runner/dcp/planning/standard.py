@@ -13,7 +13,9 @@ from ..format.safetensors_io import digest
 from .save_dedup import CompactPlan, GlobalSavePlan, assign_owners
 from ..core.errors import CoverageError, MetadataError, ShapeMismatchError, StateDictError
 from ..core.geometry import Box, BoxIndex, dtensor_local_box, intersect, narrow, relative, whole
-from ..format.metadata import Metadata, dtype_name
+from ..format.chunk_index import ChunkIndex, hex_to_i64
+from ..format.checksums import BLOCK_BYTES
+from ..format.metadata import IndexedChunks, Metadata, ObjectMeta, TensorMeta, dtype_name, overlapping_chunks
 from .interfaces import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from ..core.ragged import FlatShard, LocalShard
 from .load_replicas import BroadcastOp, CompactShards, ShardSummary, plan_replica_reads
@@ -188,14 +190,19 @@ class StandardLoadPlanner(LoadPlanner):
         pieces = local_pieces(v)
         self._pieces[fqn] = pieces
         out = []
-        index = BoxIndex([c.box for c in tm.chunks]) if len(tm.chunks) > 8 else None
+        chunks = tm.chunks
+        index = BoxIndex([c.box for c in chunks]) if len(chunks) > 8 and not isinstance(chunks, IndexedChunks) else None
         for d, (box, _) in enumerate(pieces):
             covered = 0
-            for c in index.overlapping(box) if index else range(len(tm.chunks)):
-                ov = intersect(box, tm.chunks[c].box)
-                if ov is not None:
-                    out.append(ReadItem(fqn, d, box, c, ov))
-                    covered += ov.numel
+            found = overlapping_chunks(chunks, box, index)
+            for c in found:
+                ov = intersect(box, chunks[c].box)
+                out.append(ReadItem(fqn, d, box, c, ov))
+                covered += ov.numel
+            if isinstance(chunks, IndexedChunks):  # v2: this rank checks the tiling of what it reads
+                if covered != box.numel:
+                    chunks.check_all()  # names a bad row of the index, if that is the cause
+                chunks.check_disjoint(box, found)
             if covered != box.numel:
                 raise CoverageError(f"key {fqn!r}: saved chunks cover {covered} of the {box.numel} elements of the "
                                     f"destination at offsets {list(box.offsets)} sizes {list(box.sizes)}")
@@ -226,24 +233,24 @@ class MinimumRankLoadPlanner(StandardLoadPlanner):
     policy = "minimum_rank"
 
 
-def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
-    """The safetensors key of a stored chunk; names inside files only, never file names."""
-    return f"{fqn}@{','.join(map(str, offsets))}"
-
-
 def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_size: int,
                    extra: Mapping[str, Any] | None = None) -> Metadata:
-    """Combine the global plan with every rank's write result (pure; runs on the coordinator).
-    One pass over the owned rows as plain lists: at 2M chunks this is the coordinator's largest
-    cost after the gather, so no Box or helper objects per chunk."""
-    from ..format.safetensors_io import BLOCK_BYTES
-    from ..format.metadata import ChunkMeta, ObjectMeta, TensorMeta
-
+    """Combine the global plan with every rank's write result (pure; runs on the coordinator)
+    into format-v2 metadata: the chunk table becomes int64 columns of the chunk index
+    (``ChunkIndex.build`` groups and sorts them vectorised). One pass over the owned rows as
+    plain lists: no Box, ChunkMeta or other object per chunk."""
     by_rank = {w.rank: w for w in results}
     keys = gplan.keys
-    chunks: dict[str, list[ChunkMeta]] = {k.fqn: [] for k in keys if k.kind == TENSOR}
+    files = {f.name: f for w in results for f in w.files}
+    file_names = sorted(files)
+    file_id = {n: i for i, n in enumerate(file_names)}
+    tensor_keys = sorted((k for k in keys if k.kind == TENSOR), key=lambda k: k.fqn)
+    tid_of = {k.fqn: i for i, k in enumerate(tensor_keys)}
+    ndim = max([k.ndim for k in tensor_keys] + [1])
     objects: dict[str, ObjectMeta] = {}
-    blocks: dict[tuple[str, str], str] = {}
+    fixed: list[int] = []  # tensor, file, byte offset, checksum, block start, block count per chunk
+    boxes: list[int] = []  # offsets then sizes, padded to ndim
+    blocks: list[int] = []
     d = (gplan.owned.shape[1] - 2) // 2
     for row in gplan.owned.tolist():
         key = keys[row[0]]
@@ -253,22 +260,27 @@ def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_
             objects[key.fqn] = ObjectMeta(file, csum, key.path)
             continue
         nd = key.ndim
-        sizes = tuple(row[2 + d:2 + d + nd])
+        sizes = row[2 + d:2 + d + nd]
         if 0 in sizes:
             continue  # empty chunks are not stored
-        offs = tuple(row[2:2 + nd])
-        ck = f"{key.fqn}@{','.join(map(str, offs))}"  # chunk_key, inlined
-        file, off, csum, *more = res.chunks[ck]
-        chunks[key.fqn].append(ChunkMeta(offs, sizes, file, ck, off, csum))
-        if more and more[0]:
-            blocks[(file, ck)] = more[0]
-    tmetas = {}
-    for k in keys:
-        if k.kind == TENSOR:
-            cs = chunks[k.fqn]
-            if len(cs) > 1:
-                cs.sort(key=lambda c: c.offsets)
-            tmetas[k.fqn] = TensorMeta(k.dtype, tuple(k.shape), tuple(cs), k.path)
-    files = {f.name: f for w in results for f in w.files}
-    return Metadata(world_size, tmetas, objects, files, extra=dict(extra or {}),
-                    block_bytes=BLOCK_BYTES if blocks else 0, blocks=blocks)
+        offs = row[2:2 + nd]
+        file, off, csum, *more = res.chunks[f"{key.fqn}@{','.join(map(str, offs))}"]  # chunk_key, inlined
+        hexes = more[0] if more else ""
+        fixed += (tid_of[key.fqn], file_id[file], off, hex_to_i64(csum), len(blocks), len(hexes) // 16)
+        blocks += [hex_to_i64(hexes[i:i + 16]) for i in range(0, len(hexes), 16)]
+        pad = ndim - nd
+        boxes += offs
+        boxes += (0,) * pad
+        boxes += sizes
+        boxes += (1,) * pad
+    cols = torch.tensor(fixed, dtype=torch.int64).view(-1, 6)
+    box = torch.tensor(boxes, dtype=torch.int64).view(-1, 2 * ndim)
+    index = ChunkIndex.build(len(tensor_keys), torch.tensor([k.ndim for k in tensor_keys], dtype=torch.int64),
+                             *cols.unbind(1)[:4], box[:, :ndim], box[:, ndim:], cols[:, 4], cols[:, 5],
+                             torch.tensor(blocks, dtype=torch.int64))
+    file_list = [files[n] for n in file_names]
+    tmetas = {k.fqn: TensorMeta(k.dtype, tuple(k.shape),
+                                IndexedChunks(index, i, k.fqn, tuple(k.shape), k.dtype, file_list, BLOCK_BYTES), k.path)
+              for i, k in enumerate(tensor_keys)}
+    return Metadata(world_size, tmetas, objects, files, 2, extra=dict(extra or {}), block_bytes=BLOCK_BYTES,
+                    index=index)

@@ -33,7 +33,8 @@ import torch
 from ..core import faults
 from ..format import objects as objcodec
 from ..core.utils import byte_view
-from ..format.safetensors_io import SafetensorsStreamWriter, digest, naming, pread_into
+from ..format.chunk_index import INDEX_FILE
+from ..format.safetensors_io import SafetensorsStreamWriter, digest, naming, pread_into, write_index
 from ..core.errors import (CheckpointChangedError, ConfigError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      MetadataError)
 from ..core.geometry import Box, flat_span, row_major_strides, run_dim, run_starts, runs_contiguous_in
@@ -182,6 +183,8 @@ class FileSystemWriter(StorageWriter):
         return WriteResult(rank, tuple(files), chunks, objs)
 
     def commit(self, metadata: Metadata) -> None:
+        if metadata.index is not None:  # format v2: the chunk index first, metadata.json last
+            write_index(os.path.join(self.staging, INDEX_FILE), metadata.index, fsync=self.fsync)
         body = metadata.to_json().encode()
         with open(os.path.join(self.staging, METADATA_FILE), "xb") as f, naming(f.name):
             f.write(body)
@@ -401,10 +404,22 @@ class FileSystemReader(StorageReader):
         except Exception:
             pass
 
-    def read_metadata_once(self) -> Metadata:
-        """Read, validate and attach the metadata, then release the directory (one-shot callers)."""
+    def open_file(self, name: str) -> int:
+        """A file of the pinned checkpoint, opened read-only (no links, regular files only)."""
+        check_file_name(name)
+        self._pin_directory()
+        full = os.path.join(self.path, name)
         try:
-            md = Metadata.from_json(self.read_metadata_text(), source=os.path.join(self.path, METADATA_FILE))
+            return open_regular(full, self._dir_fd)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"checkpoint file {full} is missing (named in {METADATA_FILE})") from None
+
+    def read_metadata_once(self) -> Metadata:
+        """Read, validate and attach the metadata (the v2 index stays open, its directory not),
+        then release the directory (one-shot callers)."""
+        try:
+            md = Metadata.from_json(self.read_metadata_text(), source=os.path.join(self.path, METADATA_FILE),
+                                    open_file=self.open_file)
         finally:
             self.close()
         self.metadata = md
@@ -469,7 +484,7 @@ class FileSystemReader(StorageReader):
         whole_chunk = r.sub.sizes == r.chunk.sizes
         dest = r.dest
         direct = whole_chunk and dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
-        hexes = self.metadata.blocks.get((name, r.chunk.key), "") if self.metadata is not None else ""
+        hexes = r.chunk.blocks
         if direct:  # the whole chunk into its destination, then its checksum
             view = byte_view(dest)
             self._check_bounds(fd, name, r, offset, nbytes)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from ..core.errors import MetadataError
 from ..core.geometry import Box
 from ..format.metadata import ChunkMeta, Metadata, ObjectMeta, WriteResult
 
@@ -116,6 +117,11 @@ class StorageReader(ABC):
     def attach_metadata(self, metadata: Metadata, pin: Any = None) -> None:
         """Every rank: the validated metadata, used to check files before reading them, and the
         coordinator's ``pin()`` (None: no check), so every rank reads the checkpoint rank 0 read."""
+
+    def open_file(self, name: str) -> int:
+        """A read-only descriptor of the checkpoint's file ``name`` (a regular file inside the
+        checkpoint): how every rank opens a format-v2 chunk index to read the rows it needs."""
+        raise MetadataError(f"{type(self).__name__} cannot open {name!r}: it reads no format-v2 checkpoints")
 
     def check_files(self, names: Iterable[str]) -> None:
         """Check these files (exist, readable, recorded size) before any data is read; a storage

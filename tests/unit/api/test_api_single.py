@@ -31,7 +31,7 @@ def test_all_dtypes_round_trip_bitwise(tmp_path):
 def test_files_are_standard_safetensors_and_names_never_come_from_keys(tmp_path):
     sd = {"../../evil/key": torch.ones(2), "a/b": torch.arange(3)}
     save(sd, checkpoint_id=tmp_path / "c")
-    assert sorted(os.listdir(tmp_path / "c")) == ["metadata.json", "rank00000.safetensors"]
+    assert sorted(os.listdir(tmp_path / "c")) == ["chunk_index.safetensors", "metadata.json", "rank00000.safetensors"]
     got = load_file(str(tmp_path / "c" / "rank00000.safetensors"))
     assert torch.equal(got["a/b@0"], sd["a/b"]) and torch.equal(got["../../evil/key@0"], sd["../../evil/key"])
 

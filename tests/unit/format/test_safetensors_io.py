@@ -75,7 +75,7 @@ def test_hashing_while_writing_gives_the_digests_of_the_bytes_and_keeps_file_off
     ones go through it. Digests equal those of the whole bytes, and every entry lands at its
     declared offset whatever the mix (a small entry after a large one, sizes around a block)."""
     from hpdcp_runner.dcp.core.utils import byte_view
-    from hpdcp_runner.dcp.format.safetensors_io import BLOCK_BYTES, block_digests, digest
+    from hpdcp_runner.dcp.format.checksums import BLOCK_BYTES, block_digests, digest
 
     g = torch.Generator().manual_seed(5)
     sizes = [3, BLOCK_BYTES // 4, BLOCK_BYTES // 4 + 1, 7, 3 * BLOCK_BYTES // 4 - 5, 0, 2 * BLOCK_BYTES // 4 + 1, 1]

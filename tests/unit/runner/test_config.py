@@ -78,7 +78,7 @@ dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode
 dcp.storage.max_read_bytes_per_s dcp.storage.read_gap_bytes dcp.storage.max_request_bytes dcp.storage.shared
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
 dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas
-dcp.cache_plan
+dcp.cache_plan dcp.format_version
 job.fail_on_rank job.name job.output job.output_format job.hf_max_shard_size job.hf_files_from job.verify
 job.source.layout job.source.path job.source.format job.source.rename
 layout.flat_units layout.kind layout.mesh layout.name layout.rules layout.strict

@@ -3,13 +3,12 @@ the filesystem reader's partial-chunk paths built on them."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
-from hpdcp_runner.dcp import CorruptCheckpointError, FileSystemReader, LocalShard, load, save
+from hpdcp_runner.dcp import CorruptCheckpointError, FileSystemReader, LocalShard, load, read_metadata, save
 from hpdcp_runner.dcp.format.safetensors_io import BLOCK_BYTES
 from hpdcp_runner.dcp.storage.vectored import (IOV_MAX, ReadCostModel, Sink, check_destination, measured_cost_model,
                                                read_ranges)
@@ -145,7 +144,7 @@ def test_verified_column_reads_catch_a_flipped_byte_anywhere_and_bound_the_scrat
     full = torch.randn(768, 1024, generator=torch.Generator().manual_seed(3))  # 3 MiB: 3 blocks
     ck = tmp_path / "c"
     save({"w": full}, checkpoint_id=ck)
-    byte0 = json.loads((ck / "metadata.json").read_text())["tensors"]["w"]["chunks"][0][4]
+    byte0 = read_metadata(ck).tensors["w"].chunks[0].byte_offset
     window = 64 << 10
 
     def cols(a, b):

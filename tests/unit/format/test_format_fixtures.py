@@ -1,6 +1,7 @@
-"""Format v1 stays readable forever: the checkpoints committed under tests/fixtures/format_v1
-(written by the code of 2026-12-03 at world sizes 1, 2 and 4, sharded, replicated, on a 2-D mesh,
-as ragged flat shards, with objects and block digests) load bit for bit and verify clean."""
+"""Every format version stays readable forever: the checkpoints committed under
+tests/fixtures/format_v1 and format_v2 (written by the code of 2026-12-03 at world sizes 1, 2 and 4,
+sharded, replicated, on a 2-D mesh, as ragged flat shards, with objects and block digests) load
+bit for bit, reshard on two ranks and verify clean."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import torch
 
 from hpdcp_runner.dcp import load, read_metadata
 from hpdcp_runner.dcp.tools import verify
-from tests.format_fixtures import CASES, FORMAT_VERSION, objects, same_object, tensors
+from tests.format_fixtures import CASES, VERSIONS, objects, same_object, tensors
 from tests.multiproc.harness import run_ranks
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
-                        "format_v1")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures")
+ALL = [(v, c) for v in VERSIONS for c in CASES]
 
 
 def _expected(case: str) -> dict:
@@ -47,11 +48,12 @@ def _same(got, want) -> bool:
     return same_object(got, want)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_committed_v1_checkpoints_load_bitwise_and_verify(case):
-    path = os.path.join(FIXTURES, case)
+@pytest.mark.parametrize("version,case", ALL)
+def test_committed_checkpoints_load_bitwise_and_verify(version, case):
+    path = os.path.join(FIXTURES, f"format_v{version}", case)
     md = read_metadata(path)
-    assert md.format_version == FORMAT_VERSION
+    assert md.format_version == version
+    assert os.path.exists(os.path.join(path, "chunk_index.safetensors")) == (version >= 2)
     report = verify(path)
     assert report.ok, report.problems
     want = _expected(case)
@@ -85,14 +87,14 @@ def _load_sharded(rank: int, ws: int) -> bool:
             return [full(v) for v in x]
         return x.full_tensor() if isinstance(x, DTensor) else x
 
-    for case in CASES:
+    for version, case in ALL:
         want = _expected(case)
         got = placed(want)
-        load(got, checkpoint_id=os.path.join(FIXTURES, case), timeout=60)
+        load(got, checkpoint_id=os.path.join(FIXTURES, f"format_v{version}", case), timeout=60)
         if not _same(full(got), want):
-            raise AssertionError(f"{case} differs after a load on 2 ranks")
+            raise AssertionError(f"v{version} {case} differs after a load on 2 ranks")
     return True
 
 
-def test_committed_v1_checkpoints_reshard_on_two_ranks():
+def test_committed_checkpoints_reshard_on_two_ranks():
     assert run_ranks(2, _load_sharded) == [True, True]
