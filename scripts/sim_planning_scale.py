@@ -43,14 +43,12 @@ import torch
 from hpdcp_runner.dcp.planning.save_dedup import CompactPlan, KeyInfo, assign_owners
 from hpdcp_runner.dcp.core.geometry import Box, split_piece, whole
 from hpdcp_runner.dcp.format.chunk_index import INDEX_FILE
-from hpdcp_runner.dcp.format.metadata import METADATA_FILE, FileMeta, Metadata
+from hpdcp_runner.dcp.format.metadata import METADATA_FILE, FileMeta, Metadata, WrittenChunks
 from hpdcp_runner.dcp.format.safetensors_io import write_index
 from hpdcp_runner.dcp.planning.interfaces import TENSOR, SavePlan, WriteItem
 from hpdcp_runner.dcp.core.ragged import LocalShard
 from hpdcp_runner.dcp.planning.load_replicas import CompactShards, plan_replica_reads
-from hpdcp_runner.dcp.format.metadata import chunk_key
 from hpdcp_runner.dcp.planning.standard import StandardLoadPlanner, build_metadata
-from hpdcp_runner.dcp.storage.interfaces import WriteResult
 
 ROWS, COLS = 1024, 1024
 
@@ -144,15 +142,24 @@ def coordinator_plan(texts: list[str]):
     return assign_owners(plans, "balanced")
 
 
-def results_for(n: int, gplan) -> list[WriteResult]:
-    res = []
-    chunks: list[dict] = [{} for _ in range(n)]
-    for row in gplan.owned.tolist():
-        key, rank = gplan.keys[row[0]], row[1]
-        chunks[rank][chunk_key(key.fqn, row[2:2 + key.ndim])] = (f"rank{rank:05d}.safetensors", 0, "0")
-    for r in range(n):
-        res.append(WriteResult(r, (FileMeta(f"rank{r:05d}.safetensors", 1 << 40, "0", r),), chunks[r], {}))
-    return res
+def results_for(n: int, gplan) -> list[WrittenChunks]:
+    """What every rank reports after writing, in the save's wire form (columns in write order;
+    1 MiB blocks as a real writer records them), built vectorised."""
+    d = (gplan.owned.shape[1] - 2) // 2
+    nbytes = gplan.owned[:, 2 + d:].prod(1) * 4
+    keep = nbytes > 0  # empty chunks are not written
+    items = torch.cat(list(gplan.write_idx))[keep]
+    nbytes = nbytes[keep]
+    counts = torch.bincount(gplan.owned[keep, 1], minlength=n).tolist()  # owned rows are in rank order
+    blocks = torch.where(nbytes > (1 << 20), (nbytes + (1 << 20) - 1) // (1 << 20), 0)
+    out = []
+    for r, (it, nb, bl) in enumerate(zip(items.split(counts), nbytes.split(counts), blocks.split(counts))):
+        k = len(it)
+        out.append(WrittenChunks(r, (FileMeta(f"rank{r:05d}.safetensors", 1 << 40, "0", r),), it,
+                                 torch.zeros(k, dtype=torch.int64), torch.cumsum(nb, 0) - nb,
+                                 torch.arange(k, dtype=torch.int64), bl, torch.arange(int(bl.sum()), dtype=torch.int64),
+                                 {}))
+    return out
 
 
 def row(n: int, t: int, skip_metadata: bool, v1: bool = False) -> str:

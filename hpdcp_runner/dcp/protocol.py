@@ -5,7 +5,7 @@ runs on every rank (``local``) or on the coordinator only (``coordinate``); ``Co
 wire forms and turns a failure anywhere into the same error everywhere. Call sequence::
 
     save:  SaveSteps.local_plan  --SavePlanMsg-->  SaveSteps.global_plan  --SaveReply-->  every rank
-           SaveSteps.write       --WriteResult-->  SaveSteps.build_metadata (coordinator)
+           SaveSteps.write       --WrittenChunks-->  SaveSteps.build_metadata (coordinator)
            SaveSteps.commit (coordinator)  --metadata text-->  every rank
     load:  LoadSteps.read_metadata (coordinator)  --MetadataMsg-->  every rank parses + checks
            LoadSteps.local_plan  --LoadPlanMsg-->  LoadSteps.global_plan  --LoadReply-->  every rank
@@ -30,7 +30,7 @@ from .core import faults
 from .core.columns import pack_ints, unpack_ints
 from .core.errors import KeyMismatchError
 from .core.geometry import Box, relative
-from .format.metadata import METADATA_FILE, Metadata, WriteResult, chunk_key
+from .format.metadata import METADATA_FILE, Metadata, WrittenChunks, chunk_key
 from .format.renames import rename_keys
 from .planning.interfaces import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .planning.load_replicas import Batch, CompactShards, batch_ops
@@ -267,20 +267,22 @@ class SaveSteps:
     def write(self) -> dict:
         self.writer.attach(self.token, rank=self.comm.rank, world_size=self.comm.world_size)
         faults.point("save.write", rank=self.comm.rank, path=self.path)
-        tensors, objs = [], {}
+        tensors, objs, items = [], {}, []
         for i in self.reply.writes.tolist():
             it = self.own.items[i]
             if it.kind == "object":
                 objs[it.fqn] = self.planner.resolve_data(it)
             elif it.box.numel:
-                tensors.append((chunk_key(it.fqn, it.box.offsets), self.planner.resolve_data(it)))
+                key = chunk_key(it.fqn, it.box.offsets)
+                tensors.append((key, self.planner.resolve_data(it)))
+                items.append((i, key))
         result = self.writer.write(tensors, objs)
         faults.point("save.written", rank=self.comm.rank, path=self.path)
-        return result.to_wire()
+        return WrittenChunks.from_result(result, items).to_wire()  # columns, in write order
 
     def build_metadata(self, results: list) -> list:
         """Coordinator: the checkpoint's metadata from the global plan and what every rank wrote."""
-        self.committed = build_metadata(self.gplan, [WriteResult.from_wire(w) for w in results],
+        self.committed = build_metadata(self.gplan, [WrittenChunks.from_wire(w) for w in results],
                                         self.comm.world_size, self.extra)
         if self.format_version == 1:
             self.committed = self.committed.as_v1()

@@ -19,7 +19,8 @@ import torch
 
 from ..core.errors import MetadataError
 from ..core.geometry import Box, boxes_tile, intersect, relative, tiling_problem
-from .chunk_index import BLOCK_COUNT, BLOCK_START, BYTE_OFFSET, CHECKSUM, FILE, TENSOR, ChunkIndex, i64_to_hex
+from ..core.columns import pack_ints, unpack_ints
+from .chunk_index import BLOCK_COUNT, BLOCK_START, BYTE_OFFSET, CHECKSUM, FILE, TENSOR, ChunkIndex, hex_to_i64, i64_to_hex
 
 FORMAT_NAME = "hpdcp"
 FORMAT_VERSION = 2  # what saves write: metadata.json + the chunk index (chunk_index.py)
@@ -152,6 +153,56 @@ class WriteResult:
                    {k: tuple(v) for k, v in w["chunks"].items()}, {k: tuple(v) for k, v in w["objects"].items()})
 
 
+@dataclass(frozen=True)
+class WrittenChunks:
+    """What one rank wrote, as int64 columns in its write order: the save protocol's form of a
+    ``WriteResult``. The coordinator lines them up with the global plan's owned rows (also in
+    write order) and builds the chunk index without a Python object per chunk."""
+
+    rank: int
+    files: tuple[FileMeta, ...]
+    items: torch.Tensor  # the plan item each chunk was written for
+    file: torch.Tensor  # index into ``files``
+    byte_offset: torch.Tensor
+    checksum: torch.Tensor  # XXH3-64 bits as int64
+    block_count: torch.Tensor
+    blocks: torch.Tensor  # the chunks' block digests, concatenated in chunk order
+    objects: Mapping[str, tuple[str, str]]
+
+    @classmethod
+    def from_result(cls, res: WriteResult, items: Sequence[tuple[int, str]]) -> "WrittenChunks":
+        """``items``: (plan item index, chunk key) of every tensor chunk written, in write order;
+        ``res.chunks`` says where each key's bytes are (any order)."""
+        fidx = {f.name: i for i, f in enumerate(res.files)}
+        cols: list[int] = []
+        blocks: list[int] = []
+        for item, key in items:
+            entry = res.chunks.get(key)
+            if entry is None or entry[0] not in fidx:
+                raise MetadataError(f"rank {res.rank}: the storage writer reported no location (or an unlisted file) "
+                                    f"for chunk {key!r}")
+            file, off, csum, *more = entry
+            hexes = more[0] if more else ""
+            cols += (item, fidx[file], off, hex_to_i64(csum), len(hexes) // 16)
+            blocks += [hex_to_i64(hexes[i:i + 16]) for i in range(0, len(hexes), 16)]
+        c = torch.tensor(cols, dtype=torch.int64).view(-1, 5)
+        return cls(res.rank, tuple(res.files), *(c[:, j].contiguous() for j in range(5)),
+                   torch.tensor(blocks, dtype=torch.int64), dict(res.objects))
+
+    def to_wire(self) -> dict:
+        return {"rank": self.rank, "files": [[f.name, f.size, f.checksum] for f in self.files],
+                "items": pack_ints(self.items), "file": pack_ints(self.file), "offset": pack_ints(self.byte_offset),
+                "checksum": pack_ints(self.checksum), "block_count": pack_ints(self.block_count),
+                "blocks": pack_ints(self.blocks), "objects": {k: list(v) for k, v in self.objects.items()}}
+
+    @classmethod
+    def from_wire(cls, w: dict) -> "WrittenChunks":
+        return cls(w["rank"], tuple(FileMeta(n, s, c, w["rank"]) for n, s, c in w["files"]), unpack_ints(w["items"]),
+                   unpack_ints(w["file"]), unpack_ints(w["offset"]), unpack_ints(w["checksum"]),
+                   unpack_ints(w["block_count"]), unpack_ints(w["blocks"]),
+                   {k: tuple(v) for k, v in w["objects"].items()})
+
+
 def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
     """The safetensors key of a stored chunk; names inside files only, never file names."""
     return f"{fqn}@{','.join(map(str, offsets))}"
@@ -273,8 +324,9 @@ class IndexedChunks(Sequence[ChunkMeta]):
 
     def check_all(self) -> None:
         """Every row of the tensor read and checked, keys ascending, and the chunks tiling the
-        tensor exactly: what ``verify`` runs, and what explains a coverage gap."""
-        chunks = list(self)
+        tensor exactly: what ``verify`` runs, and what explains a coverage gap. Nothing is cached
+        (a whole-checkpoint check holds one tensor's rows at a time)."""
+        chunks = [self._chunk(self.lo + j, row) for j, row in enumerate(self.index.rows(self.lo, self.hi))]
         keys = [self.index.key(j) for j in range(self.lo, self.hi)]
         for j in range(1, len(keys)):
             if keys[j] < keys[j - 1]:

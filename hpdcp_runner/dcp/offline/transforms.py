@@ -37,7 +37,7 @@ from .inspection import iter_full_tensors
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from .sources import HF_INDEX, HF_SINGLE, TensorSource, open_source
 from ..planning.interfaces import OBJECT, TENSOR, SavePlan, WriteItem
-from ..format.metadata import chunk_key
+from ..format.metadata import WrittenChunks, chunk_key
 from ..planning.standard import assign_owners, build_metadata
 from ..core.utils import get_logger
 
@@ -253,7 +253,12 @@ def _import(source: TensorSource, dst: Any, world_size: int, boxes: BoxRule, all
         for out_key in progress(list(names.values()), len(names), "import"):
             for r, it in jobs.get(out_key, []):  # each source tensor read once, its pieces to every rank file
                 streams[r].append(chunk_key(out_key, it.box.offsets), source.read(back[out_key], it.box))
-        results = [writer.finish_rank(r, streams.pop(r, None), encoded if r == 0 else {}) for r in range(world_size)]
+        results = []
+        for r, (plan, idxs) in enumerate(zip(gplan.plans, gplan.writes)):
+            res = writer.finish_rank(r, streams.pop(r, None), encoded if r == 0 else {})
+            written = [(i, chunk_key(plan.items[i].fqn, plan.items[i].box.offsets)) for i in idxs
+                       if plan.items[i].kind == TENSOR and plan.items[i].box.numel]
+            results.append(WrittenChunks.from_result(res, written))
         md = build_metadata(gplan, results, world_size, {"imported_from": source.path,
                                                          "source_format": type(source).__name__})
         writer.commit(md)

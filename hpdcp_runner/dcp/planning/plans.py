@@ -141,7 +141,9 @@ class CompactPlan:
 class GlobalSavePlan:
     """Who writes what. ``write_idx[r]`` (``writes[r]`` as ints): indices into rank r's plan items. ``owned``: one int64 row per
     written chunk or object, ``[key id, rank, offsets (ndim padded to D with 0), sizes (padded with
-    1)]``, keys indexing ``keys``. ``plans`` holds the full plans when built from them (offline tools)."""
+    1)]``, keys indexing ``keys``, in write order: by rank, then as ``write_idx`` (so row i of
+    ``owned`` is item ``cat(write_idx)[i]``). ``plans`` holds the full plans when built from them
+    (offline tools)."""
 
     write_idx: tuple[torch.Tensor, ...]
     keys: tuple[KeyInfo, ...]

@@ -91,7 +91,8 @@ def assign_owners(plans: Sequence[SavePlan | CompactPlan], policy: str = "balanc
     owner = _choose(rows[:, 1], nbytes, order, starts, counts, policy, len(compact))
     owned = rows[owner]
     _check_tiling(keys, owned, d)
-    writes = _writes(owned, [p.rank for p in compact])
+    writes, by_writer = _writes(owned, [p.rank for p in compact])
+    owned = owned[by_writer]  # in each rank's write order: its written chunks' columns line up
     out = torch.cat([owned[:, :2], owned[:, 3:]], 1)
     return GlobalSavePlan(writes, tuple(keys), out, tuple(sorted(full, key=lambda p: p.rank)))
 
@@ -146,16 +147,17 @@ def _verify(plans: Sequence[CompactPlan], rows: torch.Tensor, order: torch.Tenso
                 f"must be identical (or give per-rank keys)")
 
 
-def _writes(owned: torch.Tensor, ranks: Sequence[int]) -> tuple[torch.Tensor, ...]:
-    """Per rank (in ``ranks`` order), the sorted item indices it writes."""
+def _writes(owned: torch.Tensor, ranks: Sequence[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Per rank (in ``ranks`` order), the sorted item indices it writes; and the order of
+    ``owned`` by (rank, item index), the order ranks write in."""
     if not len(owned):
-        return tuple(torch.empty(0, dtype=torch.int64) for _ in ranks)
+        return tuple(torch.empty(0, dtype=torch.int64) for _ in ranks), torch.empty(0, dtype=torch.int64)
     o = torch.argsort(owned[:, 2], stable=True)
     o = o[torch.argsort(owned[o, 1], stable=True)]
     srt = owned[o]
     top = max(max(ranks), int(srt[:, 1].max())) + 1
     parts = torch.split(srt[:, 2], torch.bincount(srt[:, 1], minlength=top).tolist())
-    return tuple(parts[r] for r in ranks)
+    return tuple(parts[r] for r in ranks), o
 
 
 def _check_tiling(keys: Sequence[KeyInfo], owned: torch.Tensor, d: int) -> None:

@@ -13,13 +13,13 @@ from ..format.safetensors_io import digest
 from .save_dedup import CompactPlan, GlobalSavePlan, assign_owners
 from ..core.errors import CoverageError, MetadataError, ShapeMismatchError, StateDictError
 from ..core.geometry import Box, BoxIndex, dtensor_local_box, intersect, narrow, relative, whole
-from ..format.chunk_index import ChunkIndex, hex_to_i64
+from ..format.chunk_index import ChunkIndex
 from ..format.checksums import BLOCK_BYTES
-from ..format.metadata import IndexedChunks, Metadata, ObjectMeta, TensorMeta, dtype_name, overlapping_chunks
+from ..format.metadata import (IndexedChunks, Metadata, ObjectMeta, TensorMeta, WrittenChunks, dtype_name,
+                               overlapping_chunks)
 from .interfaces import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from ..core.ragged import FlatShard, LocalShard
 from .load_replicas import BroadcastOp, CompactShards, ShardSummary, plan_replica_reads
-from ..format.metadata import WriteResult
 from ..core.utils import TENSOR_LEAVES, flatten_state_dict, set_element
 
 try:
@@ -233,54 +233,69 @@ class MinimumRankLoadPlanner(StandardLoadPlanner):
     policy = "minimum_rank"
 
 
-def build_metadata(gplan: GlobalSavePlan, results: Sequence[WriteResult], world_size: int,
+def build_metadata(gplan: GlobalSavePlan, written: Sequence[WrittenChunks], world_size: int,
                    extra: Mapping[str, Any] | None = None) -> Metadata:
-    """Combine the global plan with every rank's write result (pure; runs on the coordinator)
-    into format-v2 metadata: the chunk table becomes int64 columns of the chunk index
-    (``ChunkIndex.build`` groups and sorts them vectorised). One pass over the owned rows as
-    plain lists: no Box, ChunkMeta or other object per chunk."""
-    by_rank = {w.rank: w for w in results}
+    """Combine the global plan with what every rank wrote (pure; runs on the coordinator) into
+    format-v2 metadata. Vectorised end to end: the owned rows (in write order) and the ranks'
+    columns (in the same order) are checked to line up and joined as tensors, and
+    ``ChunkIndex.build`` groups and sorts them; Python touches objects and tensors, never chunks."""
     keys = gplan.keys
-    files = {f.name: f for w in results for f in w.files}
+    files = {f.name: f for w in written for f in w.files}
     file_names = sorted(files)
-    file_id = {n: i for i, n in enumerate(file_names)}
-    tensor_keys = sorted((k for k in keys if k.kind == TENSOR), key=lambda k: k.fqn)
-    tid_of = {k.fqn: i for i, k in enumerate(tensor_keys)}
-    ndim = max([k.ndim for k in tensor_keys] + [1])
+    name_id = {n: i for i, n in enumerate(file_names)}
+    tensor_keys = sorted((i for i, k in enumerate(keys) if k.kind == TENSOR), key=lambda i: keys[i].fqn)
+    tid_of = torch.full((max(len(keys), 1),), -1, dtype=torch.int64)
+    tid_of[torch.tensor(tensor_keys, dtype=torch.int64)] = torch.arange(len(tensor_keys))
+    ndim = max([keys[i].ndim for i in tensor_keys] + [1])
+    owned = gplan.owned
+    d = (owned.shape[1] - 2) // 2
+    items = torch.cat(list(gplan.write_idx)) if gplan.write_idx else torch.empty(0, dtype=torch.int64)
+    if len(items) != len(owned):  # (a plan built before owned rows were kept in write order)
+        raise MetadataError(f"global plan: {len(owned)} owned rows but {len(items)} written items")
+    is_tensor = tid_of[owned[:, 0]] >= 0
+    sizes = owned[:, 2 + d:]
+    sel = is_tensor & (sizes != 0).all(1)  # empty chunks are not stored
+    by_rank = {w.rank: w for w in written}
     objects: dict[str, ObjectMeta] = {}
-    fixed: list[int] = []  # tensor, file, byte offset, checksum, block start, block count per chunk
-    boxes: list[int] = []  # offsets then sizes, padded to ndim
-    blocks: list[int] = []
-    d = (gplan.owned.shape[1] - 2) // 2
-    for row in gplan.owned.tolist():
-        key = keys[row[0]]
-        res = by_rank[row[1]]
-        if key.kind == OBJECT:
-            file, csum = res.objects[key.fqn]
-            objects[key.fqn] = ObjectMeta(file, csum, key.path)
-            continue
-        nd = key.ndim
-        sizes = row[2 + d:2 + d + nd]
-        if 0 in sizes:
-            continue  # empty chunks are not stored
-        offs = row[2:2 + nd]
-        file, off, csum, *more = res.chunks[f"{key.fqn}@{','.join(map(str, offs))}"]  # chunk_key, inlined
-        hexes = more[0] if more else ""
-        fixed += (tid_of[key.fqn], file_id[file], off, hex_to_i64(csum), len(blocks), len(hexes) // 16)
-        blocks += [hex_to_i64(hexes[i:i + 16]) for i in range(0, len(hexes), 16)]
-        pad = ndim - nd
-        boxes += offs
-        boxes += (0,) * pad
-        boxes += sizes
-        boxes += (1,) * pad
-    cols = torch.tensor(fixed, dtype=torch.int64).view(-1, 6)
-    box = torch.tensor(boxes, dtype=torch.int64).view(-1, 2 * ndim)
-    index = ChunkIndex.build(len(tensor_keys), torch.tensor([k.ndim for k in tensor_keys], dtype=torch.int64),
-                             *cols.unbind(1)[:4], box[:, :ndim], box[:, ndim:], cols[:, 4], cols[:, 5],
-                             torch.tensor(blocks, dtype=torch.int64))
+    for kid, rank in owned[~is_tensor, :2].tolist():
+        key = keys[kid]
+        file, csum = by_rank[rank].objects[key.fqn]
+        objects[key.fqn] = ObjectMeta(file, csum, key.path)
+    ranks = sorted(by_rank)
+    got_rank = torch.cat([torch.full((len(by_rank[r].items),), r, dtype=torch.int64) for r in ranks]) if ranks \
+        else torch.empty(0, dtype=torch.int64)
+    got_item = torch.cat([by_rank[r].items for r in ranks]) if ranks else torch.empty(0, dtype=torch.int64)
+    want_rank, want_item = owned[sel, 1], items[sel]
+    if not (torch.equal(got_rank, want_rank) and torch.equal(got_item, want_item)):
+        n = min(len(got_item), len(want_item))
+        bad = torch.nonzero((got_rank[:n] != want_rank[:n]) | (got_item[:n] != want_item[:n])).flatten()
+        at = int(bad[0]) if len(bad) else n
+        got = (int(got_rank[at]), int(got_item[at])) if at < len(got_item) else "nothing"
+        want = (int(want_rank[at]), int(want_item[at])) if at < len(want_item) else "nothing"
+        raise MetadataError(f"save: the written chunks do not match the plan at chunk {at}: (rank, item) {got} "
+                            f"written, {want} planned")
+
+    def cat(name: str) -> torch.Tensor:
+        parts = [getattr(by_rank[r], name) for r in ranks]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    file_of = torch.cat([torch.tensor([name_id[f.name] for f in by_rank[r].files] or [0], dtype=torch.int64)
+                         for r in ranks]) if ranks else torch.zeros(1, dtype=torch.int64)
+    base = torch.tensor([0] + [max(len(by_rank[r].files), 1) for r in ranks], dtype=torch.int64).cumsum(0)
+    local = cat("file")
+    rank_pos = torch.searchsorted(torch.tensor(ranks, dtype=torch.int64), got_rank) if ranks else got_rank
+    file = file_of[base[rank_pos] + local] if len(local) else local
+    count = cat("block_count")
+    start = count.cumsum(0) - count
+    rows = owned[sel]
+    index = ChunkIndex.build(len(tensor_keys), torch.tensor([keys[i].ndim for i in tensor_keys], dtype=torch.int64),
+                             tid_of[rows[:, 0]], file, cat("byte_offset"), cat("checksum"),
+                             rows[:, 2:2 + ndim], rows[:, 2 + d:2 + d + ndim], start, count, cat("blocks"))
     file_list = [files[n] for n in file_names]
-    tmetas = {k.fqn: TensorMeta(k.dtype, tuple(k.shape),
-                                IndexedChunks(index, i, k.fqn, tuple(k.shape), k.dtype, file_list, BLOCK_BYTES), k.path)
-              for i, k in enumerate(tensor_keys)}
+    tmetas = {}
+    for tid, i in enumerate(tensor_keys):
+        k = keys[i]
+        tmetas[k.fqn] = TensorMeta(k.dtype, tuple(k.shape),
+                                   IndexedChunks(index, tid, k.fqn, tuple(k.shape), k.dtype, file_list, BLOCK_BYTES),
+                                   k.path)
     return Metadata(world_size, tmetas, objects, files, 2, extra=dict(extra or {}), block_bytes=BLOCK_BYTES,
                     index=index)
