@@ -82,9 +82,8 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                       format_version=format_version)
     try:
         with timer.phase("plan"):
-            if not steps.accept(comm.coordinate("save: plan", steps.local_plan, steps.global_plan)):
-                # some rank's cached plan did not fit this save: plan it in full
-                steps.accept(comm.coordinate("save: replan", steps.local_plan, steps.global_plan))
+            if not steps.try_cached():  # a repeated structure: digests only
+                steps.accept(comm.coordinate("save: plan", steps.local_plan, steps.global_plan))
         with timer.phase("write"):
             comm.coordinate("save: write", steps.write, steps.build_metadata)
         with timer.phase("commit"):

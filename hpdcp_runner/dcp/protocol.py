@@ -4,7 +4,8 @@ Every message is a frozen dataclass with its own JSON wire form (no pickle cross
 runs on every rank (``local``) or on the coordinator only (``coordinate``); ``Comm`` carries the
 wire forms and turns a failure anywhere into the same error everywhere. Call sequence::
 
-    save:  SaveSteps.local_plan  --SavePlanMsg-->  SaveSteps.global_plan  --SaveReply-->  every rank
+    save:  SaveSteps.try_cached: all-gather of 17-byte plan digests; all as cached -> cached write lists
+           else SaveSteps.local_plan  --SavePlanMsg-->  SaveSteps.global_plan  --SaveReply-->  every rank
            SaveSteps.write       --WrittenChunks-->  SaveSteps.build_metadata (coordinator)
            SaveSteps.commit (coordinator)  --metadata text-->  every rank
     load:  LoadSteps.read_metadata (coordinator)  --MetadataMsg-->  every rank parses + checks
@@ -44,39 +45,32 @@ from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
 
 @dataclass(frozen=True)
 class SavePlanMsg:
-    """Rank -> coordinator: the rank's save plan (columnar; None when the rank offers its cached
-    plan instead), the plan's structure digest and, from rank 0, the staging token."""
+    """Rank -> coordinator: the rank's save plan (columnar) and, from rank 0, the staging token."""
 
-    plan: CompactPlan | None
-    digest: str
+    plan: CompactPlan
     token: str | None
 
     def to_wire(self) -> dict:
-        return {"plan": None if self.plan is None else self.plan.to_wire(), "digest": self.digest,
-                "token": self.token}
+        return {"plan": self.plan.to_wire(), "token": self.token}
 
     @classmethod
     def from_wire(cls, w: Mapping, tables: dict | None = None) -> "SavePlanMsg":
-        plan = None if w["plan"] is None else CompactPlan.from_wire(w["plan"], tables)
-        return cls(plan, w["digest"], w["token"])
+        return cls(CompactPlan.from_wire(w["plan"], tables), w["token"])
 
 
 @dataclass(frozen=True, eq=False)
 class SaveReply:
-    """Coordinator -> one rank: the indices of its plan items it writes (None: its cached ones;
-    ``replan``: send the full plan again), and the staging token."""
+    """Coordinator -> one rank: the indices of its plan items it writes, and the staging token."""
 
-    writes: torch.Tensor | None
+    writes: torch.Tensor
     token: str
-    replan: bool = False
 
     def to_wire(self) -> dict:
-        return {"writes": None if self.writes is None else pack_ints(self.writes), "token": self.token,
-                "replan": self.replan}
+        return {"writes": pack_ints(self.writes), "token": self.token}
 
     @classmethod
     def from_wire(cls, w: Mapping) -> "SaveReply":
-        return cls(None if w["writes"] is None else unpack_ints(w["writes"]), w["token"], bool(w["replan"]))
+        return cls(unpack_ints(w["writes"]), w["token"])
 
 
 def plan_digest(plan: CompactPlan) -> str:
@@ -87,8 +81,8 @@ def plan_digest(plan: CompactPlan) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-# Cached save plans (``save(cache_plan=True)``): per (process group, planner), this rank's plan
-# digest and write list; on the coordinator also every rank's digest and the global plan.
+# Cached save plans (``save(cache_plan=True)``): per (process group, planner), every rank's plan
+# digest (as all-gathered) and this rank's write list; on the coordinator also the global plan.
 _PLAN_CACHE: dict[tuple, dict] = {}
 PLAN_CACHE_STATS = {"hits": 0, "misses": 0}
 
@@ -205,64 +199,71 @@ class SaveSteps:
     gplan: GlobalSavePlan | None = None
     reply: SaveReply | None = None
     committed: Metadata | None = None
-    offer_cached: bool = True
+    digests: torch.Tensor | None = None  # every rank's plan digest, from try_cached
 
     @property
     def _cache(self) -> dict | None:
         return _PLAN_CACHE.get(_cache_key(self.comm, self.planner)) if self.cache_plan else None
 
-    def local_plan(self) -> dict:
-        if self.own is None:  # a replan round reuses the plan built in the first one
+    def _prepare(self) -> None:
+        """This rank's plan, in compact form, and its structure digest (once per save)."""
+        if self.own is None:
             faults.point("save.plan", rank=self.comm.rank, path=self.path)
-            if self.comm.rank == 0:
-                self.token = self.writer.begin(overwrite=self.overwrite)
             self.planner.configure(self.state_dict, rank=self.comm.rank, world_size=self.comm.world_size,
                                    allow_pickle=self.allow_pickle, verify_replicas=self.verify_replicas)
             self.own = self.planner.create_local_plan()
             self.compact = CompactPlan.from_plan(self.own)
             self.digest = plan_digest(self.compact)
+
+    def try_cached(self) -> bool:
+        """A repeated save of one structure: one fixed-size all-gather of every rank's plan digest
+        (17 bytes each: no plan travels, nothing is decoded; a compare of N x 17 bytes on every
+        rank). When every digest equals the cached save's, each rank reuses its cached write list
+        and rank 0 opens the staging area; any difference, or a failure while planning on any
+        rank, goes to the full plan round, which plans it (or reports the failure) on every rank.
+        Every rank sees the same digests, so every rank decides the same way."""
+        if not self.cache_plan:
+            return False
+        try:
+            self._prepare()
+            row = b"\x01" + bytes.fromhex(self.digest)
+        except Exception:  # raised again, and agreed, by the full round's local_plan
+            row = bytes(17)
+        self.digests = self.comm.all_gather_bytes(row, "save: plan digests")
         cached = self._cache
-        # a structure seen last time with this group: offer the digest only (no plan travels)
-        hit = self.offer_cached and cached is not None and cached["digest"] == self.digest
-        return SavePlanMsg(None if hit else self.compact, self.digest, self.token).to_wire()
+        if cached is None or not torch.equal(self.digests, cached["digests"]):
+            return False
+        self.token = self.comm.agree_root("save: begin", lambda: self.writer.begin(overwrite=self.overwrite))
+        if self.comm.rank == 0:
+            self.gplan = cached["gplan"]
+        self.reply = SaveReply(cached["writes"], self.token)
+        PLAN_CACHE_STATS["hits"] += 1
+        return True
+
+    def local_plan(self) -> dict:
+        if self.comm.rank == 0:
+            self.token = self.writer.begin(overwrite=self.overwrite)
+        self._prepare()
+        return SavePlanMsg(self.compact, self.token).to_wire()
 
     def global_plan(self, gathered: list) -> list:
-        """Coordinator: every rank's plan in compact form -> each rank's write list; with cached
-        plans, digests only -> "use your cached list" when every rank's matches the cached
-        global plan's, else "send your plan" (never a stale list for a changed structure)."""
+        """Coordinator: every rank's plan in compact form -> each rank's write list."""
         tables: dict = {}
         msgs = [SavePlanMsg.from_wire(g, tables) for g in gathered]
-        token = msgs[0].token
-        cached = self._cache
-        if all(m.plan is None for m in msgs) and cached is not None and \
-                cached.get("digests") == [m.digest for m in msgs]:
-            self.gplan = cached["gplan"]
-            return [SaveReply(None, token).to_wire()] * len(msgs)  # one reply, encoded once
-        if any(m.plan is None for m in msgs):
-            return [SaveReply(None, token, replan=True).to_wire() for _ in msgs]
         self.gplan = self.planner.create_global_plan([m.plan for m in msgs])
-        if self.cache_plan and not self.verify_replicas:
-            _PLAN_CACHE.setdefault(_cache_key(self.comm, self.planner), {}).update(
-                digests=[m.digest for m in msgs], gplan=self.gplan)
-        return [SaveReply(w, token).to_wire() for w in self.gplan.write_idx]
+        return [SaveReply(w, msgs[0].token).to_wire() for w in self.gplan.write_idx]
 
-    def accept(self, wire: dict) -> bool:
-        """Take the coordinator's reply; False when it asks for the full plan (a second round)."""
-        reply = SaveReply.from_wire(wire)
+    def accept(self, wire: dict) -> None:
+        """Take the coordinator's reply; with cached plans, remember it for the next save of this
+        structure (every rank: the digests and its write list; rank 0: the global plan)."""
+        self.reply = reply = SaveReply.from_wire(wire)
         self.token = reply.token
-        if reply.replan:
-            self.offer_cached = False
-            return False
-        if reply.writes is None:  # the cached list for this very structure
-            reply = dataclasses.replace(reply, writes=self._cache["writes"])
-            PLAN_CACHE_STATS["hits"] += 1
-        else:
-            PLAN_CACHE_STATS["misses"] += 1
-            if self.cache_plan and not self.verify_replicas:
-                entry = _PLAN_CACHE.setdefault(_cache_key(self.comm, self.planner), {})
-                entry.update(digest=self.digest, writes=reply.writes)
-        self.reply = reply
-        return True
+        PLAN_CACHE_STATS["misses"] += 1
+        if self.cache_plan and not self.verify_replicas:
+            entry = {"digests": self.digests, "writes": reply.writes}
+            if self.comm.rank == 0:
+                entry["gplan"] = self.gplan
+            _PLAN_CACHE[_cache_key(self.comm, self.planner)] = entry
 
     def write(self) -> dict:
         self.writer.attach(self.token, rank=self.comm.rank, world_size=self.comm.world_size)

@@ -107,6 +107,20 @@ class Comm:
 
         return self._run(phase, go)
 
+    def all_gather_bytes(self, data: bytes, phase: str = "all_gather") -> torch.Tensor:
+        """Every rank's ``data`` (the same length on every rank) as the rows of a uint8 tensor:
+        fixed-size messages need no size exchange and no decoding (a plan digest per rank)."""
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        if self.world_size == 1:
+            return mine[None].clone()
+
+        def go() -> torch.Tensor:
+            out = torch.empty((self.world_size, len(data)), dtype=torch.uint8)
+            dist.all_gather(list(out.unbind(0)), mine, group=self.control)
+            return out
+
+        return self._run(phase, go)
+
     def broadcast_json(self, obj: Any, phase: str = "broadcast") -> Any:
         """Rank 0's ``obj`` on every rank."""
         if self.world_size == 1:

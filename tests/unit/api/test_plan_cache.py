@@ -46,6 +46,21 @@ def _cases(rank: int, ws: int, root: str) -> dict:
         save(state(v, rows, dim, extra), checkpoint_id=f"{root}/{name}", timeout=60, cache_plan=True)
         out[name] = ("hit" if PLAN_CACHE_STATS["hits"] > before["hits"] else "miss",
                      loads_back(f"{root}/{name}", v, rows, dim, extra))
+    # planning fails on rank 1 during a save the cache would have served: every rank raises the
+    # failure (the digest round sends no plan, so the full round reports it), none hangs
+    from hpdcp_runner.dcp import HpdcpError
+    from hpdcp_runner.dcp.core import faults
+
+    with faults.armed("save.plan", lambda rank, **_: rank == 1 and faults.fail(RuntimeError("boom on 1"))):
+        try:
+            save(state(8.0, 6, 1, True), checkpoint_id=f"{root}/fails", timeout=60, cache_plan=True)
+            out["fails"] = "saved"
+        except HpdcpError as e:
+            out["fails"] = "rank 1" in str(e) and "boom on 1" in str(e)
+    before = dict(PLAN_CACHE_STATS)
+    save(state(9.0, 6, 1, True), checkpoint_id=f"{root}/after", timeout=60, cache_plan=True)
+    out["after"] = ("hit" if PLAN_CACHE_STATS["hits"] > before["hits"] else "miss",
+                    loads_back(f"{root}/after", 9.0, 6, 1, True))
     return out
 
 
@@ -53,4 +68,4 @@ def test_cached_plans_are_reused_only_for_the_same_structure(tmp_path):
     for res in run_ranks(2, _cases, str(tmp_path)):
         assert res == {"first": ("miss", True), "same": ("hit", True), "same_again": ("hit", True),
                        "shape": ("miss", True), "placement": ("miss", True), "one_rank": ("miss", True),
-                       "back": ("hit", True)}, res
+                       "back": ("hit", True), "fails": True, "after": ("hit", True)}, res
