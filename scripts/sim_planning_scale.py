@@ -5,8 +5,8 @@
 
 A save or load gathers every rank's plan on the coordinator (rank 0), which plans once and sends
 each rank its own part (``Comm.coordinate``). One process replays both roles on synthetic plans:
-``--tensors`` tensors of 1024 x 1024 fp32, 9 of every 10 sharded Shard(0) over all ranks (FSDP),
-every 10th replicated on every rank (norms).
+``--tensors`` tensors of max(1024, ranks) x 1024 fp32 (so every rank holds rows of each), 9 of
+every 10 sharded Shard(0) over all ranks (FSDP), every 10th replicated on every rank (norms).
 
 * save, any rank: its local plan in compact wire form (``CompactPlan.to_wire`` + JSON);
 * save, coordinator: parse N wires, ``assign_owners`` (vectorised dedup + tiling check), then
@@ -51,7 +51,12 @@ from hpdcp_runner.dcp.core.ragged import LocalShard
 from hpdcp_runner.dcp.planning.load_replicas import CompactShards, plan_replica_reads
 from hpdcp_runner.dcp.planning.standard import StandardLoadPlanner, build_metadata
 
-ROWS, COLS = 1024, 1024
+ROWS, COLS = 1024, 1024  # ROWS becomes max(1024, ranks) per row: every rank holds a non-empty shard
+
+
+def set_rows(n: int) -> None:
+    global ROWS
+    ROWS = max(1024, n)
 
 
 def _box(i: int, n: int, rank: int) -> Box:
@@ -273,6 +278,7 @@ def main() -> None:
         print("| ranks | tensors | any rank: plan -> digest ms (MiB) | every rank: N gathered digests compared "
               "ms (MiB) |\n|---|---|---|---|", flush=True)
         for n in args.ranks:
+            set_rows(n)
             print(cached_row(n, args.tensors), flush=True)
         return
     if args.hostile:
@@ -285,6 +291,7 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for n in args.ranks:
+        set_rows(n)
         rows.append(row(n, args.tensors, n * args.tensors > args.skip_metadata_above, args.format_v1))
         print(rows[-1], flush=True)
     if args.out:

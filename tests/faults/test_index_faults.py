@@ -16,7 +16,16 @@ from hpdcp_runner.dcp.format.chunk_index import BYTE_OFFSET, FILE, INDEX_FILE, R
 from hpdcp_runner.dcp.format.safetensors_io import read_header
 from hpdcp_runner.dcp.offline.transforms import shard_dim0
 from hpdcp_runner.dcp.tools import verify
+from hpdcp_runner.dcp.format import chunk_index
 from tests.unit.format.test_chunk_index import _checkpoint
+
+
+@pytest.fixture(params=["ranged reads", "read whole"], autouse=True)
+def index_reads(request, monkeypatch):
+    """Every fault both ways a reader meets an index: by ranged reads (large indexes) and read
+    whole on open (small ones)."""
+    monkeypatch.setattr(chunk_index, "_WHOLE_BELOW", 0 if request.param == "ranged reads" else 1 << 30)
+    return request.param
 
 
 # -- hostile indexes --------------------------------------------------------------------------------
@@ -112,7 +121,8 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_a_hostile_index_is_refused_naming_the_file_and_row_before_anything_is_written(tmp_path, fault_row, case):
+def test_a_hostile_index_is_refused_naming_the_file_and_row_before_anything_is_written(tmp_path, fault_row, case,
+                                                                                      index_reads):
     """w [64, 8] in 8 chunks of 8 rows; the load wants rows 16..24 (chunk row 2) and b."""
     full = {"w": torch.randn(64, 8, generator=torch.Generator().manual_seed(1)), "x": torch.arange(6.0)}
     ck = _checkpoint(tmp_path, full, 8, shard_dim0(8))
@@ -126,7 +136,7 @@ def test_a_hostile_index_is_refused_naming_the_file_and_row_before_anything_is_w
     assert torch.all(got == 7.0) and torch.all(x == 7.0)  # nothing written into
     report = verify(ck)
     assert not report.ok
-    fault_row(f"chunk index: {case}", "tampered metadata", "load refused before any tensor is written into",
+    fault_row(f"chunk index: {case} ({index_reads})", "tampered metadata", "load refused before any tensor is written into",
               exc.__name__, "file and row" if "row" in " ".join(words) else "file", None, None,
               "reports the problem")
 

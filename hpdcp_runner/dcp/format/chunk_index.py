@@ -43,6 +43,7 @@ TENSOR, FILE, BYTE_OFFSET, CHECKSUM, BLOCK_START, BLOCK_COUNT = range(6)
 ENTRIES = ("rows", "keys", "tensor_rows", "tensor_sort", "blocks")  # in file order
 _PAGE = 128  # keys per read while bisecting (1 KiB)
 _PAGES_KEPT = 64
+_WHOLE_BELOW = 1 << 20  # an index this small is read whole on open (~13k chunks of 2-D tensors)
 _U64 = (1 << 64) - 1
 
 
@@ -177,6 +178,18 @@ class ChunkIndex:
             os.close(fd)
             raise
         base = 8 + len(expected_header)
+        if size - base <= _WHOLE_BELOW:  # small: one read, then memory (no request per tensor)
+            data = os.pread(fd, size - base, base)
+            os.close(fd)
+            if len(data) != size - base:
+                raise CorruptCheckpointError(f"{name}: short read (truncated while opening?)")
+            whole = memoryview(data).cast("q")
+
+            def from_memory(entry: str, start: int, count: int) -> memoryview:
+                at = starts[entry] // 8 + start
+                return whole[at:at + count]
+
+            return cls(name, (tensors, rows, ndim, blocks), from_memory)
 
         def read(entry: str, start: int, count: int) -> memoryview:
             want_bytes = count * 8
@@ -261,20 +274,6 @@ class ChunkIndex:
 
     def blocks(self, start: int, count: int) -> list[int]:
         return self._read("blocks", start, count).tolist()
-
-    def column(self, entry: str) -> torch.Tensor:
-        """A whole entry as a tensor (``verify`` and full validation read everything)."""
-        shape = entry_shapes(self.tensors, self.nrows, self.ndim, self.nblocks)[entry]
-        n = 1
-        for s in shape:
-            n *= s
-        if self._columns is not None:
-            return self._columns[entry]
-        out = torch.empty(n, dtype=torch.int64)
-        step = 1 << 20
-        for s in range(0, n, step):
-            out[s:s + step] = torch.frombuffer(bytearray(self._read(entry, s, min(step, n - s))), dtype=torch.int64)
-        return out.view(shape)
 
 
 class _Keys:

@@ -208,6 +208,9 @@ def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
     return f"{fqn}@{','.join(map(str, offsets))}"
 
 
+_SCAN_ROWS = 16  # tensors with at most this many chunks are scanned whole instead of bisected
+
+
 class IndexedChunks(Sequence[ChunkMeta]):
     """A format-v2 tensor's chunks: rows of the chunk index read on demand, each checked as it is
     read (its tensor, bounds against the shape and its file, block count, sort key). A rank that
@@ -218,10 +221,11 @@ class IndexedChunks(Sequence[ChunkMeta]):
         self.index, self.tid, self.key, self.shape, self.dtype = index, tid, key, shape, dtype
         self.files, self.block_bytes = files, block_bytes
         self.lo, self.hi = index.row_range(tid)
+        self.n = self.hi - self.lo
         self._cache: dict[int, ChunkMeta] = {}
 
     def __len__(self) -> int:
-        return self.hi - self.lo
+        return self.n
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
@@ -293,21 +297,31 @@ class IndexedChunks(Sequence[ChunkMeta]):
         """Indices of the chunks that intersect ``box``: a bisection of the sort keys and the rows
         around it, nothing else of the tensor. Keys out of order around the answer are an error
         naming the row; disorder elsewhere shows as a coverage gap (``check_all`` then names it)."""
-        if not len(self) or not box.numel:
+        n = self.n
+        if not n or not box.numel:
             return []
+        if n <= _SCAN_ROWS:  # a few chunks: read and intersect them all (no bisection)
+            if len(self._cache) < n:
+                self._load(self.lo, self.hi)
+                self._check_order(self.lo, self.hi)
+            return [i for i in range(n) if intersect(self._cache[i].box, box) is not None]
         dim, span = self.index.tensor_sort[self.tid]
         q_lo = box.offsets[dim] if dim < len(box.offsets) else 0
         q_hi = q_lo + (box.sizes[dim] if dim < len(box.sizes) else 1)
         a, b = self.index.search(self.tid, q_lo - span + 1, q_hi, self.shape[dim] if dim < len(self.shape) else 1)
+        self._check_order(max(a - 1, self.lo), min(b + 1, self.hi))
+        if any(j - self.lo not in self._cache for j in range(a, b)):
+            self._load(a, b)
+        return [j - self.lo for j in range(a, b) if intersect(self._cache[j - self.lo].box, box) is not None]
+
+    def _check_order(self, a: int, b: int) -> None:
+        """Rows [a, b) have ascending sort keys (what the bisection relies on)."""
         prev = None
-        for j in range(max(a - 1, self.lo), min(b + 1, self.hi)):
+        for j in range(a, b):
             k = self.index.key(j)
             if prev is not None and k < prev:
                 raise self._bad(j, f"sort key {k} after {prev}: rows out of order")
             prev = k
-        if any(j - self.lo not in self._cache for j in range(a, b)):
-            self._load(a, b)
-        return [j - self.lo for j in range(a, b) if intersect(self._cache[j - self.lo].box, box) is not None]
 
     def check_disjoint(self, box: Box, found: Sequence[int]) -> None:
         """The chunks a rank uses tile its box: no two overlap inside it (with the volume check
