@@ -93,7 +93,7 @@ class ChunkIndex:
         self._columns = columns
         self._fd = fd
         self._pages: OrderedDict[int, memoryview] = OrderedDict()
-        self.recorded: dict = {}  # the ``index`` entry of metadata.json, for an index read from a file
+        self.recorded: dict = {}  # the ``index`` entry of metadata.json (read with the file, or described)
         self.tensor_rows = self._read("tensor_rows", 0, self.tensors + 1).tolist()
         sort = self._read("tensor_sort", 0, 2 * self.tensors).tolist()
         self.tensor_sort = list(zip(sort[0::2], sort[1::2]))
@@ -150,11 +150,14 @@ class ChunkIndex:
         return header, [self._columns[e] for e in ENTRIES]
 
     def describe(self) -> dict:
-        """The ``index`` entry of ``metadata.json`` (size and checksum as the file will have them)."""
-        header, cols = self.encode()
-        return {"file": INDEX_FILE, "size": 8 + len(header) + sum(c.numel() * 8 for c in cols),
-                "checksum": file_checksum(header, (digest(byte_view(c)) for c in cols)),
-                "rows": self.nrows, "ndim": self.ndim, "blocks": self.nblocks}
+        """The ``index`` entry of ``metadata.json`` (size and checksum as the file will have them;
+        hashed once: the commit writes the JSON and sends it to every rank)."""
+        if not self.recorded:
+            header, cols = self.encode()
+            self.recorded = {"file": INDEX_FILE, "size": 8 + len(header) + sum(c.numel() * 8 for c in cols),
+                             "checksum": file_checksum(header, (digest(byte_view(c)) for c in cols)),
+                             "rows": self.nrows, "ndim": self.ndim, "blocks": self.nblocks}
+        return dict(self.recorded)
 
     @classmethod
     def open(cls, fd: int, name: str, *, size: int, tensors: int, rows: int, ndim: int, blocks: int) -> "ChunkIndex":
