@@ -82,7 +82,10 @@ class StorageWriter(ABC):
 
     @abstractmethod
     def commit(self, metadata: Metadata) -> None:
-        """Coordinator only: write the metadata last and make the checkpoint visible atomically."""
+        """Coordinator only: write the metadata last and make the checkpoint visible atomically.
+        Format v2 (``metadata.index`` set): first write the chunk index beside it
+        (``format.safetensors_io.write_index`` to ``metadata.index.describe()["file"]``), then
+        ``metadata.to_json()``; a storage that cannot is saved with ``format_version=1``."""
 
     @abstractmethod
     def abort(self) -> None:
