@@ -88,8 +88,7 @@ class ChunkIndex:
         self.tensors, self.nrows, self.ndim, self.nblocks = counts
         self.width = len(ROW_FIELDS) + 2 * self.ndim
         self._raw_read = read
-        self.reads = 0  # ranged reads of this index, and the bytes they returned (what a rank pays)
-        self.bytes_read = 0
+        self.bytes_read = 0  # what the reads of this index returned (what a rank pays)
         self._columns = columns
         self._fd = fd
         self._pages: OrderedDict[int, memoryview] = OrderedDict()
@@ -231,7 +230,6 @@ class ChunkIndex:
 
     # -- ranged reads --------------------------------------------------------------------------
     def _read(self, entry: str, start: int, count: int) -> memoryview:
-        self.reads += 1
         self.bytes_read += 8 * count
         return self._raw_read(entry, start, count)
 

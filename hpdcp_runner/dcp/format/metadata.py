@@ -142,16 +142,6 @@ class WriteResult:
     def bytes_written(self) -> int:
         return sum(f.size for f in self.files)
 
-    def to_wire(self) -> dict:
-        return {"rank": self.rank, "files": [[f.name, f.size, f.checksum] for f in self.files],
-                "chunks": {k: list(v) for k, v in self.chunks.items()},
-                "objects": {k: list(v) for k, v in self.objects.items()}}
-
-    @classmethod
-    def from_wire(cls, w: dict) -> "WriteResult":
-        return cls(w["rank"], tuple(FileMeta(n, s, c, w["rank"]) for n, s, c in w["files"]),
-                   {k: tuple(v) for k, v in w["chunks"].items()}, {k: tuple(v) for k, v in w["objects"].items()})
-
 
 @dataclass(frozen=True)
 class WrittenChunks:
