@@ -23,7 +23,8 @@ from .planning.standard import StandardLoadPlanner, StandardSavePlanner
 from .protocol import LoadSteps, SaveSteps, metadata_source
 from .state_dict import restore_stateful, stateful_to_state_dict
 from .storage.filesystem import DEFAULT_FILES_KEPT, FileSystemWriter, open_regular
-from .storage.foreign import open_reader
+from .storage.foreign import open_reader, open_writer
+from .storage.uri import is_uri, join, normalize
 from .storage.interfaces import StorageReader, StorageWriter
 
 log = get_logger(__name__)
@@ -44,7 +45,7 @@ def _checkpoint_path(checkpoint_id: str | os.PathLike | None, storage: Any) -> s
     if checkpoint_id is None and storage is None:
         raise ConfigError("give checkpoint_id (a directory) or a storage writer/reader")
     if checkpoint_id is not None:
-        return os.fspath(checkpoint_id)
+        return os.fspath(checkpoint_id) if not is_uri(checkpoint_id) else normalize(checkpoint_id)
     # a storage given alone: its own path names the checkpoint in logs and errors
     path = getattr(storage, "checkpoint_id", None) or getattr(storage, "path", None)
     return os.fspath(path) if path is not None else None
@@ -75,7 +76,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
         raise ConfigError(f"format_version must be one of {list(READ_VERSIONS)}, got {format_version!r}")
     path = _checkpoint_path(checkpoint_id, storage_writer)
     comm = Comm.create(process_group, timeout)
-    writer = storage_writer or FileSystemWriter(path)
+    writer = storage_writer or open_writer(path)
     timer = timer or PhaseTimer()
     steps = SaveSteps(stateful_to_state_dict(state_dict)[0], comm, writer, planner or StandardSavePlanner(), path,
                       overwrite, allow_pickle, verify_replicas, extra, cache_plan=cache_plan and not verify_replicas,
@@ -93,8 +94,9 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
         if comm.rank == 0 and steps.token is not None:
             writer.abort()
         raise
-    source = os.path.join(path, METADATA_FILE) if path else METADATA_FILE
-    opener = (lambda name: open_regular(os.path.join(path, name))) if path else None
+    source = join(path, METADATA_FILE) if path else METADATA_FILE
+    opener = writer.committed_opener() if hasattr(writer, "committed_opener") else \
+        (lambda name: open_regular(os.path.join(path, name))) if path else None
     metadata = steps.committed if comm.rank == 0 else DeferredMetadata(text, source=source, open_file=opener)
     # (nothing here may touch ``metadata``'s fields on other ranks: that would parse it)
     log.debug("saved %s: %d bytes written here", path, writer.counters.bytes_written)
@@ -111,7 +113,7 @@ def read_metadata(checkpoint_id: str | os.PathLike, *, format: str = "auto", all
                                 open_file=reader.open_file)
     finally:
         reader.close()
-    return rename_keys(md, rename, source=os.fspath(checkpoint_id))
+    return rename_keys(md, rename, source=os.fspath(checkpoint_id))  # (a URI stays a URI)
 
 
 @pauses_gc

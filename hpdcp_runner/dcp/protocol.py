@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .storage.uri import join
 from .comm.broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers, sendable_devices
 from .comm.collectives import Comm
 from .core import faults
@@ -170,9 +171,9 @@ def unrequested(keys: Sequence[str], bitmaps: Sequence[str]) -> list[str]:
 
 def metadata_source(reader: StorageReader, path: Any) -> str:
     """What a metadata error names: our metadata.json, or the foreign checkpoint directory."""
-    if isinstance(reader, FileSystemReader) and type(reader) is not FileSystemReader:
+    if isinstance(reader, FileSystemReader) and reader.format_name != "hpdcp":
         return f"{reader.path} (as {reader.format_name})"  # type: ignore[attr-defined]
-    return os.path.join(os.fspath(path), METADATA_FILE) if path else METADATA_FILE
+    return join(os.fspath(path), METADATA_FILE) if path else METADATA_FILE
 
 
 # -- save -----------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import struct
 from collections import OrderedDict
 from typing import Callable
@@ -33,6 +32,7 @@ from typing import Callable
 import torch
 
 from ..core.errors import CorruptCheckpointError, MetadataError
+from ..core.rafile import RandomAccessFile, as_random_access
 from ..core.utils import byte_view
 from .checksums import digest, file_checksum
 
@@ -83,7 +83,7 @@ class ChunkIndex:
     on the coordinator of a save). Reads are ranged: ``rows``, ``key``, ``blocks``."""
 
     def __init__(self, name: str, counts: tuple[int, int, int, int], read: Callable[[str, int, int], memoryview],
-                 columns: dict[str, torch.Tensor] | None = None, fd: int | None = None) -> None:
+                 columns: dict[str, torch.Tensor] | None = None, fd: "RandomAccessFile | None" = None) -> None:
         self.name = name  # what errors name: the index file's path
         self.tensors, self.nrows, self.ndim, self.nblocks = counts
         self.width = len(ROW_FIELDS) + 2 * self.ndim
@@ -159,11 +159,14 @@ class ChunkIndex:
         return dict(self.recorded)
 
     @classmethod
-    def open(cls, fd: int, name: str, *, size: int, tensors: int, rows: int, ndim: int, blocks: int) -> "ChunkIndex":
-        """The index file on ``fd`` (owned from now on), checked against what ``metadata.json``
-        says of it: its size, and a header equal byte for byte to the one those counts give."""
+    def open(cls, fd: "int | RandomAccessFile", name: str, *, size: int, tensors: int, rows: int, ndim: int,
+             blocks: int) -> "ChunkIndex":
+        """The index file on ``fd`` (a descriptor or a random-access file of any storage; owned
+        from now on), checked against what ``metadata.json`` says of it: its size, and a header
+        equal byte for byte to the one those counts give."""
+        f = as_random_access(fd)
         try:
-            actual = os.fstat(fd).st_size
+            actual = f.size()
             expected_header, starts = encode_header(tensors, rows, ndim, blocks)
             want = 8 + len(expected_header) + 8 * (rows * (len(ROW_FIELDS) + 2 * ndim) + rows + tensors + 1
                                                    + 2 * tensors + blocks)
@@ -172,17 +175,19 @@ class ChunkIndex:
                     f"{name}: {actual} bytes, but metadata.json records {size} and its counts ({tensors} tensors, "
                     f"{rows} rows, ndim {ndim}, {blocks} blocks) make {want} (truncated, or not this checkpoint's "
                     f"index)")
-            head = os.pread(fd, 8 + len(expected_header), 0)
+            head = f.pread(8 + len(expected_header), 0)
             if head[:8] != struct.pack("<Q", len(expected_header)) or head[8:] != expected_header:
                 raise MetadataError(f"{name}: header disagrees with metadata.json (expected entries "
                                     f"{dict(entry_shapes(tensors, rows, ndim, blocks))} as int64)")
         except BaseException:
-            os.close(fd)
+            f.close()
             raise
         base = 8 + len(expected_header)
         if size - base <= _WHOLE_BELOW:  # small: one read, then memory (no request per tensor)
-            data = os.pread(fd, size - base, base)
-            os.close(fd)
+            try:
+                data = f.pread(size - base, base)
+            finally:
+                f.close()
             if len(data) != size - base:
                 raise CorruptCheckpointError(f"{name}: short read (truncated while opening?)")
             whole = memoryview(data).cast("q")
@@ -195,17 +200,17 @@ class ChunkIndex:
 
         def read(entry: str, start: int, count: int) -> memoryview:
             want_bytes = count * 8
-            buf = os.pread(fd, want_bytes, base + starts[entry] + start * 8) if count else b""
+            buf = f.pread(want_bytes, base + starts[entry] + start * 8) if count else b""
             if len(buf) != want_bytes:
                 raise CorruptCheckpointError(f"{name}: short read of {entry} at element {start} (truncated?)")
             return memoryview(buf).cast("q")
 
-        return cls(name, (tensors, rows, ndim, blocks), read, fd=fd)
+        return cls(name, (tensors, rows, ndim, blocks), read, fd=f)
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        f, self._fd = self._fd, None
+        if f is not None:
+            f.close()
 
     def __del__(self) -> None:
         try:

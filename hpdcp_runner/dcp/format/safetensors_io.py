@@ -136,23 +136,25 @@ class SafetensorsStreamWriter:
     time, so a file of any size is written holding one tensor at a time (offline transforms)."""
 
     def __init__(self, path: str, specs: Sequence[tuple[str, str, tuple[int, ...]]], *,
-                 meta: dict[str, str] | None = None, fsync: bool = True) -> None:
-        self.path, self.fsync = path, fsync
+                 meta: dict[str, str] | None = None, fsync: bool = True, sink: Any = None) -> None:
+        """``sink``: instead of a local file at ``path``, any writer with ``write(bytes-like)`` and
+        ``close()`` (an object store's streaming upload); ``path`` then only names it in errors."""
+        self.path, self.fsync = path, fsync and sink is None
         self.specs = [(k, d, tuple(int(x) for x in s)) for k, d, s in specs]
         self.header, starts, self._sizes = _header(self.specs, meta or {})
         self._base = 8 + len(self.header)
         self._starts = starts
         self._next = 0
         self.entries: list[WrittenEntry] = []
-        self._f = open(path, "xb", buffering=_WRITE_BUFFER)
+        self._sink = sink
+        self._f = sink if sink is not None else open(path, "xb", buffering=_WRITE_BUFFER)
         try:
             with naming(path):
-                self._f.write(struct.pack("<Q", len(self.header)))
-                self._f.write(self.header)
+                self._f.write(struct.pack("<Q", len(self.header)) + self.header)
         except BaseException:
-            self._f.close()
+            self.abort()
             raise
-        self._wb = _Writeback(self._f) if fsync else None
+        self._wb = _Writeback(self._f) if self.fsync else None
 
     def append(self, key: str, t: torch.Tensor) -> WrittenEntry:
         """Write the next declared entry; ``t`` must match its declared dtype and shape."""
@@ -169,7 +171,9 @@ class SafetensorsStreamWriter:
         faults.point("file.write", path=self.path)
         view = byte_view(t)
         with naming(self.path):
-            if len(view) <= _WRITE_BUFFER:  # small: coalesced by the file's buffer
+            if self._sink is not None:  # the sink buffers and uploads its parts itself
+                checksum, blocks = hash_and_write(view, self._sink.write)
+            elif len(view) <= _WRITE_BUFFER:  # small: coalesced by the file's buffer
                 checksum, blocks = hash_and_write(view, self._f.write)
             else:  # large: straight from the tensor to the kernel, no copy into the buffer
                 self._f.flush()
@@ -188,6 +192,12 @@ class SafetensorsStreamWriter:
         try:
             if self._next != len(self.specs):
                 raise ValueError(f"{self.path}: {len(self.specs) - self._next} declared entries were never written")
+            if self._sink is not None:
+                size = self._base + sum(e.nbytes for e in self.entries)
+                faults.point("file.fsync", path=self.path)
+                self._sink.close()  # completes the upload: the object exists from here on
+                return WrittenFile(size, file_checksum(self.header, (e.checksum for e in self.entries)),
+                                   tuple(self.entries))
             with naming(self.path):
                 self._f.flush()
                 if self.fsync:
@@ -201,6 +211,9 @@ class SafetensorsStreamWriter:
         return WrittenFile(size, file_checksum(self.header, (e.checksum for e in self.entries)), tuple(self.entries))
 
     def abort(self) -> None:
+        if self._sink is not None:  # an upload never completed is never visible: drop it unclosed
+            self._f = None
+            return
         try:
             self._f.close()
         except OSError:  # flushing the rest of a failed file (e.g. disk still full)
@@ -263,16 +276,24 @@ class HeaderEntry:
 def read_header(path: str, max_entries: int | None = None) -> tuple[bytes, list[HeaderEntry]]:
     """Parse and validate a safetensors header (used by inspect/verify and offline tools).
     ``max_entries`` bounds the work a foreign file can ask for before anything is read."""
-    name = os.path.basename(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) != 8:
-            raise CorruptCheckpointError(f"{name}: too short to be a safetensors file ({size} bytes)")
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-            raise CorruptCheckpointError(f"{name}: header length {hlen} is invalid for a {size}-byte file")
-        raw = f.read(hlen)
+        return parse_header(os.path.basename(path), size, lambda n, off: os.pread(f.fileno(), n, off), max_entries)
+
+
+def parse_header(name: str, size: int, pread: Callable[[int, int], bytes],
+                 max_entries: int | None = None) -> tuple[bytes, list[HeaderEntry]]:
+    """:func:`read_header` of a file of ``size`` bytes read through ``pread(n, offset)`` (a local
+    file, or an object read by ranges: two requests)."""
+    head = pread(8, 0) if size >= 8 else b""
+    if len(head) != 8:
+        raise CorruptCheckpointError(f"{name}: too short to be a safetensors file ({size} bytes)")
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        raise CorruptCheckpointError(f"{name}: header length {hlen} is invalid for a {size}-byte file")
+    raw = pread(hlen, 8)
+    if len(raw) != hlen:
+        raise CorruptCheckpointError(f"{name}: short read of its {hlen}-byte header (truncated?)")
     try:
         doc = json.loads(raw)
     except ValueError as e:
@@ -311,3 +332,9 @@ def read_header(path: str, max_entries: int | None = None) -> tuple[bytes, list[
         if b.byte_offset < a.byte_offset + a.nbytes:
             raise CorruptCheckpointError(f"{name}: entries {a.key!r} and {b.key!r} overlap in the file")
     return raw, entries
+
+
+def index_bytes(index: ChunkIndex) -> bytes:
+    """A format-v2 chunk index file's bytes (for storages that write whole objects)."""
+    header, cols = index.encode()
+    return b"".join([struct.pack("<Q", len(header)), header, *(bytes(byte_view(c)) for c in cols)])

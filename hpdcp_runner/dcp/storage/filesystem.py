@@ -488,7 +488,7 @@ class FileSystemReader(StorageReader):
         if direct:  # the whole chunk into its destination, then its checksum
             view = byte_view(dest)
             self._check_bounds(fd, name, r, offset, nbytes)
-            pread_into(fd, offset, view, name=name)
+            self._pread(fd, offset, view, name=name)
             self._count(nbytes, 1)
             self._verify(name, r, view)
         elif hexes:
@@ -498,11 +498,19 @@ class FileSystemReader(StorageReader):
             self._check_bounds(fd, name, r, r.chunk.byte_offset, chunk_bytes)
             buf = self._scratch_view(chunk_bytes)
             view = byte_view(buf)
-            pread_into(fd, r.chunk.byte_offset, view, name=name)
+            self._pread(fd, r.chunk.byte_offset, view, name=name)
             self._count(chunk_bytes, 1)
             self._verify(name, r, view)
             start = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)[0]
             dest.copy_(buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), start))
+
+    def _pread(self, fd: Any, offset: int, view: memoryview, *, name: str) -> None:
+        """Fill ``view`` from the file ``fd`` (what :meth:`_fd` returned) at ``offset``: the one
+        place bytes come from, so another storage changes only this and :meth:`_file_size`."""
+        pread_into(fd, offset, view, name=name)
+
+    def _file_size(self, fd: Any) -> int:
+        return os.fstat(fd).st_size
 
     def _count(self, nbytes: int, calls: int) -> None:
         self.counters.bytes_read += nbytes
@@ -511,7 +519,7 @@ class FileSystemReader(StorageReader):
             self.throttle.take(nbytes)
 
     def _check_bounds(self, fd: int, name: str, r: ReadRequest, offset: int, nbytes: int) -> None:
-        size = os.fstat(fd).st_size
+        size = self._file_size(fd)
         if offset < 0 or offset + nbytes > size:
             raise CorruptCheckpointError(f"{os.path.join(self.path, name)}: chunk {r.chunk.key!r}: a read at offset "
                                          f"{offset} of {nbytes} bytes would end past the file's {size} bytes "
@@ -565,7 +573,7 @@ class FileSystemReader(StorageReader):
         addrs = check_destination(dest, run_starts((0,) * nd, r.sub.sizes, dest.stride(), k) * esize, run,
                                   name=full, what=what)
         st = read_ranges(fd, r.chunk.byte_offset + starts * esize, run, addrs, gap_bytes=gap, sink=self._sink,
-                         name=full, what=what, file_size=os.fstat(fd).st_size,
+                         name=full, what=what, file_size=self._file_size(fd),
                          max_request_bytes=self.max_request_bytes)
         self._count(st.bytes_read, st.calls)
 
@@ -611,7 +619,7 @@ class FileSystemReader(StorageReader):
                 scratch[:keep].copy_(scratch[lo - have_lo:have_hi - have_lo].clone())
             if hi > lo + keep:
                 self._check_bounds(fd, name, r, r.chunk.byte_offset + lo + keep, hi - lo - keep)
-                pread_into(fd, r.chunk.byte_offset + lo + keep, byte_view(scratch[keep:hi - lo]), name=name)
+                self._pread(fd, r.chunk.byte_offset + lo + keep, byte_view(scratch[keep:hi - lo]), name=name)
                 self._count(hi - lo - keep, 1)
             if block:
                 bview = byte_view(scratch[:hi - lo])
@@ -633,9 +641,9 @@ class FileSystemReader(StorageReader):
         out: dict[str, Any] = {}
         for name, fqns in sorted(by_file.items()):
             fd = self._fd(name)
-            size = os.fstat(fd).st_size
+            size = self._file_size(fd)
             body = bytearray(size)
-            pread_into(fd, 0, memoryview(body), name=name)
+            self._pread(fd, 0, memoryview(body), name=name)
             self.counters.bytes_read += size
             self.counters.bump("object_bytes_read", size)
             full = os.path.join(self.path, name)

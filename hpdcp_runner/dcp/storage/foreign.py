@@ -31,9 +31,10 @@ import torch
 
 from ..format.safetensors_io import read_header
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from .filesystem import FileSystemReader
+from .filesystem import FileSystemReader, FileSystemWriter
 from ..format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
-from .interfaces import StorageReader
+from .interfaces import StorageReader, StorageWriter
+from .uri import is_uri, normalize
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -64,8 +65,16 @@ def detect_format(path: str) -> str:
 
 
 def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
-                **reader_kwargs: Any) -> StorageReader:
-    """The reader for ``path`` in ``format`` (auto: from the files present)."""
+                store_options: Any = None, **reader_kwargs: Any) -> StorageReader:
+    """The reader for ``path`` (a local path or an ``s3://`` URI) in ``format`` (auto: from the
+    files present). ``store_options``: an ``ObjectStoreOptions`` for URIs (default: the process's)."""
+    if is_uri(path):
+        from .object_checkpoint import open_object_reader
+
+        if format not in FORMATS:
+            raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
+        return open_object_reader(normalize(path), format, allow_pickle=allow_pickle, options=store_options,
+                                  **reader_kwargs)
     p = os.path.abspath(os.fspath(path))
     fmt = detect_format(p) if format == "auto" else format
     if fmt == "hpdcp":
@@ -75,6 +84,15 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
     if fmt == "torch_dcp":
         return TorchDcpReader(p, allow_pickle=allow_pickle, **reader_kwargs)
     raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
+
+
+def open_writer(path: str | os.PathLike, *, fsync: bool = True, store_options: Any = None) -> StorageWriter:
+    """The writer for a checkpoint at ``path``: a local directory, or an ``s3://`` URI."""
+    if is_uri(path):
+        from .object_checkpoint import ObjectStoreWriter
+
+        return ObjectStoreWriter(normalize(path), options=store_options)
+    return FileSystemWriter(path, fsync=fsync)
 
 
 class _DescribedReader(FileSystemReader):
@@ -128,18 +146,31 @@ class HfReader(_DescribedReader):
             path, self.only = os.path.split(path)
         super().__init__(path, **kwargs)
 
+    # what describe() needs of the files; a reader of another storage overrides these four
+    def _exists(self, name: str) -> bool:
+        return os.path.lexists(os.path.join(self.path, name))
+
+    def _size_of(self, name: str) -> int:
+        return self._stat_file(name).st_size
+
+    def _read_small(self, name: str) -> bytes:
+        with open(os.path.join(self.path, name), "rb") as f:
+            return f.read()
+
+    def _header_of(self, name: str) -> list:
+        return read_header(os.path.join(self.path, name), max_entries=MAX_ENTRIES_PER_FILE)[1]
+
     def _index(self) -> dict[str, str] | None:
         index = os.path.join(self.path, HF_INDEX)
-        if self.only is not None or not os.path.lexists(index):
+        if self.only is not None or not self._exists(HF_INDEX):
             return None
-        st = self._stat_file(HF_INDEX)
-        if st.st_size > MAX_INDEX_BYTES:
-            raise MetadataError(f"{index} is {st.st_size} bytes, over the {MAX_INDEX_BYTES}-byte limit")
-        with open(index, "rb") as f:
-            try:
-                doc = json.load(f)
-            except ValueError as e:
-                raise MetadataError(f"{index} is not valid JSON ({e})") from None
+        size = self._size_of(HF_INDEX)
+        if size > MAX_INDEX_BYTES:
+            raise MetadataError(f"{index} is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit")
+        try:
+            doc = json.loads(self._read_small(HF_INDEX))
+        except ValueError as e:
+            raise MetadataError(f"{index} is not valid JSON ({e})") from None
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str)
                                                           for k, v in wm.items()):
@@ -154,7 +185,7 @@ class HfReader(_DescribedReader):
             names = sorted(set(wm.values()))
         elif self.only is not None:
             names = [self._checked_name(self.only, self.path)]
-        elif os.path.lexists(os.path.join(self.path, HF_SINGLE)):
+        elif self._exists(HF_SINGLE):
             names = [HF_SINGLE]
         else:
             raise CheckpointNotFoundError(f"{self.path}: neither {HF_INDEX} nor {HF_SINGLE} (not a Hugging Face "
@@ -164,11 +195,11 @@ class HfReader(_DescribedReader):
         where: dict[str, str] = {}
         for name in names:
             full = os.path.join(self.path, name)
-            if wm is not None and not os.path.lexists(full):
+            if wm is not None and not self._exists(name):
                 raise CheckpointNotFoundError(f"{full} is listed in {os.path.join(self.path, HF_INDEX)} but missing")
-            st = self._stat_file(name)
-            _, entries = read_header(full, max_entries=MAX_ENTRIES_PER_FILE)
-            files[name] = FileMeta(name, st.st_size, "", 0)
+            size = self._size_of(name)
+            entries = self._header_of(name)
+            files[name] = FileMeta(name, size, "", 0)
             for e in entries:
                 if e.key in where:
                     raise MetadataError(f"tensor {e.key!r} is stored twice: in {where[e.key]} and {full}")

@@ -28,6 +28,7 @@ from typing import Any, Iterable
 from ..core.errors import ConfigError
 from .commit import (DISPLACED_MARK, STAGING_LOCK, STAGING_MARK, TRASH_MARK, recover_displaced, remove_tree_safely, staging_is_abandoned)
 from .filesystem import open_regular
+from .uri import is_uri, join
 from ..format.metadata import METADATA_FILE
 from ..core.utils import get_logger
 
@@ -91,15 +92,24 @@ def _committed(directory: str) -> Iterable[str]:
                   if not n.startswith(".") and os.path.isfile(os.path.join(directory, n, METADATA_FILE)))
 
 
+def _scan(directory: str, rx: re.Pattern) -> Iterable[tuple[str, str, dict | None]]:
+    """(name, path, recorded extra) of each committed checkpoint named like ``rx``."""
+    if is_uri(directory):
+        from .object_checkpoint import committed_extras
+
+        yield from ((n, join(directory, n), x) for n, x in committed_extras(directory, rx.fullmatch))
+        return
+    for name in _committed(directory):
+        if rx.fullmatch(name):
+            path = os.path.join(directory, name)
+            yield name, path, _recorded_extra(path)
+
+
 def list_checkpoints(directory: str | os.PathLike, series: str) -> list[CheckpointEntry]:
-    """Committed checkpoints of ``series`` in ``directory``, oldest first."""
+    """Committed checkpoints of ``series`` in ``directory`` (a local directory or a URI), oldest first."""
     d, rx = os.fspath(directory), series_regex(series)
     out = []
-    for name in _committed(d):
-        if not rx.fullmatch(name):
-            continue
-        path = os.path.join(d, name)
-        extra = _recorded_extra(path)
+    for name, path, extra in _scan(d, rx):
         if extra is None or extra.get("series") != series:
             continue
         step, when = extra.get("step"), extra.get("committed_at_ns")
@@ -112,8 +122,7 @@ def unrecorded_checkpoints(directory: str | os.PathLike, series: str) -> list[st
     """Committed checkpoints whose name fits ``series`` but whose metadata records no series
     (written before series were recorded, or by another tool): never used or deleted by name."""
     d, rx = os.fspath(directory), series_regex(series)
-    return [n for n in _committed(d) if rx.fullmatch(n)
-            and "series" not in (_recorded_extra(os.path.join(d, n)) or {})]
+    return [n for n, _, extra in _scan(d, rx) if "series" not in (extra or {})]
 
 
 def latest_checkpoint(directory: str | os.PathLike, series: str) -> str | None:
@@ -147,13 +156,21 @@ def apply_retention(directory: str | os.PathLike, keep_last: int, *, series: str
     if keep_last < 0:
         raise ConfigError(f"keep_last must be >= 0, got {keep_last}")
     d = os.fspath(directory)
-    clear_trash(d)
+    if is_uri(d):
+        from .object_checkpoint import clean_directory_orphans, delete_checkpoint_at
+
+        clean_directory_orphans(d, keep)
+    else:
+        clear_trash(d)
     if keep_last == 0:
         return []
     entries = list_checkpoints(d, series)
     protected = set(keep)
     removed = [e.name for e in entries[:-keep_last] if e.name not in protected] if len(entries) > keep_last else []
     for n in removed:
-        log.info("retention (keep_last=%d, series %s): removing %s", keep_last, series, os.path.join(d, n))
-        remove_tree_safely(os.path.join(d, n))
+        log.info("retention (keep_last=%d, series %s): removing %s", keep_last, series, join(d, n))
+        if is_uri(d):
+            delete_checkpoint_at(join(d, n))
+        else:
+            remove_tree_safely(os.path.join(d, n))
     return removed

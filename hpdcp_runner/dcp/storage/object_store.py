@@ -1,0 +1,256 @@
+"""The object-store client: one maintained library (obstore, the Python binding of Rust's
+``object_store``) behind a few calls the checkpoint storage needs, with errors turned into one
+line naming the bucket and key.
+
+Configuration comes from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_ALLOW_HTTP=true``
+for an http endpoint), read by the library itself, with :class:`ObjectStoreOptions` overriding
+endpoint and region. Credentials are never stored here, never logged and never part of an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import datetime as _dt
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from ..core.errors import CheckpointNotFoundError, ConfigError, StorageAccessError
+
+INSTALL_HINT = 'pip install "hpdcp_runner[s3]"'
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+
+
+@dataclass(frozen=True)
+class ObjectStoreOptions:
+    """Knobs of the object-store storage (``dcp.storage.*`` in the runner).
+
+    ``part_size``: bytes per multipart-upload part (and per upload buffer); ``concurrency``:
+    parts uploaded and ranged GETs in flight per rank, so a rank holds at most about
+    ``part_size x concurrency`` of upload buffers; ``coalesce_bytes``: two ranges of one object
+    closer than this are fetched in one GET (a request costs milliseconds on a store);
+    ``read_buffer_bytes``: the most one rank fetches ahead before copying into destinations;
+    ``orphan_grace_s``: how long what no commit names (a crashed or superseded save) is left
+    alone before a later save or retention deletes it."""
+
+    endpoint: str | None = None
+    region: str | None = None
+    allow_http: bool | None = None
+    part_size: int = 16 << 20
+    concurrency: int = 8
+    max_retries: int = 5
+    retry_timeout_s: float = 120.0
+    request_timeout_s: float = 60.0
+    coalesce_bytes: int = 1 << 20
+    read_buffer_bytes: int = 256 << 20
+    orphan_grace_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.part_size < 5 << 20:
+            raise ConfigError(f"part_size must be >= 5MiB (the S3 minimum for a multipart part), got {self.part_size}")
+        for name in ("concurrency", "max_retries"):
+            if getattr(self, name) < (1 if name == "concurrency" else 0):
+                raise ConfigError(f"{name} must be >= {1 if name == 'concurrency' else 0}, got {getattr(self, name)}")
+        if self.coalesce_bytes < 0 or self.read_buffer_bytes < 1 << 20:
+            raise ConfigError("coalesce_bytes must be >= 0 and read_buffer_bytes >= 1MiB")
+        if self.orphan_grace_s < 0 or self.retry_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ConfigError("orphan_grace_s must be >= 0, retry_timeout_s and request_timeout_s positive")
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_uri(uri: str) -> tuple[str, str, str]:
+    """(scheme, bucket, key prefix without slashes at either end) of ``s3://bucket/prefix``."""
+    scheme, _, rest = uri.partition("://")
+    bucket, _, key = rest.partition("/")
+    if not _BUCKET.match(bucket or ""):
+        raise ConfigError(f"{uri}: {bucket!r} is not a valid bucket name (3-63 lower-case letters, digits, '.', '-')")
+    return scheme.lower(), bucket, key.strip("/")
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+        import obstore.store  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"s3:// checkpoints need the object-store client: {INSTALL_HINT}") from None
+    return obstore
+
+
+_DEFAULT = [ObjectStoreOptions()]
+
+
+def configure(options: ObjectStoreOptions) -> None:
+    """The options every object-store call of this process uses unless given others (the runner
+    sets them once from ``dcp.storage.*``, so tools called without options agree with it)."""
+    _DEFAULT[0] = options
+
+
+def default_options() -> ObjectStoreOptions:
+    return _DEFAULT[0]
+
+
+_STORES: dict[tuple, Any] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _store(bucket: str, o: ObjectStoreOptions) -> Any:
+    """One client per bucket and options in a process (its connection pool is reused)."""
+    key = (bucket, o.endpoint, o.region, o.allow_http, o.max_retries, o.retry_timeout_s, o.request_timeout_s)
+    with _STORES_LOCK:
+        if key not in _STORES:
+            obs = _obstore()
+            config: dict[str, Any] = {}
+            if o.endpoint:
+                config["endpoint"] = o.endpoint
+            if o.region:
+                config["region"] = o.region
+            client: dict[str, Any] = {"timeout": f"{int(o.request_timeout_s)}s", "connect_timeout": "10s"}
+            allow_http = o.allow_http
+            if allow_http is None:  # client options given here replace the library's reading of it
+                allow_http = os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes")
+            client["allow_http"] = allow_http
+            retry = {"max_retries": o.max_retries, "retry_timeout": _dt.timedelta(seconds=o.retry_timeout_s),
+                     "backoff": {"init_backoff": _dt.timedelta(milliseconds=100),
+                                 "max_backoff": _dt.timedelta(seconds=15), "base": 2.0}}
+            try:
+                _STORES[key] = obs.store.S3Store(bucket, config=config, client_options=client, retry_config=retry)
+            except Exception as e:  # a malformed endpoint or option: the library says which
+                raise ConfigError(f"s3://{bucket}: cannot configure the object-store client: "
+                                  f"{_first_line(e)}") from None
+        return _STORES[key]
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _code(e: BaseException) -> str | None:
+    m = re.search(r"<Code>([A-Za-z]+)</Code>", str(e))
+    return m.group(1) if m else None
+
+
+class Bucket:
+    """The objects under one URI's key prefix, and the calls the checkpoint storage makes."""
+
+    def __init__(self, uri: str, options: ObjectStoreOptions | None = None) -> None:
+        self.options = options or _DEFAULT[0]
+        self.scheme, self.bucket, self.root = parse_uri(uri)
+        self.store = _store(self.bucket, self.options)
+        self.obs = _obstore()
+
+    # -- names ----------------------------------------------------------------------------
+    def key(self, *names: str) -> str:
+        return "/".join(p.strip("/") for p in (self.root, *names) if p and p.strip("/"))
+
+    def url(self, key: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{key}"
+
+    # -- errors ---------------------------------------------------------------------------
+    def error(self, e: BaseException, what: str, key: str) -> Exception:
+        """One line for a failed call on ``key``; the library's multi-line text is cut."""
+        code = _code(e)
+        where = self.url(key)
+        if code == "NoSuchBucket":
+            return StorageAccessError(f"{what}: bucket {self.bucket!r} does not exist at the configured endpoint "
+                                      f"(check the URI, AWS_ENDPOINT_URL or dcp.storage.endpoint)")
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled") \
+                or type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
+            return StorageAccessError(f"{what}: access to {where} was refused ({code or type(e).__name__}; check the "
+                                      f"AWS credentials in the environment and the bucket's policy)")
+        if isinstance(e, FileNotFoundError):
+            return CheckpointNotFoundError(f"{what}: {where} does not exist")
+        text = _first_line(e)
+        if "connect" in text.lower() or "timed out" in text.lower() or "dns" in text.lower():
+            return StorageAccessError(f"{what}: cannot reach the object store for {where} after "
+                                      f"{self.options.max_retries} retries ({text})")
+        return StorageAccessError(f"{what}: {where}: {text}")
+
+    # -- calls ----------------------------------------------------------------------------
+    def head(self, key: str) -> dict | None:
+        """The object's size, ETag and time, or None when it does not exist."""
+        try:
+            return self.obs.head(self.store, key)
+        except FileNotFoundError as e:
+            if _code(e) == "NoSuchBucket":
+                raise self.error(e, "reading", key) from None
+            return None
+        except Exception as e:
+            raise self.error(e, "reading", key) from None
+
+    def get(self, key: str, max_bytes: int | None = None) -> tuple[bytes, dict] | None:
+        """(body, meta) of a small object, or None when it does not exist; over ``max_bytes``
+        is an error before the body is read."""
+        try:
+            r = self.obs.get(self.store, key)
+            meta = r.meta
+            if max_bytes is not None and meta["size"] > max_bytes:
+                raise StorageAccessError(f"{self.url(key)} is {meta['size']} bytes, over the {max_bytes}-byte limit")
+            return bytes(r.bytes()), meta
+        except FileNotFoundError as e:
+            if "NoSuchBucket" in str(e):
+                raise self.error(e, "reading", key) from None
+            return None
+        except StorageAccessError:
+            raise
+        except Exception as e:
+            raise self.error(e, "reading", key) from None
+
+    def get_range(self, key: str, start: int, end: int) -> Any:
+        """Bytes [start, end) of an object (a buffer; ``memoryview`` of it is zero-copy)."""
+        try:
+            return self.obs.get_range(self.store, key, start=start, end=end)
+        except Exception as e:
+            raise self.error(e, f"reading bytes {start}..{end}", key) from None
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: Any = None) -> dict:
+        """Write a whole object; ``mode``: None (replace), "create" (only if absent: If-None-Match)
+        or an ETag (only if it is still that object: If-Match). A failed condition raises
+        FileExistsError."""
+        put_mode = "overwrite" if mode is None else ("create" if mode == "create" else {"e_tag": mode})
+        try:
+            return self.obs.put(self.store, key, data, mode=put_mode)
+        except Exception as e:
+            if type(e).__name__ in ("AlreadyExistsError", "PreconditionError") or _code(e) == "PreconditionFailed":
+                raise FileExistsError(f"{self.url(key)} changed (conditional write refused)") from None
+            raise self.error(e, "writing", key) from None
+
+    def writer(self, key: str) -> Any:
+        """A streaming writer (multipart upload of ``part_size`` parts, ``concurrency`` in flight):
+        ``write(bytes)``, ``close()`` completes the upload."""
+        o = self.options
+        try:
+            return self.obs.open_writer(self.store, key, buffer_size=o.part_size, max_concurrency=o.concurrency)
+        except Exception as e:
+            raise self.error(e, "writing", key) from None
+
+    def list(self, prefix: str) -> Iterator[dict]:
+        """Every object under ``prefix/`` (recursive)."""
+        try:
+            for batch in self.obs.list(self.store, prefix.rstrip("/") + "/" if prefix else None):
+                yield from batch
+        except Exception as e:
+            raise self.error(e, "listing", prefix) from None
+
+    def list_dir(self, prefix: str) -> tuple[list[str], list[dict]]:
+        """(names of the 'directories' right under ``prefix/``, the objects right under it)."""
+        try:
+            r = self.obs.list_with_delimiter(self.store, prefix.rstrip("/") + "/" if prefix else None)
+        except Exception as e:
+            raise self.error(e, "listing", prefix) from None
+        dirs = [p.rstrip("/").rsplit("/", 1)[-1] for p in r["common_prefixes"]]
+        return dirs, list(r["objects"])
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        try:
+            self.obs.delete(self.store, list(keys))
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise self.error(e, "deleting", keys[0]) from None

@@ -1,0 +1,69 @@
+"""Checkpoint locations: a local directory path or an object-store URI (``s3://bucket/prefix``).
+
+Every place a checkpoint path goes asks :func:`is_uri` before treating it as a local path, so a
+URI never becomes a directory named ``s3:`` under the working directory, and a scheme we do not
+serve is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+
+from ..core.errors import ConfigError
+
+SCHEMES = ("s3",)
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def scheme_of(path: str | os.PathLike) -> str | None:
+    """The URI scheme of ``path`` (lower case), or None for a local path."""
+    m = _SCHEME.match(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None
+    return m.group(1).lower() if m else None
+
+
+def is_uri(path: str | os.PathLike | None) -> bool:
+    """True for a URI of any scheme (supported or not): never to be used as a local path."""
+    return path is not None and scheme_of(path) is not None
+
+
+def check_uri(path: str) -> str:
+    """``path`` if its scheme is one we serve, else a ConfigError naming the scheme."""
+    s = scheme_of(path)
+    if s is not None and s not in SCHEMES:
+        raise ConfigError(f"{path}: the {s}:// scheme is not supported; a checkpoint location is a local directory "
+                          f"or {' / '.join(f'{x}://bucket/prefix' for x in SCHEMES)}")
+    return path
+
+
+def normalize(path: str | os.PathLike) -> str:
+    """A local path made absolute; a URI checked and stripped of trailing slashes."""
+    p = os.fspath(path)
+    if is_uri(p):
+        check_uri(p)
+        head, rest = p.split("://", 1)
+        rest = re.sub(r"/+", "/", rest).rstrip("/")
+        return f"{head.lower()}://{rest}"
+    return os.path.abspath(p)
+
+
+def join(base: str, *names: str) -> str:
+    """``os.path.join`` for local paths, ``/``-joining for URIs."""
+    if is_uri(base):
+        return "/".join([base.rstrip("/"), *(n.strip("/") for n in names)])
+    return os.path.join(base, *names)
+
+
+def split(path: str) -> tuple[str, str]:
+    """(parent, name) of a local path or a URI."""
+    if is_uri(path):
+        p = normalize(path)
+        head, rest = p.split("://", 1)
+        parent, name = posixpath.split(rest)
+        return f"{head}://{parent}", name
+    return os.path.split(path)
+
+
+def dirname(path: str) -> str:
+    return split(path)[0]
