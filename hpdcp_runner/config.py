@@ -92,6 +92,17 @@ class StorageConf:
     # rather than split; auto = the measured per-request cost x read bandwidth (docs/benchmarks.md)
     read_gap_bytes: Size = "auto"
     max_request_bytes: Size = "16MiB"  # the most one read request (and a scratch window) carries
+    # object stores (checkpoint paths s3://bucket/prefix); credentials come from the AWS
+    # environment (AWS_ACCESS_KEY_ID, ..., AWS_ENDPOINT_URL, AWS_REGION), never from the config
+    endpoint: Optional[str] = None  # overrides AWS_ENDPOINT_URL
+    region: Optional[str] = None  # overrides AWS_REGION
+    allow_http: Optional[bool] = None  # overrides AWS_ALLOW_HTTP (an http:// endpoint)
+    part_size: Size = "16MiB"  # multipart upload part; a rank buffers about part_size x concurrency
+    concurrency: int = 8  # parts uploaded / ranged GETs in flight per rank
+    max_retries: int = 5  # per request, with exponential backoff (5xx, throttling, dropped connections)
+    coalesce_bytes: Size = "1MiB"  # two ranges of an object closer than this are one GET
+    read_buffer_bytes: Size = "256MiB"  # the most a rank fetches ahead before copying out
+    orphan_grace_s: float = 900.0  # abandoned/superseded saves untouched this long are deleted by later saves
 
 
 @dataclass
@@ -538,6 +549,7 @@ class EngineOptions:
     planner: str
     broadcast: Any  # dcp.BroadcastOptions
     reader: Any  # dcp.storage.filesystem.ReaderOptions
+    store: Any  # dcp.tools.ObjectStoreOptions (s3:// paths)
     fsync: bool
     timeout_s: float
     allow_pickle: bool
@@ -554,13 +566,14 @@ class EngineOptions:
                 "dcp.storage.files_kept": r.files_kept, "dcp.storage.shared": r.shared_storage,
                 "dcp.storage.read_gap_bytes": "auto" if r.read_gap_bytes is None else r.read_gap_bytes,
                 "dcp.storage.max_request_bytes": r.max_request_bytes,
-                "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s, "dcp.format_version": self.format_version}
+                "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s, "dcp.format_version": self.format_version,
+                **{f"dcp.storage.{k}": v for k, v in self.store.kwargs().items()}}
 
 
 def engine_options(c: Config) -> EngineOptions:
     """The engine options of ``c``; one ConfigError naming every bad key."""
     from .dcp import SAVE_PLANNERS, BroadcastOptions
-    from .dcp.tools import ReaderOptions
+    from .dcp.tools import ObjectStoreOptions, ReaderOptions
 
     d, problems = c.dcp, []
 
@@ -604,9 +617,14 @@ def engine_options(c: Config) -> EngineOptions:
     reader = build("dcp.storage", lambda: ReaderOptions(s.files_kept, sizes[0], s.verify_checksums, s.shared,
                                                         sizes[1], sizes[2], sizes[4]))
     broadcast = build("dcp.broadcast", lambda: BroadcastOptions(d.broadcast.mode, sizes[3], d.broadcast.max_in_flight))
+    store = build("dcp.storage", lambda: ObjectStoreOptions(
+        s.endpoint, s.region, s.allow_http, size("dcp.storage.part_size", s.part_size, True), s.concurrency,
+        s.max_retries, coalesce_bytes=size("dcp.storage.coalesce_bytes", s.coalesce_bytes),
+        read_buffer_bytes=size("dcp.storage.read_buffer_bytes", s.read_buffer_bytes, True),
+        orphan_grace_s=s.orphan_grace_s))
     if problems:
         raise ConfigError("\n".join(problems))
-    return EngineOptions(d.planner.name, broadcast, reader, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
+    return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
                          d.verify_replicas, d.cache_plan, d.format_version)
 
 

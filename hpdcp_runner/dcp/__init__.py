@@ -16,7 +16,8 @@ from .core.errors import (CheckpointChangedError, CheckpointExistsError, Checkpo
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
                      StorageAccessError)
 from .storage.filesystem import FileSystemReader, FileSystemWriter
-from .storage.foreign import HfReader, TorchDcpReader, open_reader
+from .storage.foreign import HfReader, TorchDcpReader, open_reader, open_writer
+from .storage.object_checkpoint import ObjectStoreReader, ObjectStoreWriter
 from .format.metadata import Metadata
 from .planning.interfaces import LoadPlanner, SavePlanner
 from .core.ragged import FlatShard, LocalShard
@@ -36,7 +37,7 @@ __all__ = [
     "LOAD_PLANNERS", "LoadResult", "Metadata",
     "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
     "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "HfReader", "TorchDcpReader",
-    "open_reader", "rename_keys", "FlatShard", "LocalShard",
+    "open_reader", "open_writer", "ObjectStoreReader", "ObjectStoreWriter", "rename_keys", "FlatShard", "LocalShard",
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
     "CommitDurabilityError", "CheckpointChangedError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",

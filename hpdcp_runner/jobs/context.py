@@ -14,8 +14,9 @@ import torch
 from .. import dcp
 from .. import runtime
 from ..config import Config, EngineOptions, checkpoint_series, engine_options
-from ..dcp.tools import apply_retention, Comm, local_pieces, METADATA_FILE, series_extra
-from ..dcp import FileSystemWriter, open_reader, rename_keys
+from ..dcp.tools import (apply_retention, Comm, configure_object_store, is_uri, join_location, local_pieces,
+                         METADATA_FILE, normalize_location, series_extra)
+from ..dcp import open_reader, open_writer, rename_keys
 from ..layouts import Placer
 from ..metrics import Metrics
 from ..runtime import RankInfo
@@ -29,11 +30,15 @@ class JobContext:
         self.engine = engine or engine_options(cfg)
         self.metrics = Metrics()
         self.comm = Comm.create(None, self.engine.timeout_s)
+        configure_object_store(self.engine.store)  # s3:// paths anywhere in this job use dcp.storage.*
 
     # -- paths ------------------------------------------------------------------------------
     def abspath(self, p: str) -> str:
         """A user-given path: relative paths are from the directory the command was run in, as
-        with every CLI tool (Hydra's run directory is only for the run's own outputs)."""
+        with every CLI tool (Hydra's run directory is only for the run's own outputs). A URI
+        (``s3://bucket/prefix``) stays a URI; an unsupported scheme is refused."""
+        if is_uri(p):
+            return normalize_location(p)
         return os.path.normpath(os.path.join(runtime.launch_dir(), os.path.expanduser(p)))
 
     @property
@@ -52,7 +57,7 @@ class JobContext:
         the name ``checkpoint.name`` resolves to)."""
         if self.cfg.checkpoint.path and name is None:
             return self.abspath(self.cfg.checkpoint.path)
-        return os.path.join(self.checkpoint_dir, name or self.series[0])
+        return join_location(self.checkpoint_dir, name or self.series[0])
 
     def show_progress(self) -> bool:
         """Progress bars on rank 0, on a terminal only (never in logs or under CI)."""
@@ -105,7 +110,7 @@ class JobContext:
         """``dcp.save`` with the configured knobs; ``series`` = (pattern, step) records the
         checkpoint as a member of that series (for retention and resume=latest)."""
         e = self.engine
-        writer = FileSystemWriter(path, fsync=e.fsync)
+        writer = open_writer(path, fsync=e.fsync, store_options=e.store)
         c = writer.counters
         with self.metrics.phase(phase), self.user_errors(key), \
                 self.byte_progress(phase, lambda: (c.bytes_written, c.files_written)):
@@ -125,7 +130,7 @@ class JobContext:
         """``dcp.async_save`` with the configured knobs; ``phase`` times only the blocking part.
         ``callback(metadata)`` runs in the background after the commit (never after a failure)."""
         e = self.engine
-        writer = FileSystemWriter(path, fsync=e.fsync)
+        writer = open_writer(path, fsync=e.fsync, store_options=e.store)
 
         def done(md: dcp.Metadata) -> None:
             self.metrics.add(writer.counters.as_dict(), f"{phase}.")
@@ -144,7 +149,8 @@ class JobContext:
         (auto: ours, Hugging Face or torch DCP by the files present), else our format."""
         source = getattr(self.cfg.job, "source", None)
         fmt = source.format if foreign and source is not None else "hpdcp"
-        return open_reader(path, fmt, allow_pickle=self.engine.allow_pickle, **self.engine.reader.kwargs())
+        return open_reader(path, fmt, allow_pickle=self.engine.allow_pickle, store_options=self.engine.store,
+                           **self.engine.reader.kwargs())
 
     def source_renames(self) -> list:
         source = getattr(self.cfg.job, "source", None)
@@ -158,7 +164,7 @@ class JobContext:
             with self.user_errors(key):
                 got = self.comm.agree_root("read source metadata", reader.read_metadata_text)
                 source = f"{path} (as {reader.format_name})" if reader.format_name != "hpdcp" else \
-                    os.path.join(path, METADATA_FILE)
+                    join_location(path, METADATA_FILE)
                 md = dcp.Metadata.from_json(got, source=source, open_file=reader.open_file)
                 return rename_keys(md, self.source_renames(), source=f"{path} (job.source.rename)")
         finally:

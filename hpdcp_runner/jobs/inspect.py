@@ -12,7 +12,7 @@ import json
 import os
 
 from ..dcp import ConfigError, Metadata, rename_keys
-from ..dcp.tools import METADATA_FILE, describe
+from ..dcp.tools import METADATA_FILE, describe, join_location
 from ..layouts import Placer, mesh_shape, problems
 from .context import JobContext
 
@@ -92,7 +92,7 @@ def run(ctx: JobContext) -> dict:
     with ctx.user_errors(key):
         try:
             source = f"{path} (as {reader.format_name})" if reader.format_name != "hpdcp" else \
-                os.path.join(path, METADATA_FILE)
+                join_location(path, METADATA_FILE)
             md = Metadata.from_json(reader.read_metadata_text(), source=source, open_file=reader.open_file)
         finally:
             reader.close()

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from ..dcp.tools import location_dirname
 from ..layouts import place_state
 from ..workloads import reference_state
 from .context import JobContext
@@ -15,6 +14,6 @@ def run(ctx: JobContext) -> dict:
     name, series, step = ctx.series
     path = ctx.checkpoint_path()
     md = ctx.save(state, path, series=(series, step))
-    removed = ctx.apply_retention(os.path.dirname(path), series, name) if not ctx.cfg.checkpoint.path else []
+    removed = ctx.apply_retention(location_dirname(path), series, name) if not ctx.cfg.checkpoint.path else []
     return {"checkpoint": path, "series": series, "step": step, "tensors": len(md.tensors), "tensor_bytes": md.total_tensor_bytes,
             "removed_by_retention": removed}

@@ -26,7 +26,7 @@ import torch
 
 from .. import dcp
 from ..dcp import ConfigError, HpdcpError, KeyMismatchError
-from ..dcp.tools import get_logger, latest_checkpoint, list_checkpoints, unrecorded_checkpoints
+from ..dcp.tools import get_logger, join_location, latest_checkpoint, list_checkpoints, unrecorded_checkpoints
 from ..config import checkpoint_series
 from ..training import Trainer, build_model
 from .context import JobContext
@@ -183,7 +183,7 @@ def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: s
             pending.result()
     series = ctx.series[1]
     name = checkpoint_series(series, tr.step)[0]
-    path = os.path.join(ckdir, name)
+    path = join_location(ckdir, name)
     state = _state(tr, ctx.info.rank, losses)
     if ctx.cfg.job.async_save:
         return ctx.async_save(state, path, phase="train.save_blocking", series=(series, tr.step),

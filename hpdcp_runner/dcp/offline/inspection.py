@@ -24,10 +24,14 @@ from ..storage.filesystem import FileSystemReader
 from ..core.geometry import Box, narrow
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from ..storage.interfaces import ReadRequest, StorageReader
+from ..storage.foreign import open_reader
+from ..storage.uri import is_uri, join, normalize
 
 
 def commit_state(path: str | os.PathLike) -> str:
     """'committed', 'uncommitted' (a staging dir or a dir without metadata) or 'missing'."""
+    if is_uri(path):
+        return "committed"  # described through its commit object: nothing else is readable
     path = os.path.abspath(os.fspath(path))
     name = os.path.basename(path)
     if os.path.isfile(os.path.join(path, METADATA_FILE)):
@@ -40,10 +44,10 @@ def commit_state(path: str | os.PathLike) -> str:
 def describe(path: str | os.PathLike, reader: StorageReader | None = None, md: Metadata | None = None) -> dict:
     """A JSON-able summary: format, world size, files, and per tensor dtype/shape/chunks/bytes.
     ``reader``/``md``: a foreign checkpoint (Hugging Face, torch DCP) as its reader describes it."""
-    reader = reader or FileSystemReader(path)
+    reader = reader or open_reader(path, "hpdcp")
     if md is None:
         try:
-            md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE),
+            md = Metadata.from_json(reader.read_metadata_text(), source=join(reader.path, METADATA_FILE),
                                     open_file=reader.open_file)
         finally:
             reader.close()
@@ -66,8 +70,8 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
     until the next item): memory stays at the largest tensor however the allocator behaves
     (freed multi-MiB blocks otherwise fragment the heap and RSS creeps up).
     """
-    reader = reader or FileSystemReader(path, files_kept=4)
-    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(os.fspath(path), METADATA_FILE),
+    reader = reader or open_reader(path, "hpdcp", files_kept=4)
+    md = Metadata.from_json(reader.read_metadata_text(), source=join(os.fspath(path), METADATA_FILE),
                             open_file=reader.open_file)
     reader.attach_metadata(md)
     keys = list(keys) if keys is not None else sorted(md.tensors)
@@ -121,6 +125,8 @@ class VerifyReport:
 def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None = None) -> VerifyReport:
     """Recompute every checksum and cross-check files against the metadata; collect all problems.
     ``on_file(name, size)`` is called after each file (progress)."""
+    if is_uri(path):
+        return _verify_in_store(normalize(path), on_file)
     problems: list[str] = []
     abspath = os.path.abspath(os.fspath(path))
     try:
@@ -258,3 +264,40 @@ def _verify_tensor_file(full: str, name: str, checksum: str, chunks: dict, block
     if file_checksum(header, digests) != checksum:
         problems.append(f"{name}: file checksum mismatch")
     return problems
+
+
+def _verify_in_store(uri: str, on_file: Callable[[str, int], None] | None) -> VerifyReport:
+    """verify() of a checkpoint in an object store: the commit, the metadata and every row of the
+    index checked, every file listed and of its recorded size, then every tensor read whole
+    through the verifying reader (each chunk's checksum) and every object file's checksum: every
+    stored byte is checked once, one tensor in memory at a time."""
+    problems: list[str] = []
+    reader = open_reader(uri, "hpdcp")
+    try:
+        md = Metadata.from_json(reader.read_metadata_text(), source=join(uri, METADATA_FILE),
+                                open_file=reader.open_file)
+        md.validate_all()
+        reader.attach_metadata(md)
+        reader.check_files(sorted(md.files))
+    except HpdcpError as e:
+        reader.close()
+        return VerifyReport(uri, (str(e),), 0, 0)
+    problems += _rank_problems(md)
+    checked = nbytes = 0
+    try:
+        for key, _ in iter_full_tensors(uri, reader=reader, reuse_buffer=True):
+            pass
+        objects = reader.read_objects(md.objects, allow_pickle=False) if md.objects else {}
+        del objects
+    except PickleNotAllowedError:
+        pass  # a pickled object's bytes were checked before it was refused
+    except HpdcpError as e:
+        problems.append(str(e))
+    finally:
+        reader.close()
+    for name, fm in sorted(md.files.items()):
+        checked += 1
+        nbytes += fm.size
+        if on_file is not None:
+            on_file(name, fm.size)
+    return VerifyReport(uri, tuple(problems), checked, nbytes)

@@ -412,6 +412,8 @@ class FileSystemReader(StorageReader):
         try:
             return open_regular(full, self._dir_fd)
         except FileNotFoundError:
+            if os.fstat(self._dir_fd).st_nlink == 0:
+                raise self._changed("its directory was deleted") from None
             raise CheckpointNotFoundError(f"checkpoint file {full} is missing (named in {METADATA_FILE})") from None
 
     def read_metadata_once(self) -> Metadata:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from ..core import faults
 from ..core.errors import (CheckpointChangedError, ConfigError, CheckpointExistsError, CheckpointNotFoundError,
                            CorruptCheckpointError, MetadataError)
 from ..core.geometry import flat_span
@@ -217,6 +218,7 @@ class ObjectStoreWriter(StorageWriter):
         doc = {"format": _COMMIT_FORMAT, "version": 1, "data": self.save_id, "metadata_size": len(body),
                "metadata_checksum": digest(body), "extra": dict(metadata.extra or {})}
         key = f"{self.name_key}/{COMMIT_OBJECT}"
+        faults.point("commit.rename", path=self.uri)  # the one step that publishes (as the rename does locally)
         try:
             self.bucket.put(key, json.dumps(doc, separators=(",", ":")).encode(),
                             mode=self._replaces if self._replaces else "create")

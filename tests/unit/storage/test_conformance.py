@@ -1,0 +1,254 @@
+"""One protocol suite for every storage: a local directory and an S3-compatible object store (a real
+moto server on loopback). Each test states a promise of the commit protocol; both storages must
+keep it, so they cannot drift."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from hpdcp_runner import dcp
+from hpdcp_runner.dcp import faults, tools
+from hpdcp_runner.dcp.storage import object_store
+from hpdcp_runner.dcp.storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
+from hpdcp_runner.dcp.storage.uri import join
+from tests import s3_server
+
+
+class Local:
+    kind = "local"
+
+    def __init__(self, tmp_path):
+        self.root = str(tmp_path)
+
+    def debris(self, name):
+        """What a save killed before its commit leaves."""
+        os.makedirs(os.path.join(self.root, f".{name}.tmp-deadbeef0000"))
+        with open(os.path.join(self.root, f".{name}.tmp-deadbeef0000", "rank00000.safetensors"), "wb") as f:
+            f.write(b"partial")
+        open(os.path.join(self.root, f".{name}.tmp-deadbeef0000.lock"), "w").close()  # its holder died
+
+    def debris_left(self, name):
+        return any(n.startswith(f".{name}.tmp-") for n in os.listdir(self.root))
+
+
+class S3:
+    kind = "s3"
+
+    def __init__(self, endpoint):
+        self.endpoint = endpoint
+        self.bucket = s3_server.new_bucket(endpoint)
+        self.root = f"s3://{self.bucket}/runs"
+        self.client = s3_server.client(endpoint)
+
+    def debris(self, name):
+        self.client.put_object(Bucket=self.bucket, Key=f"runs/{name}/save-19700101T000000-deadbeef0000/rank00000"
+                                                      f".safetensors", Body=b"partial")
+
+    def debris_left(self, name):
+        keys = [o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=f"runs/{name}/")
+                .get("Contents", [])]
+        return any("deadbeef0000" in k for k in keys)
+
+    def keys(self, name):
+        return sorted(o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=f"runs/{name}/")
+                      .get("Contents", []))
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return Local(tmp_path)
+    return S3(request.getfixturevalue("s3_endpoint"))
+
+
+@pytest.fixture
+def no_grace():
+    """Cleanup may take what nothing touched for 0 s (the tests' debris is old)."""
+    object_store.configure(object_store.ObjectStoreOptions(orphan_grace_s=0))
+    yield
+    object_store.configure(object_store.ObjectStoreOptions())
+
+
+def _state(seed, n=3):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 33, generator=g), "h": torch.randn(7, generator=g).to(torch.bfloat16),
+            "i": torch.randint(0, 1 << 40, (5,), generator=g), "scalar": torch.tensor(float(seed)),
+            "empty": torch.zeros(0, 4), "meta": {"step": seed, "name": f"s{seed}", "ids": list(range(n))}}
+
+
+def _zeros():
+    return {"w": torch.zeros(64, 33), "h": torch.zeros(7, dtype=torch.bfloat16),
+            "i": torch.zeros(5, dtype=torch.int64), "scalar": torch.tensor(0.0), "empty": torch.zeros(0, 4),
+            "meta": {"step": -1, "name": "", "ids": []}}
+
+
+def _equal(a, b):
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_save_load_bitwise(store, version):
+    path = join(store.root, "ck")
+    src = _state(1)
+    dcp.save(src, checkpoint_id=path, format_version=version)
+    got = _zeros()
+    res = dcp.load(got, checkpoint_id=path)
+    _equal(src, got)
+    assert res.counters["bytes_read"] >= sum(t.numel() * t.element_size() for t in src.values()
+                                             if isinstance(t, torch.Tensor))
+    assert dcp.read_metadata(path).tensors["w"].shape == (64, 33)
+
+
+def test_partial_reads_verified(store):
+    """A destination that is part of a stored chunk reads (and verifies) only what it needs."""
+    path = join(store.root, "big")
+    w = torch.arange(4 << 20, dtype=torch.float32).reshape(1024, 4096)  # 16 MiB: several 1 MiB blocks
+    dcp.save({"w": w}, checkpoint_id=path)
+    from hpdcp_runner.dcp.core.ragged import LocalShard  # noqa: F401  (imports stay valid)
+    reader = dcp.open_reader(path)
+    md = dcp.Metadata.from_json(reader.read_metadata_text(), source=path, open_file=reader.open_file)
+    reader.attach_metadata(md)
+    from hpdcp_runner.dcp.core.geometry import Box
+    from hpdcp_runner.dcp.storage.interfaces import ReadRequest
+    dest = torch.zeros(100, 4096)
+    reader.read_tensors([ReadRequest(md.tensors["w"].chunks[0], "float32", Box((500, 0), (100, 4096)), dest)])
+    reader.close()
+    assert torch.equal(dest, w[500:600])
+    assert reader.counters.bytes_read <= 100 * 4096 * 4 + 2 * (1 << 20)
+
+
+def test_existing_refused_and_overwrite_keeps_old_until_commit(store):
+    path = join(store.root, "ck")
+    dcp.save(_state(1), checkpoint_id=path)
+    with pytest.raises(dcp.CheckpointExistsError):
+        dcp.save(_state(2), checkpoint_id=path)
+
+    def boom(**_):
+        raise OSError(5, "injected failure just before publishing")
+
+    with faults.armed("commit.rename", boom), pytest.raises(dcp.HpdcpError, match="injected"):
+        dcp.save(_state(2), checkpoint_id=path, overwrite=True)
+    got = _zeros()
+    dcp.load(got, checkpoint_id=path)
+    _equal(_state(1), got)  # the failed overwrite published nothing
+    dcp.save(_state(3), checkpoint_id=path, overwrite=True)
+    got = _zeros()
+    dcp.load(got, checkpoint_id=path)
+    _equal(_state(3), got)
+
+
+def test_failed_write_publishes_nothing(store):
+    path = join(store.root, "ck")
+
+    def disk_full(**_):
+        raise OSError(28, "No space left on device")
+
+    with faults.armed("file.write", disk_full), pytest.raises(dcp.HpdcpError, match="No space"):
+        dcp.save(_state(1), checkpoint_id=path)
+    with pytest.raises(dcp.CheckpointNotFoundError, match="no committed checkpoint"):
+        dcp.load(_zeros(), checkpoint_id=path)
+    if store.kind == "s3":
+        assert store.keys("ck") == []  # the aborted save removed what it had uploaded
+
+
+def test_crash_debris_is_never_read_and_is_cleaned_by_a_later_save(store, no_grace):
+    store.debris("ck")
+    with pytest.raises(dcp.CheckpointNotFoundError, match="uncommitted|no committed"):
+        dcp.load(_zeros(), checkpoint_id=join(store.root, "ck"))
+    dcp.save(_state(1), checkpoint_id=join(store.root, "other"), extra=series_extra("ck", None))
+    if store.kind == "s3":  # the next save of that name cleans it (locally: retention, below)
+        dcp.save(_state(1), checkpoint_id=join(store.root, "ck"))
+        assert not store.debris_left("ck")
+        got = _zeros()
+        dcp.load(got, checkpoint_id=join(store.root, "ck"))
+        _equal(_state(1), got)
+    else:
+        apply_retention(store.root, 1, series="ck")
+        assert not store.debris_left("ck")
+
+
+def test_load_during_overwrite_reads_one_checkpoint(store):
+    """A load that read the metadata before an overwrite committed gets the old checkpoint whole,
+    or CheckpointChangedError: never a mix, never the new one's bytes under the old metadata."""
+    path = join(store.root, "ck")
+    dcp.save(_state(1), checkpoint_id=path)
+    reader = dcp.open_reader(path)
+    md = dcp.Metadata.from_json(reader.read_metadata_text(), source=path, open_file=reader.open_file)
+    dcp.save(_state(2), checkpoint_id=path, overwrite=True)
+    got = _zeros()
+    try:
+        dcp.load(got, storage_reader=_Pinned(reader, md), checkpoint_id=path)
+    except dcp.CheckpointChangedError:
+        return
+    _equal(_state(1), got)
+
+
+class _Pinned:
+    """A reader whose metadata was read before the overwrite (the load's own read is replayed)."""
+
+    def __init__(self, reader, md):
+        self.r, self.text = reader, md.to_json()
+
+    def read_metadata_text(self):
+        return self.text
+
+    def __getattr__(self, name):
+        return getattr(self.r, name)
+
+
+def test_retention_and_latest_by_recorded_step(store):
+    for step in (2, 10, 9):
+        dcp.save({"w": torch.full((2,), float(step))}, checkpoint_id=join(store.root, f"step_{step}"),
+                 extra=series_extra("step_{step}", step))
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=join(store.root, "best"))
+    assert [e.name for e in list_checkpoints(store.root, "step_{step}")] == ["step_2", "step_9", "step_10"]
+    assert latest_checkpoint(store.root, "step_{step}") == join(store.root, "step_10")
+    removed = apply_retention(store.root, 2, series="step_{step}", keep=["step_10"])
+    assert removed == ["step_2"]
+    assert [e.name for e in list_checkpoints(store.root, "step_{step}")] == ["step_9", "step_10"]
+    with pytest.raises(dcp.CheckpointNotFoundError):
+        dcp.load({"w": torch.zeros(2)}, checkpoint_id=join(store.root, "step_2"))
+    got = {"w": torch.zeros(2)}
+    dcp.load(got, checkpoint_id=join(store.root, "best"))  # another name: never touched
+
+
+def test_concurrent_saves_of_one_name_one_wins(store):
+    """Two writers racing to create one checkpoint: exactly one commits, the other is refused."""
+    path = join(store.root, "ck")
+    errors, barrier = [], threading.Barrier(2)
+
+    def pause(**_):
+        barrier.wait(timeout=30)
+
+    def run(seed):
+        try:
+            dcp.save(_state(seed), checkpoint_id=path)
+        except dcp.CheckpointExistsError as e:
+            errors.append(e)
+
+    with faults.armed("commit.rename", pause):
+        ts = [threading.Thread(target=run, args=(s,)) for s in (1, 2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+    assert len(errors) == 1
+    got = _zeros()
+    dcp.load(got, checkpoint_id=path)
+    assert got["meta"]["step"] in (1, 2)
+    _equal(_state(got["meta"]["step"]), got)
+
+
+def test_verify_and_describe(store):
+    path = join(store.root, "ck")
+    dcp.save(_state(1), checkpoint_id=path)
+    rep = tools.verify(path)
+    assert rep.ok and rep.files_checked >= 2, rep.problems
+    d = tools.describe(path)
+    assert d["format"] == "hpdcp" and d["tensors"]["w"]["shape"] == [64, 33]
