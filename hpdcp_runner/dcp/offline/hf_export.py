@@ -21,6 +21,7 @@ from ..protocol import metadata_source
 from ..format.safetensors_io import write_file
 from ..comm.collectives import Comm
 from ..core.errors import ConfigError
+from ..storage.uri import is_uri, normalize
 from ..storage.commit import StagedDir
 from ..storage.foreign import HF_INDEX, HF_SINGLE, open_reader
 from ..format.metadata import Metadata, dtype_from_name, element_size
@@ -78,7 +79,11 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     source when it is a Hugging Face directory). Objects (non-tensor values) are not written."""
     if max_shard_size <= 0:
         raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
-    src, dst = os.path.abspath(os.fspath(checkpoint_id)), os.path.abspath(os.fspath(output))
+    if is_uri(output):
+        raise ConfigError(f"{output}: writing Hugging Face output to an object store is not supported yet; write it "
+                          f"to a local directory (job.output=<dir>) and upload that")
+    src = normalize(checkpoint_id) if is_uri(checkpoint_id) else os.path.abspath(os.fspath(checkpoint_id))
+    dst = os.path.abspath(os.fspath(output))
     comm = Comm.create(process_group, timeout)
 
     def reader() -> StorageReader:
@@ -107,7 +112,10 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     owners = assign_files([sum(size_of[k] for k in s) for s in shards], comm.world_size)
     mine = [i for i in range(n) if owners[i] == comm.rank]
     rounds = max(owners.count(r) for r in range(comm.world_size))
-    side_dir = os.path.abspath(os.fspath(files_from)) if files_from else (src if kind == "hf" else None)
+    if files_from is not None and is_uri(files_from):
+        raise ConfigError(f"{files_from}: copy config/tokenizer files from a local directory (hf_files_from)")
+    side_dir = os.path.abspath(os.fspath(files_from)) if files_from else \
+        (src if kind == "hf" and not is_uri(src) else None)
     if side_dir is not None and os.path.isfile(side_dir):
         side_dir = os.path.dirname(side_dir)
 

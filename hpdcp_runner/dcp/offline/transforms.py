@@ -31,6 +31,7 @@ from ..format import objects as objcodec
 from ..format.safetensors_io import SafetensorsStreamWriter
 from ..core.errors import ConfigError, CorruptCheckpointError
 from ..storage.commit import StagedDir
+from ..storage.uri import is_uri
 from ..storage.filesystem import FileSystemReader, FileSystemWriter
 from ..core.geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
@@ -118,6 +119,7 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
                 exclude: str | None = None, single_file: bool = False, overwrite: bool = False,
                 fsync: bool = True, progress: Progress | None = None) -> dict[str, Any]:
     """Write our checkpoint ``src`` as a Hugging Face safetensors directory ``dst``."""
+    refuse_uris(src, dst)
     if max_shard_size <= 0:
         raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
     cast = dtype_from_name(dtype) if dtype else None
@@ -204,6 +206,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source_
     """Convert ``src`` into our checkpoint ``dst`` with ``world_size`` rank files laid out by
     ``boxes(fqn, shape, rank) -> boxes that rank holds`` (chunks held by several ranks are
     written once, by the lowest rank). Returns the committed metadata."""
+    refuse_uris(src, dst)
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     source = open_source(src, source_format, allow_pickle=allow_pickle)
@@ -276,6 +279,7 @@ def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: 
     """Write our checkpoint as a ``torch.distributed.checkpoint`` directory (full tensors,
     loadable by ``torch.distributed.checkpoint.load`` under any sharding). Holds the whole
     checkpoint in memory: torch's writer takes a single state dict."""
+    refuse_uris(src, dst)
     import torch.distributed.checkpoint as tdcp
 
     reader, md = _read_our_metadata(src)
@@ -302,3 +306,12 @@ def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: 
 
 __all__ = ["merge_to_hf", "import_checkpoint", "export_torch_dcp", "select_keys", "plan_hf_shards", "shard_dim0",
            "open_source"]
+
+
+def refuse_uris(*paths: str | os.PathLike | None) -> None:
+    """The offline transforms read and write local directories only (for now): a URI is refused
+    in one line instead of becoming a local directory named after its scheme."""
+    for p in paths:
+        if p is not None and is_uri(p):
+            raise ConfigError(f"{p}: offline transforms work on local directories; copy the checkpoint locally, or "
+                              f"use +job=reshard (which reads and writes s3:// checkpoints)")
