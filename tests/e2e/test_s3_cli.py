@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from tests import s3_server
@@ -90,6 +91,7 @@ def test_hf_directory_in_bucket_resharded_in_place(cli, tmp_path, s3_endpoint, s
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)
 
 
+@pytest.mark.slow
 def test_train_resume_latest_on_s3(cli, tmp_path, s3_bucket):
     common = ["+job=train", "job.steps=10", "job.save_every=5", f"checkpoint.dir={s3_bucket}/train",
               "checkpoint.keep_last=1"]

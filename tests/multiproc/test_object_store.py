@@ -46,6 +46,7 @@ def _env():
                                       "AWS_REGION", "AWS_ALLOW_HTTP")}
 
 
+@pytest.mark.slow
 def test_reshard_through_object_store(s3_bucket):
     root = f"{s3_bucket}/matrix"
     run_ranks(2, _save_all, root, _env())

@@ -1,0 +1,124 @@
+"""A loopback HTTP proxy in front of the S3 test server that makes it misbehave on purpose: answer
+503 SlowDown (throttling) or 500 to the next N requests, drop the connection mid-request, add
+latency per request and cap bandwidth. The tests use it for faults the real server will not
+produce on demand; the benchmark uses it to make the store slow. Bounded: it serves loopback
+only and stops with its owner."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+
+class Proxy:
+    def __init__(self, upstream: str, *, latency_s: float = 0.0, bandwidth_bps: float | None = None) -> None:
+        u = urlsplit(upstream)
+        self.up_host, self.up_port = u.hostname, u.port
+        self.latency_s, self.bandwidth_bps = latency_s, bandwidth_bps
+        self.lock = threading.Lock()
+        self.fail: list[tuple[int, str]] = []  # (status, S3 error code) for the next requests
+        self.drop = 0  # connections to drop (request read, nothing answered)
+        self.only: str | None = None  # faults apply to methods of this name only (None: all)
+        self.requests = 0
+        self.faults_served = 0
+        self._bucket = _TokenBucket(bandwidth_bps) if bandwidth_bps else None
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a) -> None:  # quiet
+                pass
+
+            def _any(self) -> None:
+                proxy.handle(self)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def fail_next(self, n: int, status: int = 503, code: str = "SlowDown", method: str | None = None) -> None:
+        with self.lock:
+            self.fail = [(status, code)] * n
+            self.only = method
+
+    def drop_next(self, n: int, method: str | None = None) -> None:
+        with self.lock:
+            self.drop, self.only = n, method
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def handle(self, h: BaseHTTPRequestHandler) -> None:
+        n = int(h.headers.get("Content-Length") or 0)
+        body = h.rfile.read(n) if n else b""
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        if self._bucket and body:
+            self._bucket.take(len(body))
+        with self.lock:
+            self.requests += 1
+            applies = self.only is None or self.only == h.command
+            fault = self.fail.pop(0) if self.fail and applies else None
+            drop = applies and self.drop > 0
+            if drop:
+                self.drop -= 1
+            if fault or drop:
+                self.faults_served += 1
+        if drop:
+            h.close_connection = True
+            h.connection.shutdown(2)
+            return
+        if fault:
+            msg = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault[1]}</Code>'
+                   f"<Message>injected by the test proxy</Message></Error>").encode()
+            h.send_response(fault[0])
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(msg)))
+            h.end_headers()
+            h.wfile.write(msg)
+            return
+        conn = http.client.HTTPConnection(self.up_host, self.up_port, timeout=60)
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection",)}
+        conn.request(h.command, h.path, body=body if n or h.command in ("PUT", "POST") else None, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        h.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                h.send_header(k, v)
+        h.send_header("Content-Length", resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data)))
+        h.end_headers()
+        if h.command != "HEAD":
+            if self._bucket:
+                for i in range(0, len(data), 1 << 16):
+                    self._bucket.take(min(1 << 16, len(data) - i))
+                    h.wfile.write(data[i:i + (1 << 16)])
+            else:
+                h.wfile.write(data)
+        conn.close()
+
+
+class _TokenBucket:
+    """One shared bandwidth cap for everything through the proxy."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.lock = rate, threading.Lock()
+        self.next_free = time.monotonic()
+
+    def take(self, n: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_free)
+            self.next_free = start + n / self.rate
+            wait = self.next_free - now
+        if wait > 0:
+            time.sleep(wait)
