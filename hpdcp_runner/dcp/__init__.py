@@ -16,7 +16,8 @@ from .core.errors import (CheckpointChangedError, CheckpointExistsError, Checkpo
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
                      StorageAccessError)
 from .storage.filesystem import FileSystemReader, FileSystemWriter
-from .storage.foreign import HfReader, TorchDcpReader, open_reader, open_writer
+from .storage.foreign import HfReader, TorchDcpReader
+from .storage.locations import open_reader, open_writer
 from .storage.object_checkpoint import ObjectStoreReader, ObjectStoreWriter
 from .format.metadata import Metadata
 from .planning.interfaces import LoadPlanner, SavePlanner

@@ -23,7 +23,7 @@ from .planning.standard import StandardLoadPlanner, StandardSavePlanner
 from .protocol import LoadSteps, SaveSteps, metadata_source
 from .state_dict import restore_stateful, stateful_to_state_dict
 from .storage.filesystem import DEFAULT_FILES_KEPT, FileSystemWriter, open_regular
-from .storage.foreign import open_reader, open_writer
+from .storage.locations import open_reader, open_writer
 from .storage.uri import is_uri, join, normalize
 from .storage.interfaces import StorageReader, StorageWriter
 

@@ -23,7 +23,8 @@ from ..comm.collectives import Comm
 from ..core.errors import ConfigError
 from ..storage.uri import is_uri, normalize
 from ..storage.commit import StagedDir
-from ..storage.foreign import HF_INDEX, HF_SINGLE, open_reader
+from ..storage.foreign import HF_INDEX, HF_SINGLE
+from ..storage.locations import open_reader
 from ..format.metadata import Metadata, dtype_from_name, element_size
 from .transforms import check_with_safetensors, plan_hf_shards
 from ..format.renames import rename_keys

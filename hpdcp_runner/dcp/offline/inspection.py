@@ -24,7 +24,7 @@ from ..storage.filesystem import FileSystemReader
 from ..core.geometry import Box, narrow
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from ..storage.interfaces import ReadRequest, StorageReader
-from ..storage.foreign import open_reader
+from ..storage.locations import open_reader
 from ..storage.uri import is_uri, join, normalize
 
 

@@ -31,10 +31,9 @@ import torch
 
 from ..format.safetensors_io import read_header
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from .filesystem import FileSystemReader, FileSystemWriter
+from .filesystem import FileSystemReader
 from ..format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
-from .interfaces import StorageReader, StorageWriter
-from .uri import is_uri, normalize
+from .interfaces import StorageReader
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -64,17 +63,10 @@ def detect_format(path: str) -> str:
     return "hpdcp"
 
 
-def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
-                store_options: Any = None, **reader_kwargs: Any) -> StorageReader:
-    """The reader for ``path`` (a local path or an ``s3://`` URI) in ``format`` (auto: from the
-    files present). ``store_options``: an ``ObjectStoreOptions`` for URIs (default: the process's)."""
-    if is_uri(path):
-        from .object_checkpoint import open_object_reader
-
-        if format not in FORMATS:
-            raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
-        return open_object_reader(normalize(path), format, allow_pickle=allow_pickle, options=store_options,
-                                  **reader_kwargs)
+def open_local_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
+                      **reader_kwargs: Any) -> StorageReader:
+    """The reader for a local ``path`` in ``format`` (auto: from the files present); for any
+    location (a URI too) use ``storage.locations.open_reader``."""
     p = os.path.abspath(os.fspath(path))
     fmt = detect_format(p) if format == "auto" else format
     if fmt == "hpdcp":
@@ -84,15 +76,6 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
     if fmt == "torch_dcp":
         return TorchDcpReader(p, allow_pickle=allow_pickle, **reader_kwargs)
     raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
-
-
-def open_writer(path: str | os.PathLike, *, fsync: bool = True, store_options: Any = None) -> StorageWriter:
-    """The writer for a checkpoint at ``path``: a local directory, or an ``s3://`` URI."""
-    if is_uri(path):
-        from .object_checkpoint import ObjectStoreWriter
-
-        return ObjectStoreWriter(normalize(path), options=store_options)
-    return FileSystemWriter(path, fsync=fsync)
 
 
 class _DescribedReader(FileSystemReader):

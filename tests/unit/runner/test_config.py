@@ -79,6 +79,8 @@ dcp.storage.max_read_bytes_per_s dcp.storage.read_gap_bytes dcp.storage.max_requ
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
 dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas
 dcp.cache_plan dcp.format_version
+dcp.storage.endpoint dcp.storage.region dcp.storage.allow_http dcp.storage.part_size dcp.storage.concurrency
+dcp.storage.max_retries dcp.storage.coalesce_bytes dcp.storage.read_buffer_bytes dcp.storage.orphan_grace_s
 job.fail_on_rank job.name job.output job.output_format job.hf_max_shard_size job.hf_files_from job.verify
 job.source.layout job.source.path job.source.format job.source.rename
 layout.flat_units layout.kind layout.mesh layout.name layout.rules layout.strict

@@ -48,3 +48,13 @@ def test_each_job_has_its_own_schema():
         validate_all(_compose(["+job=reshard", "+job.steps=3"]), 1)
     assert "job.steps" in str(e.value) and "the reshard job has no such key" in str(e.value)
     assert "output_format" in str(e.value)
+
+
+def test_object_store_knobs_reach_the_engine_and_bad_ones_are_named():
+    c, o = validate_all(_compose(["+job=load", "dcp.storage.endpoint=http://127.0.0.1:9", "dcp.storage.part_size=8MiB",
+                                  "dcp.storage.concurrency=3", "dcp.storage.coalesce_bytes=0"]), 1)
+    assert (o.store.endpoint, o.store.part_size, o.store.concurrency, o.store.coalesce_bytes) == \
+        ("http://127.0.0.1:9", 8 << 20, 3, 0)
+    assert o.knobs()["dcp.storage.part_size"] == 8 << 20
+    with pytest.raises(ConfigError, match=r"dcp.storage: part_size must be >= 5MiB"):
+        validate_all(_compose(["+job=load", "dcp.storage.part_size=1MiB"]), 1)
