@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=0.0)
     ap.add_argument("--bandwidth", default=None, help="e.g. 100MB (per second, shared)")
     ap.add_argument("--endpoint", default=None)
+    ap.add_argument("--direct", action="store_true", help="no proxy (no request counts)")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -64,7 +65,7 @@ def main() -> None:
         bw = _parse_size(a.bandwidth) if a.bandwidth else None
         proxy = Proxy(endpoint, latency_s=a.latency_ms / 1000, bandwidth_bps=bw)
         bucket = s3_server.new_bucket(endpoint)
-        box = [(proxy.endpoint, bucket)]
+        box = [(endpoint if a.direct else proxy.endpoint, bucket)]
     dist.broadcast_object_list(box, src=0)
     endpoint, bucket = box[0]
     os.environ["AWS_ENDPOINT_URL"] = endpoint
@@ -87,12 +88,12 @@ def main() -> None:
 
     def timed(fn) -> tuple[float, int, int]:
         dist.barrier()
-        r0 = proxy.requests if proxy else 0
+        r0 = proxy.requests if proxy and not a.direct else 0
         t0 = time.perf_counter()
         fn()
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        return dt.item(), (proxy.requests - r0) if proxy else 0, 0
+        return dt.item(), (proxy.requests - r0) if proxy and not a.direct else 0, 0
 
     results: dict[str, dict[str, list]] = {}
     for rep in range(a.reps):

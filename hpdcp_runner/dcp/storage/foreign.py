@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..core.rafile import FdFile, RandomAccessFile
 from ..format.safetensors_io import read_header
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from .filesystem import FileSystemReader
@@ -114,6 +115,25 @@ class _DescribedReader(FileSystemReader):
             self._described = self.describe().to_json()
         return self._described
 
+    # what describe() needs of the files; a reader of another storage overrides these
+    def _exists(self, name: str) -> bool:
+        return os.path.lexists(os.path.join(self.path, name))
+
+    def _size_of(self, name: str) -> int:
+        return self._stat_file(name).st_size
+
+    def _read_small(self, name: str) -> bytes:
+        self._size_of(name)  # a regular file, not a link
+        with open(os.path.join(self.path, name), "rb") as f:
+            return f.read()
+
+    def _random_access(self, name: str) -> RandomAccessFile:
+        self._pin_directory()
+        return FdFile(os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=self._dir_fd))
+
+    def _header_of(self, name: str) -> list:
+        return read_header(os.path.join(self.path, name), max_entries=MAX_ENTRIES_PER_FILE)[1]
+
     def describe(self) -> Metadata:
         raise NotImplementedError
 
@@ -128,20 +148,6 @@ class HfReader(_DescribedReader):
         if os.path.isfile(path):  # one .safetensors file: its directory, that file only
             path, self.only = os.path.split(path)
         super().__init__(path, **kwargs)
-
-    # what describe() needs of the files; a reader of another storage overrides these four
-    def _exists(self, name: str) -> bool:
-        return os.path.lexists(os.path.join(self.path, name))
-
-    def _size_of(self, name: str) -> int:
-        return self._stat_file(name).st_size
-
-    def _read_small(self, name: str) -> bytes:
-        with open(os.path.join(self.path, name), "rb") as f:
-            return f.read()
-
-    def _header_of(self, name: str) -> list:
-        return read_header(os.path.join(self.path, name), max_entries=MAX_ENTRIES_PER_FILE)[1]
 
     def _index(self) -> dict[str, str] | None:
         index = os.path.join(self.path, HF_INDEX)
@@ -215,8 +221,8 @@ def _require_pickle(path: str, allow_pickle: bool) -> None:
 class _Window(io.RawIOBase):
     """A read-only view of bytes [start, start+length) of an open file, for ``zipfile``."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+    def __init__(self, f: RandomAccessFile, start: int, length: int) -> None:
+        self.f, self.start, self.length, self.pos = f, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -236,7 +242,7 @@ class _Window(io.RawIOBase):
         n = min(len(b), self.length - self.pos)
         if n <= 0:
             return 0
-        data = os.pread(self.fd, n, self.start + self.pos)
+        data = self.f.pread(n, self.start + self.pos)
         b[:len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -288,17 +294,18 @@ class TorchDcpReader(_DescribedReader):
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
         mpath = os.path.join(self.path, DCP_METADATA)
-        if not os.path.lexists(mpath):
+        if not self._exists(DCP_METADATA):
             raise CheckpointNotFoundError(f"{self.path}: no {DCP_METADATA} (not a torch.distributed.checkpoint "
                                           f"directory)")
         _require_pickle(mpath, self.allow_pickle)
-        self._stat_file(DCP_METADATA)
-        with open(mpath, "rb") as f:
-            try:
-                tmd = pickle.load(f)  # allowed above: the user trusts this checkpoint
-            except Exception as e:
-                raise MetadataError(f"{mpath}: not torch.distributed.checkpoint metadata "
-                                    f"({type(e).__name__}: {e})") from None
+        if self._size_of(DCP_METADATA) > MAX_INDEX_BYTES:
+            raise MetadataError(f"{mpath} is over the {MAX_INDEX_BYTES}-byte limit")
+        body = self._read_small(DCP_METADATA)
+        try:
+            tmd = pickle.loads(body)  # allowed above: the user trusts this checkpoint
+        except Exception as e:
+            raise MetadataError(f"{mpath}: not torch.distributed.checkpoint metadata "
+                                f"({type(e).__name__}: {e})") from None
         sdm = getattr(tmd, "state_dict_metadata", None)
         storage = getattr(tmd, "storage_data", None)
         if not isinstance(sdm, dict) or not isinstance(storage, dict):
@@ -306,7 +313,7 @@ class TorchDcpReader(_DescribedReader):
         where = {(k.fqn, tuple(k.offset or ())): v for k, v in storage.items()}
         paths = getattr(tmd, "planner_data", None) or {}
         files: dict[str, FileMeta] = {}
-        fds: dict[str, int] = {}
+        fds: dict[str, RandomAccessFile] = {}
         tensors: dict[str, TensorMeta] = {}
         objects: dict[str, ObjectMeta] = {}
         locations: dict[str, list] = {}
@@ -340,30 +347,29 @@ class TorchDcpReader(_DescribedReader):
                     chunks.append(ChunkMeta(offs, sizes, name, fqn, start, ""))
                 tensors[fqn] = TensorMeta(dtype, tuple(int(x) for x in m.size), tuple(chunks), path)
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for f in fds.values():
+                f.close()
         return Metadata(1, tensors, objects, files, extra={"source_format": "torch_dcp",
                                                            "torch_dcp_objects": locations})
 
     def _file(self, rel: Any, files: dict, fds: dict, mpath: str) -> str:
         name = self._checked_name(rel, mpath)
         if name not in files:
-            st = self._stat_file(name)
-            files[name] = FileMeta(name, st.st_size, "", 0)
-            fds[name] = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=self._dir_fd)
+            files[name] = FileMeta(name, self._size_of(name), "", 0)
+            fds[name] = self._random_access(name)
         return name
 
-    def _data_offset(self, fd: int, name: str, offset: int, length: int, fqn: str, sizes: tuple[int, ...],
-                     dtype: torch.dtype) -> int:
+    def _data_offset(self, fd: RandomAccessFile, name: str, offset: int, length: int, fqn: str,
+                     sizes: tuple[int, ...], dtype: torch.dtype) -> int:
         """The file offset of the chunk's raw bytes inside its ``torch.save`` record, after
         checking that the record stores exactly this chunk, uncompressed and row-major."""
         full = os.path.join(self.path, name)
-        size = os.fstat(fd).st_size
+        size = fd.size()
         nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
         if offset < 0 or length < 0 or offset + length > size:
             raise CorruptCheckpointError(f"{full}: record of {fqn!r} at [{offset}, {offset + length}) lies beyond "
                                          f"the end of the file ({size} bytes)")
-        if os.pread(fd, 4, offset) != b"PK\x03\x04":
+        if fd.pread(4, offset) != b"PK\x03\x04":
             if length == nbytes:  # raw bytes (torch DCP's safetensors serialization)
                 return offset
             raise CorruptCheckpointError(f"{full}: record of {fqn!r} at offset {offset} is neither a torch.save archive "
@@ -390,7 +396,7 @@ class TorchDcpReader(_DescribedReader):
                         problem = "its data is compressed"
                     else:
                         esize = torch.empty((), dtype=dtype).element_size()
-                        local = os.pread(fd, 30, offset + info.header_offset)
+                        local = fd.pread(30, offset + info.header_offset)
                         if len(local) != 30 or local[:4] != b"PK\x03\x04":
                             raise CorruptCheckpointError("bad local header")
                         nlen = int.from_bytes(local[26:28], "little")
@@ -413,10 +419,11 @@ class TorchDcpReader(_DescribedReader):
             if not (isinstance(loc, list) and len(loc) == 2 and all(type(x) is int and x >= 0 for x in loc)):
                 raise MetadataError(f"{self.path}: no location recorded for object {fqn!r}")
             fd = self._fd(om.file)
-            data = os.pread(fd, loc[1], loc[0])
-            self.counters.bytes_read += len(data)
-            if len(data) != loc[1]:
+            if loc[0] + loc[1] > self._file_size(fd):
                 raise CorruptCheckpointError(f"{os.path.join(self.path, om.file)}: object {fqn!r} is truncated")
+            data = bytearray(loc[1])
+            self._pread(fd, loc[0], memoryview(data), name=om.file)
+            self.counters.bytes_read += len(data)
             try:  # weights_only: plain containers, numbers, strings and tensors, never code
                 out[fqn] = torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:

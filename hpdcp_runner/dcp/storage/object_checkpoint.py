@@ -39,7 +39,7 @@ import torch
 
 from ..core import faults
 from ..core.errors import (CheckpointChangedError, ConfigError, CheckpointExistsError, CheckpointNotFoundError,
-                           CorruptCheckpointError, MetadataError)
+                           CorruptCheckpointError, MetadataError, StorageAccessError)
 from ..core.geometry import flat_span
 from ..core.utils import get_logger
 from ..format.chunk_index import INDEX_FILE
@@ -270,13 +270,41 @@ class _RemoteFile:
             return self.on_missing()
         return CheckpointNotFoundError(f"{self.bucket.url(self.key)} is missing (named in {METADATA_FILE})")
 
+    _BLOCK = 64 << 10  # small reads (headers, zip directories) go through cached blocks of this size
+    _BLOCKS_KEPT = 64
+
     def pread(self, n: int, offset: int) -> bytes:
+        """Bytes [offset, offset+n); small reads are served from aligned cached blocks (a parser
+        walking a header or a zip record makes many small reads of a few places: one request
+        each would cost a round trip each)."""
         if n <= 0:
             return b""
+        if n > self._BLOCK:
+            return self._get(offset, offset + n)
+        out = bytearray()
+        for b in range(offset // self._BLOCK, (offset + n - 1) // self._BLOCK + 1):
+            out += self._block(b)
+        lo = offset - offset // self._BLOCK * self._BLOCK
+        return bytes(out[lo:lo + n])
+
+    def _block(self, b: int) -> bytes:
+        cache = self.__dict__.setdefault("_cache", {})
+        if b not in cache:
+            end = min((b + 1) * self._BLOCK, self.size())
+            cache[b] = self._get(b * self._BLOCK, end) if end > b * self._BLOCK else b""
+            while len(cache) > self._BLOCKS_KEPT:
+                cache.pop(next(iter(cache)))
+        return cache[b]
+
+    def _get(self, start: int, end: int) -> bytes:
         try:
-            data = self.bucket.get_range(self.key, offset, offset + n)
+            data = self.bucket.get_range(self.key, start, end)
         except CheckpointNotFoundError:
             raise self._missing() from None
+        except StorageAccessError as e:
+            if "416" in str(e) or "Range Not Satisfiable" in str(e):
+                return b""  # past the end: a short read, which the caller reports
+            raise
         if self.counters is not None:
             self.counters.bump("store_requests")
         return bytes(data)
@@ -540,61 +568,81 @@ def delete_checkpoint_at(uri: str) -> None:
 
 # -- checkpoints of other formats read in place from a store ------------------------------------
 
-def _object_hf_reader_class() -> type:
-    from .foreign import HfReader
+class _RemoteDescribed:
+    """What a reader of a foreign format (its files described as our metadata, see
+    ``foreign._DescribedReader``) needs of a store: one listing of the directory, small objects
+    whole, files by ranges. Mixed in before the format's reader and ``ObjectStoreReader``."""
 
-    class ObjectStoreHfReader(HfReader, ObjectStoreReader):
-        """A Hugging Face directory (or one ``.safetensors`` object) in a store, read in place:
-        described from one listing, the index and two ranged GETs per file's header; tensor
-        bytes read by the object-store reader (no checksums: the format has none)."""
+    def _init_remote(self, uri: str, kwargs: dict) -> None:
+        ObjectStoreReader.__init__(self, uri, **{**kwargs, "verify_checksums": False})
+        self._described = None
+        self.data = ""
+        self._listing: dict[str, int] | None = None
 
-        def __init__(self, uri: str, **kwargs: Any) -> None:
-            self.only = None
-            if uri.endswith(".safetensors"):
-                uri, self.only = uri.rsplit("/", 1)
-            ObjectStoreReader.__init__(self, uri, **{**kwargs, "verify_checksums": False})
-            self._described = None
-            self.data = ""
-            self._listing: dict[str, int] | None = None
+    def _names(self) -> dict[str, int]:
+        if self._listing is None:
+            self._listing = {o["path"].rsplit("/", 1)[-1]: o["size"] for o in self.bucket.list_dir(self.name_key)[1]}
+        return self._listing
 
-        def _names(self) -> dict[str, int]:
-            if self._listing is None:
-                self._listing = {o["path"].rsplit("/", 1)[-1]: o["size"]
-                                 for o in self.bucket.list_dir(self.name_key)[1]}
-            return self._listing
+    def _exists(self, name: str) -> bool:
+        return name in self._names()
 
-        def _exists(self, name: str) -> bool:
-            return name in self._names()
+    def _size_of(self, name: str) -> int:
+        if name not in self._names():
+            raise CheckpointNotFoundError(f"{self.path}/{name} is missing")
+        return self._names()[name]
 
-        def _size_of(self, name: str) -> int:
-            if name not in self._names():
-                raise CheckpointNotFoundError(f"{self.path}/{name} is missing")
-            return self._names()[name]
+    def _read_small(self, name: str) -> bytes:
+        got = self.bucket.get(self._data_key(name), max_bytes=64 << 20)
+        if got is None:
+            raise CheckpointNotFoundError(f"{self.path}/{name} is missing")
+        return got[0]
 
-        def _read_small(self, name: str) -> bytes:
-            got = self.bucket.get(self._data_key(name), max_bytes=64 << 20)
-            if got is None:
-                raise CheckpointNotFoundError(f"{self.path}/{name} is missing")
-            return got[0]
+    def _random_access(self, name: str) -> "_RemoteFile":
+        return _RemoteFile(self.bucket, self._data_key(name), self._size_of(name), counters=self.counters)
 
-        def _header_of(self, name: str) -> list:
-            from ..format.safetensors_io import parse_header
-            from .foreign import MAX_ENTRIES_PER_FILE
+    def _header_of(self, name: str) -> list:
+        from ..format.safetensors_io import parse_header
+        from .foreign import MAX_ENTRIES_PER_FILE
 
-            f = _RemoteFile(self.bucket, self._data_key(name), self._size_of(name), counters=self.counters)
-            return parse_header(f"{self.path}/{name}", f.size(), f.pread, MAX_ENTRIES_PER_FILE)[1]
+        f = self._random_access(name)
+        return parse_header(f"{self.path}/{name}", f.size(), f.pread, MAX_ENTRIES_PER_FILE)[1]
 
-        def read_metadata_text(self) -> str:
-            if self._described is None:
-                if not self._names():
-                    raise CheckpointNotFoundError(f"no checkpoint at {self.path} (nothing is stored under it)")
-                self._described = self.describe().to_json()
-            return self._described
+    def read_metadata_text(self) -> str:
+        if self._described is None:
+            if not self._names():
+                raise CheckpointNotFoundError(f"no checkpoint at {self.path} (nothing is stored under it)")
+            self._described = self.describe().to_json()
+        return self._described
 
-        def _pin_directory(self) -> None:
-            self.data = ""
+    def _pin_directory(self) -> None:
+        self.data = ""
 
-    return ObjectStoreHfReader
+
+def _foreign_reader(fmt: str, uri: str, allow_pickle: bool, kwargs: dict) -> FileSystemReader:
+    """A Hugging Face directory (or one ``.safetensors`` object) or a torch DCP checkpoint in a
+    store, read in place: described from one listing and ranged GETs of headers and records, the
+    tensor bytes read by the object-store reader (no checksums: these formats have none)."""
+    from .foreign import HfReader, TorchDcpReader
+
+    if fmt == "hf":
+        class ObjectStoreHfReader(_RemoteDescribed, HfReader, ObjectStoreReader):
+            pass
+
+        r = ObjectStoreHfReader.__new__(ObjectStoreHfReader)
+        r.only = None
+        if uri.endswith(".safetensors"):
+            uri, r.only = uri.rsplit("/", 1)
+        r._init_remote(uri, kwargs)
+        return r
+
+    class ObjectStoreTorchDcpReader(_RemoteDescribed, TorchDcpReader, ObjectStoreReader):
+        pass
+
+    r = ObjectStoreTorchDcpReader.__new__(ObjectStoreTorchDcpReader)
+    r.allow_pickle = allow_pickle
+    r._init_remote(uri, kwargs)
+    return r
 
 
 def open_object_reader(uri: str, format: str, *, allow_pickle: bool = False, options: ObjectStoreOptions | None = None,
@@ -617,8 +665,6 @@ def open_object_reader(uri: str, format: str, *, allow_pickle: bool = False, opt
                 fmt = "hpdcp"
     if fmt == "hpdcp":
         return ObjectStoreReader(uri, options=options, **reader_kwargs)
-    if fmt == "hf":
-        return _object_hf_reader_class()(uri, options=options, **reader_kwargs)
-    raise ConfigError(f"{uri}: reading a {fmt} checkpoint in place from an object store is not supported yet; "
-                      f"copy it to a local directory, or convert it once with +job=transform "
-                      f"(transform=from_torch_dcp) and upload the result")
+    if fmt in ("hf", "torch_dcp"):
+        return _foreign_reader(fmt, uri, allow_pickle, {"options": options, **reader_kwargs})
+    raise MetadataError(f"unknown checkpoint format {format!r}")
