@@ -90,6 +90,21 @@ def test_hf_directory_in_bucket_resharded_in_place(cli, tmp_path, s3_endpoint, s
     load(got, checkpoint_id=f"{s3_bucket}/out/tiny_tp")
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)
 
+    # and back to Hugging Face, in the bucket: sharded (index written last), config copied
+    r = cli(["+job=reshard", f"job.source.path={s3_bucket}/out/tiny_tp", f"job.output={s3_bucket}/out/hf",
+             "job.output_format=hf", "job.hf_max_shard_size=2KB", f"job.hf_files_from={s3_bucket}/models/tiny",
+             f"hydra.run.dir={tmp_path}/h"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    keys = _keys(s3_endpoint, bucket, "out/hf/")
+    assert "out/hf/config.json" in keys and "out/hf/model.safetensors.index.json" in keys, keys
+    assert metrics(tmp_path / "h")["result"]["verified_tensors"] == 3
+    got = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    load(got, checkpoint_id=f"{s3_bucket}/out/hf", format="hf")
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+    r = cli(["+job=reshard", f"job.source.path={s3_bucket}/out/tiny_tp", f"job.output={s3_bucket}/out/hf",
+             "job.output_format=hf", f"hydra.run.dir={tmp_path}/h2"], nproc=2)
+    assert r.returncode != 0 and "already holds a Hugging Face model" in r.stderr, _tail(r)
+
 
 @pytest.mark.slow
 def test_train_resume_latest_on_s3(cli, tmp_path, s3_bucket):
@@ -119,6 +134,6 @@ def test_bad_locations_are_one_line(cli, tmp_path, s3_endpoint, s3_bucket):
     assert "Traceback" not in r.stderr
     r = cli(["+job=load", f"checkpoint.dir={s3_bucket}/nothing", f"hydra.run.dir={tmp_path}/c"])
     assert r.returncode != 0 and "no committed checkpoint at" in r.stderr and "checkpoint.path" in r.stderr, _tail(r)
-    r = cli(["+job=reshard", f"checkpoint.dir={tmp_path}/ck", "job.output_format=hf",
-             f"job.output={s3_bucket}/hf_out", f"hydra.run.dir={tmp_path}/d"])
-    assert r.returncode != 0 and "not supported yet" in r.stderr, _tail(r)
+    r = cli(["+job=transform", "+transform=merge_hf", f"transform.src={s3_bucket}/a", f"transform.dst={tmp_path}/hf",
+             f"hydra.run.dir={tmp_path}/d"])
+    assert r.returncode != 0 and "offline transforms work on local directories" in r.stderr, _tail(r)

@@ -221,11 +221,12 @@ class SafetensorsStreamWriter:
 
 
 def write_file(path: str, entries: Sequence[tuple[str, torch.Tensor]], *, meta: dict[str, str] | None = None,
-               fsync: bool = True, on_tensor: Callable[[int], None] | None = None) -> WrittenFile:
+               fsync: bool = True, on_tensor: Callable[[int], None] | None = None, sink: Any = None) -> WrittenFile:
     """Write contiguous CPU tensors as one safetensors file; returns offsets and checksums.
-    ``on_tensor(nbytes)`` is called after each tensor is appended (progress)."""
+    ``on_tensor(nbytes)`` is called after each tensor is appended (progress); ``sink``: see
+    :class:`SafetensorsStreamWriter`."""
     w = SafetensorsStreamWriter(path, [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in entries],
-                                meta=meta, fsync=fsync)
+                                meta=meta, fsync=fsync, sink=sink)
     try:
         for key, t in entries:
             w.append(key, t)

@@ -21,6 +21,7 @@ from ..protocol import metadata_source
 from ..format.safetensors_io import write_file
 from ..comm.collectives import Comm
 from ..core.errors import ConfigError
+from ..storage.object_checkpoint import ObjectDirectoryOutput
 from ..storage.uri import is_uri, normalize
 from ..storage.commit import StagedDir
 from ..storage.foreign import HF_INDEX, HF_SINGLE
@@ -80,11 +81,9 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     source when it is a Hugging Face directory). Objects (non-tensor values) are not written."""
     if max_shard_size <= 0:
         raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
-    if is_uri(output):
-        raise ConfigError(f"{output}: writing Hugging Face output to an object store is not supported yet; write it "
-                          f"to a local directory (job.output=<dir>) and upload that")
+    remote = is_uri(output)  # a store: see storage.object_checkpoint.ObjectDirectoryOutput
     src = normalize(checkpoint_id) if is_uri(checkpoint_id) else os.path.abspath(os.fspath(checkpoint_id))
-    dst = os.path.abspath(os.fspath(output))
+    dst = normalize(output) if remote else os.path.abspath(os.fspath(output))
     comm = Comm.create(process_group, timeout)
 
     def reader() -> StorageReader:
@@ -113,20 +112,29 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     owners = assign_files([sum(size_of[k] for k in s) for s in shards], comm.world_size)
     mine = [i for i in range(n) if owners[i] == comm.rank]
     rounds = max(owners.count(r) for r in range(comm.world_size))
-    if files_from is not None and is_uri(files_from):
-        raise ConfigError(f"{files_from}: copy config/tokenizer files from a local directory (hf_files_from)")
-    side_dir = os.path.abspath(os.fspath(files_from)) if files_from else \
-        (src if kind == "hf" and not is_uri(src) else None)
-    if side_dir is not None and os.path.isfile(side_dir):
+    side_dir = (normalize(files_from) if is_uri(files_from) else os.path.abspath(os.fspath(files_from))) \
+        if files_from else (src if kind == "hf" else None)
+    if side_dir is not None and not is_uri(side_dir) and os.path.isfile(side_dir):
         side_dir = os.path.dirname(side_dir)
+    if side_dir is not None and is_uri(side_dir) and side_dir.endswith(".safetensors"):
+        side_dir = side_dir.rsplit("/", 1)[0]
+    store_out = ObjectDirectoryOutput(dst, overwrite) if remote else None
+    weights = files + ([HF_INDEX] if n > 1 else [])
 
-    def begin() -> str:
-        if side_dir is not None and not os.path.isdir(side_dir):
+    def begin() -> Any:
+        if side_dir is not None and not is_uri(side_dir) and not os.path.isdir(side_dir):
             raise ConfigError(f"{side_dir}: the directory to copy config/tokenizer files from does not exist")
-        return StagedDir(dst, overwrite).tmp
+        if store_out is None:
+            return StagedDir(dst, overwrite).tmp
+        before = store_out.begin()
+        side = _read_side_files(side_dir) if side_dir else {}
+        for name, data in side.items():  # first: the weights' arrival makes the directory usable
+            store_out.put(name, data)
+        return {"before": before, "copied": sorted(side)}
 
-    staging = comm.agree_root("export_hf: begin", begin)
-    out = StagedDir.adopt(dst, staging, overwrite)  # rank 0 commits or aborts it
+    began = comm.agree_root("export_hf: begin", begin)
+    staging = began if store_out is None else None
+    out = StagedDir.adopt(dst, staging, overwrite) if store_out is None else None  # rank 0 commits or aborts it
     counters: dict[str, int] = {}
     try:
         for r in range(rounds):
@@ -138,7 +146,10 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             counters = dict(res.counters)  # the reader's counters: cumulative over the rounds
 
             def write(i: int | None = i, keys: list = keys, state: dict = state) -> None:
-                if i is not None:
+                if i is not None and store_out is not None:
+                    write_file(f"{dst}/{files[i]}", [(k, state[k]) for k in keys], meta={"format": "pt"},
+                               sink=store_out.sink(files[i]))
+                elif i is not None:
                     path = os.path.join(staging, files[i])
                     write_file(path, [(k, state[k]) for k in keys], meta={"format": "pt"}, fsync=fsync)
                     check_with_safetensors(path)  # what we publish is what the real reader accepts
@@ -150,8 +161,15 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             if n > 1:
                 doc = {"metadata": {"total_size": sum(s for _, s in sizes)},
                        "weight_map": {k: files[i] for i, s in enumerate(shards) for k in s}}
-                with open(os.path.join(staging, HF_INDEX), "w") as f:
-                    f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+                text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+                if store_out is not None:
+                    store_out.put(HF_INDEX, text.encode())  # last: it names shards all uploaded by now
+                else:
+                    with open(os.path.join(staging, HF_INDEX), "w") as f:
+                        f.write(text)
+            if store_out is not None:
+                store_out.finish(began["before"], weights + began["copied"])
+                return began["copied"]
             copied = side_files(side_dir) if side_dir else []
             for name in copied:
                 shutil.copyfile(os.path.join(side_dir, name), os.path.join(staging, name))
@@ -160,8 +178,10 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
 
         copied = comm.agree_root("export_hf: commit", commit)
     except BaseException:
-        if comm.rank == 0:
+        if comm.rank == 0 and out is not None:
             out.abort()
+        elif comm.rank == 0:
+            store_out.abort(weights)
         raise
     if comm.rank == 0 and not any(name == "config.json" for name in copied):
         log.warning("%s has no config.json (the source is not a Hugging Face directory): from_pretrained needs "
@@ -169,3 +189,26 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     return {"output": dst, "files": files, "tensors": len(names), "total_size": sum(s for _, s in sizes),
             "files_written_here": [files[i] for i in mine], "copied": copied, "skipped_objects": sorted(md.objects),
             "counters": counters}
+
+
+def _read_side_files(where: str) -> dict[str, bytes]:
+    """The side files (``side_files``'s rule) of a local directory or of a directory in a store,
+    read whole: they are small (config, tokenizer), and a store has no copy across buckets."""
+    if not is_uri(where):
+        out = {}
+        for name in side_files(where):
+            with open(os.path.join(where, name), "rb") as f:
+                out[name] = f.read()
+        return out
+    from ..storage.object_store import Bucket
+
+    bucket = Bucket(where)
+    out = {}
+    for o in bucket.list_dir(bucket.root)[1]:
+        name = o["path"].rsplit("/", 1)[-1]
+        if _NOT_SIDE_FILES.fullmatch(name) or o["size"] > MAX_SIDE_FILE_BYTES:
+            continue
+        got = bucket.get(o["path"], max_bytes=MAX_SIDE_FILE_BYTES)
+        if got is not None:
+            out[name] = got[0]
+    return out

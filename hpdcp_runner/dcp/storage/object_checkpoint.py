@@ -668,3 +668,52 @@ def open_object_reader(uri: str, format: str, *, allow_pickle: bool = False, opt
     if fmt in ("hf", "torch_dcp"):
         return _foreign_reader(fmt, uri, allow_pickle, {"options": options, **reader_kwargs})
     raise MetadataError(f"unknown checkpoint format {format!r}")
+
+
+# -- a directory of plain files written to a store (Hugging Face output) --------------------------
+
+class ObjectDirectoryOutput:
+    """A Hugging Face directory written to ``uri/``: the side files (config, tokenizer) first,
+    the weight files as each rank finishes them, and the file that makes the directory usable
+    last (the shard index, or the one ``model.safetensors``), so a reader never finds an index
+    naming a shard not yet uploaded. The format has fixed file names and no commit object: an
+    overwrite replaces the files in place (never atomic), then deletes what the old one had that
+    the new one lacks. Without overwrite an existing directory is refused."""
+
+    MARKERS = ("model.safetensors", "model.safetensors.index.json")
+
+    def __init__(self, uri: str, overwrite: bool) -> None:
+        self.uri, self.overwrite = uri.rstrip("/"), overwrite
+        self.bucket = Bucket(self.uri)
+        self.prefix = self.bucket.root
+        if not self.prefix:
+            raise ConfigError(f"{uri}: the output needs a name under the bucket (s3://bucket/name)")
+
+    def begin(self) -> list[str]:
+        """Coordinator: refuse an existing output (unless overwrite); returns the keys there now."""
+        _, objs = self.bucket.list_dir(self.prefix)
+        names = [o["path"].rsplit("/", 1)[-1] for o in objs]
+        if any(n in self.MARKERS for n in names) and not self.overwrite:
+            raise CheckpointExistsError(f"{self.uri} already holds a Hugging Face model; pass overwrite to replace it")
+        return [o["path"] for o in objs]
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{check_file_name(name)}"
+
+    def sink(self, name: str) -> Any:
+        return self.bucket.writer(self.key(name))
+
+    def put(self, name: str, data: bytes) -> None:
+        self.bucket.put(self.key(name), data)
+
+    def finish(self, before: list[str], written: list[str]) -> None:
+        """Coordinator, after the last file: delete what an overwritten output had and this one lacks."""
+        keep = {self.key(n) for n in written}
+        self.bucket.delete([k for k in before if k not in keep])
+
+    def abort(self, written: list[str]) -> None:
+        try:
+            self.bucket.delete([self.key(n) for n in written])
+        except Exception as e:  # best effort
+            log.warning("could not remove the partial output %s: %s", self.uri, e)
+
