@@ -100,7 +100,9 @@ class StorageConf:
     part_size: Size = "16MiB"  # multipart upload part; a rank buffers about part_size x concurrency
     concurrency: int = 8  # parts uploaded / ranged GETs in flight per rank
     max_retries: int = 5  # per request, with exponential backoff (5xx, throttling, dropped connections)
-    coalesce_bytes: Size = "1MiB"  # two ranges of an object closer than this are one GET
+    # two ranges of an object closer than this are one GET; auto = the measured request latency x
+    # one connection's bandwidth (a gap is read through when that is cheaper than a request)
+    coalesce_bytes: Size = "auto"
     read_buffer_bytes: Size = "256MiB"  # the most a rank fetches ahead before copying out
     orphan_grace_s: float = 900.0  # abandoned/superseded saves untouched this long are deleted by later saves
 
@@ -619,7 +621,8 @@ def engine_options(c: Config) -> EngineOptions:
     broadcast = build("dcp.broadcast", lambda: BroadcastOptions(d.broadcast.mode, sizes[3], d.broadcast.max_in_flight))
     store = build("dcp.storage", lambda: ObjectStoreOptions(
         s.endpoint, s.region, s.allow_http, size("dcp.storage.part_size", s.part_size, True), s.concurrency,
-        s.max_retries, coalesce_bytes=size("dcp.storage.coalesce_bytes", s.coalesce_bytes),
+        s.max_retries,
+        coalesce_bytes=None if s.coalesce_bytes == "auto" else size("dcp.storage.coalesce_bytes", s.coalesce_bytes),
         read_buffer_bytes=size("dcp.storage.read_buffer_bytes", s.read_buffer_bytes, True),
         orphan_grace_s=s.orphan_grace_s))
     if problems:

@@ -48,9 +48,12 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--latency-ms", type=float, default=0.0)
-    ap.add_argument("--bandwidth", default=None, help="e.g. 100MB (per second, shared)")
+    ap.add_argument("--bandwidth", default=None, help="e.g. 400MB (per second, the store's total)")
+    ap.add_argument("--conn-bandwidth", default=None, help="e.g. 50MB (per second, per request/connection)")
     ap.add_argument("--endpoint", default=None)
     ap.add_argument("--direct", action="store_true", help="no proxy (no request counts)")
+    ap.add_argument("--part-size", default="16MiB", help="dcp.storage.part_size for ours")
+    ap.add_argument("--concurrency", type=int, default=8)
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -63,13 +66,17 @@ def main() -> None:
     if rank == 0:
         endpoint, server = (a.endpoint, None) if a.endpoint else s3_server.start()
         bw = _parse_size(a.bandwidth) if a.bandwidth else None
-        proxy = Proxy(endpoint, latency_s=a.latency_ms / 1000, bandwidth_bps=bw)
+        proxy = Proxy(endpoint, latency_s=a.latency_ms / 1000, bandwidth_bps=bw,
+                      conn_bandwidth_bps=_parse_size(a.conn_bandwidth) if a.conn_bandwidth else None)
         bucket = s3_server.new_bucket(endpoint)
         box = [(endpoint if a.direct else proxy.endpoint, bucket)]
     dist.broadcast_object_list(box, src=0)
     endpoint, bucket = box[0]
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     from hpdcp_runner import dcp
+    from hpdcp_runner.dcp.tools import ObjectStoreOptions, configure_object_store
+
+    configure_object_store(ObjectStoreOptions(part_size=int(_parse_size(a.part_size)), concurrency=a.concurrency))
     from torch.distributed.checkpoint import load as tload, save as tsave
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -96,37 +103,47 @@ def main() -> None:
         return dt.item(), (proxy.requests - r0) if proxy and not a.direct else 0, 0
 
     results: dict[str, dict[str, list]] = {}
+    last: list = [None]
+    per_kept: dict[str, float] = {}
     for rep in range(a.reps):
         for side in (("ours", "peer") if rep % 2 == 0 else ("peer", "ours")):
             base = f"s3://{bucket}/{side}{rep}"
             src, dst0, dst1 = state(0), state(0, True), state(1, True)
             if side == "ours":
                 save_fn = lambda: dcp.save(src, checkpoint_id=base)  # noqa: E731
-                load_fn = lambda sd: dcp.load(sd, checkpoint_id=base)  # noqa: E731
+                load_fn = lambda sd: last.__setitem__(0, dcp.load(sd, checkpoint_id=base).counters)  # noqa: E731
             else:
                 save_fn = lambda: tsave(src, storage_writer=FsspecWriter(base, thread_count=2))  # noqa: E731
                 load_fn = lambda sd: tload(sd, storage_reader=FsspecReader(base))  # noqa: E731
             for case, fn in (("save", save_fn), ("load", lambda: load_fn(dst0)), ("reshard S0->S1", lambda: load_fn(dst1))):
+                last[0] = None
                 t, req, _ = timed(fn)
                 results.setdefault(case, {}).setdefault(side, []).append((t, req))
+                if side == "ours" and last[0] is not None:  # bytes fetched by all ranks / bytes kept
+                    got = torch.tensor([float(last[0].get("bytes_requested", 0))])
+                    dist.all_reduce(got)
+                    per_kept[case] = got.item() / nbytes
             check(dst0)
             check(dst1)
     if rank == 0:
         bw = _parse_size(a.bandwidth) if a.bandwidth else None
         print(f"\n{ws} ranks, {a.tensors} x 1024x{a.width} fp32 = {nbytes / 2**20:.0f} MiB, latency {a.latency_ms} ms, "
-              f"bandwidth {a.bandwidth or 'uncapped'}, {a.reps} reps (through the loopback proxy)")
+              f"bandwidth {a.bandwidth or 'uncapped'} in all, {a.conn_bandwidth or 'uncapped'} per connection, "
+              f"{a.reps} reps ({'direct' if a.direct else 'through the loopback proxy'})")
         print(f"{'case':16} {'ours s (min-max)':>22} {'peer s (min-max)':>22} {'ratio':>6} {'req ours':>9} "
-              f"{'req peer':>9}" + (f" {'bound s':>8} {'ours/bound':>10}" if bw else ""))
+              f"{'req peer':>9} {'read/kept':>9}" + (f" {'bound s':>8} {'ours/bound':>10}" if bw else ""))
         for case, sides in results.items():
             o = [t for t, _ in sides["ours"]]
             p = [t for t, _ in sides["peer"]]
             ro, rp = sides["ours"][-1][1], sides["peer"][-1][1]
             line = (f"{case:16} {statistics.median(o):8.3f} ({min(o):.3f}-{max(o):.3f}) "
                     f"{statistics.median(p):8.3f} ({min(p):.3f}-{max(p):.3f}) "
-                    f"{statistics.median(p) / statistics.median(o):6.2f} {ro:9d} {rp:9d}")
+                    f"{statistics.median(p) / statistics.median(o):6.2f} {ro:9d} {rp:9d} "
+                    f"{per_kept.get(case, float('nan')):9.2f}")
             if bw:
-                moved = nbytes  # each case moves the checkpoint's bytes once (ours reads kept bytes + blocks)
-                bound = moved / bw + a.latency_ms / 1000 * math.ceil(ro / ws / 8)
+                # the store's own limits: the kept bytes at its bandwidth, plus its latency per round
+                # of concurrent requests (requests of a rank / concurrency, at least one)
+                bound = nbytes / bw + a.latency_ms / 1000 * max(1, math.ceil(ro / ws / a.concurrency))
                 line += f" {bound:8.3f} {statistics.median(o) / bound:10.2f}"
             print(line, flush=True)
         proxy.close()

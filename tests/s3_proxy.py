@@ -14,10 +14,14 @@ from urllib.parse import urlsplit
 
 
 class Proxy:
-    def __init__(self, upstream: str, *, latency_s: float = 0.0, bandwidth_bps: float | None = None) -> None:
+    def __init__(self, upstream: str, *, latency_s: float = 0.0, bandwidth_bps: float | None = None,
+                 conn_bandwidth_bps: float | None = None) -> None:
+        """``bandwidth_bps``: one cap shared by everything through the proxy (the store's total);
+        ``conn_bandwidth_bps``: a cap per request (a store serves each connection at a bounded
+        rate, tens of MB/s on S3: parallel requests are how a client goes faster)."""
         u = urlsplit(upstream)
         self.up_host, self.up_port = u.hostname, u.port
-        self.latency_s, self.bandwidth_bps = latency_s, bandwidth_bps
+        self.latency_s, self.bandwidth_bps, self.conn_bps = latency_s, bandwidth_bps, conn_bandwidth_bps
         self.lock = threading.Lock()
         self.fail: list[tuple[int, str]] = []  # (status, S3 error code) for the next requests
         self.drop = 0  # connections to drop (request read, nothing answered)
@@ -62,8 +66,8 @@ class Proxy:
         body = h.rfile.read(n) if n else b""
         if self.latency_s:
             time.sleep(self.latency_s)
-        if self._bucket and body:
-            self._bucket.take(len(body))
+        if body:
+            self._pace(len(body))
         with self.lock:
             self.requests += 1
             applies = self.only is None or self.only == h.command
@@ -98,13 +102,19 @@ class Proxy:
         h.send_header("Content-Length", resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data)))
         h.end_headers()
         if h.command != "HEAD":
-            if self._bucket:
+            if self._bucket or self.conn_bps:
                 for i in range(0, len(data), 1 << 16):
-                    self._bucket.take(min(1 << 16, len(data) - i))
+                    self._pace(min(1 << 16, len(data) - i))
                     h.wfile.write(data[i:i + (1 << 16)])
             else:
                 h.wfile.write(data)
         conn.close()
+
+    def _pace(self, n: int) -> None:
+        if self.conn_bps:  # this request's own rate
+            time.sleep(n / self.conn_bps)
+        if self._bucket:  # and the store's total
+            self._bucket.take(n)
 
 
 class _TokenBucket:

@@ -27,6 +27,7 @@ sync``) is read in place; it is never written that way.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
 import datetime as _dt
 import json
@@ -345,7 +346,9 @@ class ObjectStoreReader(FileSystemReader):
 
     # -- metadata and pinning ---------------------------------------------------------------
     def read_metadata_text(self) -> str:
+        t0 = time.perf_counter()
         got = read_commit(self.bucket, self.name_key)
+        self._observe(0, time.perf_counter() - t0)  # a small request: the store's latency
         if got is not None:
             self.data = got[0]["data"]
         elif self.bucket.head(f"{self.name_key}/{METADATA_FILE}") is not None:
@@ -437,10 +440,17 @@ class ObjectStoreReader(FileSystemReader):
     def _pread(self, fd: Any, offset: int, view: memoryview, *, name: str) -> None:
         """From the ranges fetched ahead when they hold it, else one ranged GET."""
         n = len(view)
-        for lo, hi, buf in self._fetched.get(name, ()):
-            if lo <= offset and offset + n <= hi:
-                view[:] = memoryview(buf)[offset - lo:offset - lo + n]
-                return
+        pieces = self._fetched.get(name, ())
+        k = bisect.bisect_right(pieces, (offset, float("inf"))) - 1  # the piece holding ``offset``
+        at = offset
+        while 0 <= k < len(pieces) and at < offset + n and pieces[k][0] <= at < pieces[k][1]:
+            lo, hi, buf = pieces[k]
+            take = min(hi, offset + n) - at
+            view[at - offset:at - offset + take] = memoryview(buf)[at - lo:at - lo + take]
+            at += take
+            k += 1
+        if at == offset + n:
+            return
         data = fd.pread(n, offset)
         if len(data) != n:
             raise CorruptCheckpointError(f"{self.path}/{name}: short read of {n} bytes at offset {offset} (truncated?)")
@@ -492,11 +502,15 @@ class ObjectStoreReader(FileSystemReader):
         for name, lo, hi in sorted(ranges):
             if hi <= lo:
                 continue
-            if merged and merged[-1][0] == name and lo - merged[-1][2] <= o.coalesce_bytes:
+            if merged and merged[-1][0] == name and lo - merged[-1][2] <= self.coalesce_bytes():
                 if hi > merged[-1][2]:
                     merged[-1] = (name, merged[-1][1], hi)
             else:
                 merged.append((name, lo, hi))
+        # then cut into pieces of at most part_size fetched concurrently: a store serves one
+        # connection at a bounded rate (S3: tens of MB/s), many at once in parallel
+        step = o.part_size
+        merged = [(name, a, min(a + step, hi)) for name, lo, hi in merged for a in range(lo, hi, step)]
         handles = {name: self._fd(name) for name in files}
         for name, h in handles.items():
             size = h.size()
@@ -507,10 +521,13 @@ class ObjectStoreReader(FileSystemReader):
 
         def get(item: tuple[str, int, int]) -> tuple[str, int, int, Any]:
             name, lo, hi = item
+            t0 = time.perf_counter()
             try:
-                return name, lo, hi, self.bucket.get_range(handles[name].key, lo, hi)
+                buf = self.bucket.get_range(handles[name].key, lo, hi)
             except CheckpointNotFoundError:
                 raise self._missing(name) from None
+            self._observe(hi - lo, time.perf_counter() - t0)
+            return name, lo, hi, buf
 
         if len(merged) == 1:
             results = [get(merged[0])]
@@ -524,6 +541,33 @@ class ObjectStoreReader(FileSystemReader):
             self._fetched.setdefault(name, []).append((lo, hi, buf))
             self.counters.bump("store_requests")
             self.counters.bump("bytes_requested", hi - lo)
+        for pieces in self._fetched.values():
+            pieces.sort(key=lambda p: p[0])
+
+    # -- the cost model: measured on this reader's own requests -------------------------------
+    _DEFAULT_LATENCY_S = 0.01
+    _DEFAULT_BANDWIDTH = 100e6  # bytes/s of one connection, until a large GET says otherwise
+
+    def _observe(self, nbytes: int, seconds: float) -> None:
+        self.__dict__.setdefault("_samples", []).append((nbytes, seconds))
+
+    def cost_model_now(self) -> tuple[float, float]:
+        """(latency s, bytes/s of one connection): latency from the fastest small request (a
+        commit object, a metadata read), bandwidth from the large GETs net of that latency."""
+        samples = self.__dict__.get("_samples", [])
+        small = [t for n, t in samples if n <= 256 << 10]
+        lat = min(small) if small else self._DEFAULT_LATENCY_S
+        rates = sorted(n / (t - lat) for n, t in samples if n >= 1 << 20 and t > lat)
+        bw = rates[len(rates) // 2] if rates else self._DEFAULT_BANDWIDTH
+        return lat, bw
+
+    def coalesce_bytes(self) -> int:
+        """Gaps up to this are read through: ``coalesce_bytes``, or measured (latency x bandwidth)."""
+        o = self.bucket.options
+        if o.coalesce_bytes is not None:
+            return o.coalesce_bytes
+        lat, bw = self.cost_model_now()
+        return int(min(max(lat * bw, 64 << 10), o.part_size))
 
     def _count(self, nbytes: int, calls: int) -> None:
         self.counters.bytes_read += nbytes

@@ -44,7 +44,7 @@ class ObjectStoreOptions:
     max_retries: int = 5
     retry_timeout_s: float = 120.0
     request_timeout_s: float = 60.0
-    coalesce_bytes: int = 1 << 20
+    coalesce_bytes: int | None = None  # None: auto, the measured latency x per-connection bandwidth
     read_buffer_bytes: int = 256 << 20
     orphan_grace_s: float = 900.0
 
@@ -54,7 +54,7 @@ class ObjectStoreOptions:
         for name in ("concurrency", "max_retries"):
             if getattr(self, name) < (1 if name == "concurrency" else 0):
                 raise ConfigError(f"{name} must be >= {1 if name == 'concurrency' else 0}, got {getattr(self, name)}")
-        if self.coalesce_bytes < 0 or self.read_buffer_bytes < 1 << 20:
+        if (self.coalesce_bytes is not None and self.coalesce_bytes < 0) or self.read_buffer_bytes < 1 << 20:
             raise ConfigError("coalesce_bytes must be >= 0 and read_buffer_bytes >= 1MiB")
         if self.orphan_grace_s < 0 or self.retry_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ConfigError("orphan_grace_s must be >= 0, retry_timeout_s and request_timeout_s positive")
