@@ -27,6 +27,7 @@ class Proxy:
         self.drop = 0  # connections to drop (request read, nothing answered)
         self.only: str | None = None  # faults apply to methods of this name only (None: all)
         self.requests = 0
+        self.last_authorization = ""  # to check which credentials a client signed with
         self.faults_served = 0
         self._bucket = _TokenBucket(bandwidth_bps) if bandwidth_bps else None
         proxy = self
@@ -70,6 +71,7 @@ class Proxy:
             self._pace(len(body))
         with self.lock:
             self.requests += 1
+            self.last_authorization = h.headers.get("Authorization", "")
             applies = self.only is None or self.only == h.command
             fault = self.fail.pop(0) if self.fail and applies else None
             drop = applies and self.drop > 0

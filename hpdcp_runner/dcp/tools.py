@@ -17,13 +17,15 @@ from .planning.standard import local_pieces
 from .storage.filesystem import ReaderOptions
 from .storage.object_store import ObjectStoreOptions, configure as configure_object_store
 from .storage.uri import is_uri, join as join_location, dirname as location_dirname, normalize as normalize_location
+from .storage.object_checkpoint import remove_checkpoint
 from .storage.foreign import FORMATS
-from .storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra, unrecorded_checkpoints
+from .storage.retention import (apply_retention, latest_checkpoint, list_checkpoints, series_extra, series_outsiders,
+                                unrecorded_checkpoints)
 
 __all__ = ["Comm", "Box", "dtensor_local_box", "narrow", "split_piece", "whole", "decompose_flat_interval",
            "TENSOR_LEAVES", "PhaseTimer", "flatten_state_dict", "get_logger", "set_element", "DTYPES",
            "METADATA_FILE", "dtype_from_name", "compile_rules", "rename_key", "transforms", "export_hf", "describe",
            "full_tensor_digests", "verify", "local_pieces", "ReaderOptions",
            "ObjectStoreOptions", "configure_object_store", "is_uri", "join_location", "location_dirname",
-           "normalize_location", "FORMATS", "apply_retention",
-           "latest_checkpoint", "list_checkpoints", "series_extra", "unrecorded_checkpoints"]
+           "normalize_location", "remove_checkpoint", "FORMATS", "apply_retention",
+           "latest_checkpoint", "list_checkpoints", "series_extra", "series_outsiders", "unrecorded_checkpoints"]

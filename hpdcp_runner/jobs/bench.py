@@ -3,14 +3,14 @@ side by side in the same run (``job.peer=true``, needs numpy for torch.distribut
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from ..dcp import HpdcpError
+from ..dcp import ConfigError, HpdcpError
+from ..dcp.tools import is_uri, remove_checkpoint
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
@@ -37,8 +37,19 @@ def _stats(xs: list[float]) -> dict:
 
 def _peer(ctx: JobContext, state, target, path: str) -> tuple[float, float]:
     import torch.distributed.checkpoint as tdcp  # numpy checked by the config validation
-    s = _timed(lambda: tdcp.save(state, storage_writer=tdcp.FileSystemWriter(path)))
-    l_ = _timed(lambda: tdcp.load(target, storage_reader=tdcp.FileSystemReader(path)))
+    if is_uri(path):  # the peer's own object-store path: its fsspec writer and reader (s3fs)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        try:
+            import s3fs  # noqa: F401
+        except ImportError:
+            raise ConfigError("job.peer=true on an s3:// checkpoint.dir times torch DCP's fsspec path, which needs "
+                              "s3fs: pip install s3fs (or the bench extra)") from None
+        writer, reader = (lambda: FsspecWriter(path, thread_count=2)), (lambda: FsspecReader(path))
+    else:
+        writer, reader = (lambda: tdcp.FileSystemWriter(path)), (lambda: tdcp.FileSystemReader(path))
+    s = _timed(lambda: tdcp.save(state, storage_writer=writer()))
+    l_ = _timed(lambda: tdcp.load(target, storage_reader=reader()))
     return s, l_
 
 
@@ -83,8 +94,8 @@ def run(ctx: JobContext) -> dict:
             ps, pl = _peer(ctx, state, target, ctx.checkpoint_path(f"peer_{i}"))
         dist.barrier()
         if ctx.info.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-            shutil.rmtree(ctx.checkpoint_path(f"peer_{i}"), ignore_errors=True)
+            remove_checkpoint(path)
+            remove_checkpoint(ctx.checkpoint_path(f"peer_{i}"))
         if i >= job.warmup:
             times["save"].append(s)
             times["load"].append(l_)

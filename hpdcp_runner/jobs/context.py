@@ -15,7 +15,7 @@ from .. import dcp
 from .. import runtime
 from ..config import Config, EngineOptions, checkpoint_series, engine_options
 from ..dcp.tools import (apply_retention, Comm, configure_object_store, is_uri, join_location, local_pieces,
-                         METADATA_FILE, normalize_location, series_extra)
+                         METADATA_FILE, normalize_location, series_extra, series_outsiders)
 from ..dcp import open_reader, open_writer, rename_keys
 from ..layouts import Placer
 from ..metrics import Metrics
@@ -30,6 +30,8 @@ class JobContext:
         self.engine = engine or engine_options(cfg)
         self.metrics = Metrics()
         self.comm = Comm.create(None, self.engine.timeout_s)
+        #: checkpoints named like the series that are not its members (name -> why), from retention
+        self.outsiders: dict[str, str] = {}
         configure_object_store(self.engine.store)  # s3:// paths anywhere in this job use dcp.storage.*
 
     # -- paths ------------------------------------------------------------------------------
@@ -190,7 +192,9 @@ class JobContext:
         (rank 0); ``just_committed`` is never deleted."""
         if self.cfg.checkpoint.keep_last <= 0 or self.info.rank != 0:
             return []
-        return apply_retention(directory, self.cfg.checkpoint.keep_last, series=series, keep=[just_committed])
+        removed = apply_retention(directory, self.cfg.checkpoint.keep_last, series=series, keep=[just_committed])
+        self.outsiders = {n: why for n, why in series_outsiders(directory, series)}
+        return removed
 
     @contextlib.contextmanager
     def user_errors(self, key: str) -> Iterator[None]:

@@ -28,6 +28,11 @@ def format_table(d: dict) -> str:
     for k in d["objects"]:
         lines.append(f"{k:<48}{'object':<10}")
     lines.append("files: " + ", ".join(f"{n} ({f['size']} B)" for n, f in d["files"].items()))
+    if "series" in d:
+        sr = d["series"]
+        lines.append(f"series {sr['series']!r} step {sr['step']!r}: " + (
+            "a member (retention and checkpoint.resume=latest consider it)" if sr["member"] else
+            f"NOT a member: {sr['why']}; retention never deletes it and resume=latest never picks it"))
     if "layout" in d:
         lines += _layout_lines(d["layout"])
     return "\n".join(lines)

@@ -15,5 +15,8 @@ def run(ctx: JobContext) -> dict:
     path = ctx.checkpoint_path()
     md = ctx.save(state, path, series=(series, step))
     removed = ctx.apply_retention(location_dirname(path), series, name) if not ctx.cfg.checkpoint.path else []
-    return {"checkpoint": path, "series": series, "step": step, "tensors": len(md.tensors), "tensor_bytes": md.total_tensor_bytes,
-            "removed_by_retention": removed}
+    out = {"checkpoint": path, "series": series, "step": step, "tensors": len(md.tensors),
+           "tensor_bytes": md.total_tensor_bytes, "removed_by_retention": removed}
+    if ctx.outsiders:  # named like the series but not in it: kept, and said why
+        out["not_in_series"] = [f"{n}: {why}" for n, why in sorted(ctx.outsiders.items())]
+    return out

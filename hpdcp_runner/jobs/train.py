@@ -26,7 +26,8 @@ import torch
 
 from .. import dcp
 from ..dcp import ConfigError, HpdcpError, KeyMismatchError
-from ..dcp.tools import get_logger, join_location, latest_checkpoint, list_checkpoints, unrecorded_checkpoints
+from ..dcp.tools import (get_logger, join_location, latest_checkpoint, list_checkpoints, series_outsiders,
+                         unrecorded_checkpoints)
 from ..config import checkpoint_series
 from ..training import Trainer, build_model
 from .context import JobContext
@@ -159,6 +160,9 @@ def run(ctx: JobContext) -> dict:
                               "rank_state": rank_state, "save_mode": "async" if job.async_save else "sync",
                               "final_loss": losses.get(tr.step),
                               "checkpoints": [e.name for e in list_checkpoints(ckdir, ctx.series[1])]}
+    outsiders = series_outsiders(ckdir, ctx.series[1]) if rank == 0 else []
+    if outsiders:  # named like the series but not in it: never resumed from, never deleted
+        result["not_in_series"] = [f"{n}: {why}" for n, why in outsiders]
     if rank == 0:
         path = os.path.join(ctx.run_dir, "losses.json")
         with open(path, "w") as f:

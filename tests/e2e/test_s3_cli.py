@@ -137,3 +137,37 @@ def test_bad_locations_are_one_line(cli, tmp_path, s3_endpoint, s3_bucket):
     r = cli(["+job=transform", "+transform=merge_hf", f"transform.src={s3_bucket}/a", f"transform.dst={tmp_path}/hf",
              f"hydra.run.dir={tmp_path}/d"])
     assert r.returncode != 0 and "offline transforms work on local directories" in r.stderr, _tail(r)
+
+
+def test_torch_dcp_in_bucket_resharded_in_place(cli, tmp_path, s3_endpoint, s3_bucket):
+    import torch.distributed.checkpoint as tdcp
+
+    g = torch.Generator().manual_seed(5)
+    sd = {"model": {"w": torch.randn(24, 8, generator=g), "b": torch.randn(8, generator=g)}, "step": 3}
+    tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(str(tmp_path / "tdcp")), no_dist=True)
+    c = s3_server.client(s3_endpoint)
+    for name in os.listdir(tmp_path / "tdcp"):
+        c.upload_file(str(tmp_path / "tdcp" / name), s3_bucket[5:], f"tdcp/{name}")
+    r = cli(["+job=reshard", f"job.source.path={s3_bucket}/tdcp", f"job.output={s3_bucket}/ours",
+             "layout=tp", f"hydra.run.dir={tmp_path}/r"], nproc=2)
+    assert r.returncode != 0 and "allow_pickle" in r.stderr, _tail(r)  # its metadata is a pickle
+    r = cli(["+job=reshard", f"job.source.path={s3_bucket}/tdcp", f"job.output={s3_bucket}/ours",
+             "layout=tp", "dcp.allow_pickle=true", f"hydra.run.dir={tmp_path}/r2"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    assert metrics(tmp_path / "r2")["result"]["verified_tensors"] == 2
+
+
+def test_bench_and_sweep_on_s3(cli, tmp_path, s3_endpoint, s3_bucket):
+    """bench against the peer's own object-store path, then a 2-point sweep saving into the bucket:
+    scratch checkpoints are deleted from the bucket, each point's checkpoint is there."""
+    r = cli(["+job=bench", "job.repeats=1", "job.warmup=0", "job.peer=true", f"checkpoint.dir={s3_bucket}/bench",
+             f"hydra.run.dir={tmp_path}/b"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    res = metrics(tmp_path / "b")["result"]
+    assert res["speedup_load_vs_torch_dcp"] > 0
+    assert _keys(s3_endpoint, s3_bucket[5:], "bench/") == []  # scratch checkpoints removed
+    r = cli(["-m", "+job=save", f"checkpoint.dir={s3_bucket}/sweep", "checkpoint.name=a,b",
+             f"hydra.sweep.dir={tmp_path}/sweep"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    keys = _keys(s3_endpoint, s3_bucket[5:], "sweep/")
+    assert {"sweep/a/hpdcp-commit.json", "sweep/b/hpdcp-commit.json"} <= set(keys), keys

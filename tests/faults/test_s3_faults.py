@@ -106,3 +106,26 @@ def test_missing_client_library_is_one_line(monkeypatch):
     monkeypatch.setattr(object_store, "_STORES", {})
     with pytest.raises(dcp.ConfigError, match=r'pip install "hpdcp_runner\[s3\]"'):
         dcp.save({"w": torch.zeros(1)}, checkpoint_id="s3://some-bucket/ck")
+
+
+def test_credentials_from_a_profile_file(s3_endpoint, s3_bucket, tmp_path, monkeypatch):
+    """No keys in the environment, a profile in AWS's shared credentials file: the requests are
+    signed with that profile's key (seen by the proxy), and the key never shows in an error."""
+    pytest.importorskip("boto3")
+    creds = tmp_path / "credentials"
+    creds.write_text("[ckpt]\naws_access_key_id = PROFILEKEYID123\n"
+                     f"aws_secret_access_key = {s3_server.CREDENTIALS['AWS_SECRET_ACCESS_KEY']}\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_PROFILE", "ckpt")
+    p = Proxy(s3_endpoint)
+    object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint))
+    monkeypatch.setattr(object_store, "_STORES", {})
+    try:
+        dcp.save(_sd(1), checkpoint_id=f"{s3_bucket}/ck")
+        assert "Credential=PROFILEKEYID123/" in p.last_authorization
+        assert _loads_as(f"{s3_bucket}/ck", 1)
+    finally:
+        object_store.configure(object_store.ObjectStoreOptions())
+        p.close()

@@ -54,7 +54,16 @@ def describe(path: str | os.PathLike, reader: StorageReader | None = None, md: M
     tensors = {k: {"dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes,
                    "files": sorted({c.file for c in t.chunks})} for k, t in md.tensors.items()}
     fmt = getattr(reader, "format_name", "hpdcp")
-    return {"path": reader.path, "format": fmt, "state": commit_state(path) if fmt == "hpdcp" else "committed",
+    extra = md.extra if isinstance(md.extra, dict) else {}
+    series = {}
+    if isinstance(extra.get("series"), str):
+        from ..storage.retention import why_not_member
+        from ..storage.uri import split
+
+        why = why_not_member(split(os.fspath(path))[1], os.fspath(path), extra["series"], extra)
+        series = {"series": {"series": extra["series"], "step": extra.get("step"), "member": why is None,
+                             "why": why}}
+    return {**series, "path": reader.path, "format": fmt, "state": commit_state(path) if fmt == "hpdcp" else "committed",
             "format_version": md.format_version,
             "world_size": md.world_size, "tensor_bytes": md.total_tensor_bytes,
             "files": {n: {"size": f.size, "rank": f.rank} for n, f in sorted(md.files.items())},

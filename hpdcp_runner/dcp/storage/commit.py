@@ -11,6 +11,7 @@ interrupted non-atomic overwrite.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -148,21 +149,32 @@ def publish_dir(staging: str, path: str, *, overwrite: bool, fsync: bool = True)
 
 def _swap_by_renames(staging: str, path: str) -> None:
     """Overwrite without an atomic exchange: the old checkpoint is first renamed to a *displaced*
-    name (``.NAME.old-<id>``), never to trash, then staging becomes ``NAME``. If the second rename
-    fails, the old one is put back at once; if the process dies in between, the next access of
-    ``NAME`` (load, save, retention) finds it missing and renames the displaced one back
-    (:func:`recover_displaced`). Trash cleanup never touches displaced directories."""
+    name ``.NAME.old-<id>``, ``<id>`` being the staging directory's (``.NAME.tmp-<id>``), never to
+    trash, then staging becomes ``NAME``. If the second rename fails, the old one is put back at
+    once. While both exist (between the renames, or after a crash there) readers read the
+    displaced copy in place (:func:`interrupted_swap`); the next writer of the name restores it
+    once the swap's staging lock is free (:func:`recover_displaced`). Trash cleanup never touches
+    displaced directories."""
     parent, name = os.path.split(path)
-    displaced = os.path.join(parent, f".{name}{DISPLACED_MARK}{uuid.uuid4().hex[:8]}")
+    displaced = os.path.join(parent, f".{name}{DISPLACED_MARK}{staging.rsplit(STAGING_MARK, 1)[-1]}")
     os.rename(path, displaced)
     try:
         faults.point("commit.displaced", path=path)
         os.rename(staging, path)
+    except OSError as e:
+        try:
+            os.rename(displaced, path)
+        except OSError:
+            pass  # the next writer of the name restores it; readers read it in place until then
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise CheckpointExistsError(f"{path} was put back by another process while this overwrite was between "
+                                        f"its two renames; nothing was committed") from None
+        raise
     except BaseException:
         try:
             os.rename(displaced, path)
         except OSError:
-            pass  # recover_displaced restores it on the next access
+            pass
         raise
     try:
         remove_tree_safely(displaced)
@@ -170,35 +182,60 @@ def _swap_by_renames(staging: str, path: str) -> None:
         pass  # a concurrent recovery already cleared it: the commit stands
 
 
-def recover_displaced(path: str) -> bool:
-    """Finish what a crashed rename-swap of ``path`` left: restore the displaced old checkpoint
-    when ``path`` is missing, delete displaced copies once ``path`` exists. Returns whether
-    ``path`` was restored. Best effort: a concurrent swap or recovery makes a step fail harmlessly."""
+def _displaced(path: str) -> list[tuple[str, str]]:
+    """(displaced directory, the staging directory of the swap that displaced it) beside ``path``."""
     parent, name = os.path.split(os.path.abspath(path))
     prefix = f".{name}{DISPLACED_MARK}"
     try:
         # (a displaced directory being deleted was renamed to trash: never a candidate)
         found = sorted(n for n in os.listdir(parent) if n.startswith(prefix) and TRASH_MARK not in n)
     except OSError:
-        return False
+        return []
+    return [(os.path.join(parent, n), os.path.join(parent, f".{name}{STAGING_MARK}{n[len(prefix):]}"))
+            for n in found]
+
+
+def interrupted_swap(path: str) -> str | None:
+    """Read only (what readers call): the complete checkpoint an overwrite displaced from the
+    missing ``path`` and has not yet replaced, i.e. a displaced copy whose swap's staging
+    directory still exists (between the two renames, or after a crash there). A displaced copy
+    whose staging is gone belongs to a swap that completed: the name was deleted after it, on
+    purpose, and stays deleted."""
+    if os.path.lexists(path):
+        return None
+    live = [d for d, staging in _displaced(path)
+            if os.path.isdir(staging) and os.path.isfile(os.path.join(d, METADATA_FILE))]
+    return max(live, key=lambda d: os.stat(os.path.join(d, METADATA_FILE)).st_mtime_ns) if live else None
+
+
+def recover_displaced(path: str) -> bool:
+    """Writers only (a save of ``path``, retention): finish what a crashed rename-swap left, never
+    one in progress (its staging lock is held). A missing ``path`` gets its displaced checkpoint
+    back when the swap's staging is abandoned (the staging is then removed); displaced copies of
+    swaps that completed are deleted. Returns whether ``path`` was restored."""
     restored = False
-    if found and not os.path.lexists(path):
-        complete = [n for n in found if os.path.isfile(os.path.join(parent, n, METADATA_FILE))]
-        if complete:
-            newest = max(complete, key=lambda n: os.stat(os.path.join(parent, n, METADATA_FILE)).st_mtime_ns)
+    for displaced, staging in _displaced(path):
+        if os.path.isdir(staging) and not staging_is_abandoned(staging):
+            continue  # an overwrite in progress: its writer finishes it
+        complete = os.path.isfile(os.path.join(displaced, METADATA_FILE))
+        legacy = len(displaced.rsplit(DISPLACED_MARK, 1)[-1]) == 8  # before ids were the staging's: no link
+        if not os.path.lexists(path) and complete and (os.path.isdir(staging) or legacy):
             try:
-                os.rename(os.path.join(parent, newest), path)
+                os.rename(displaced, path)
                 restored = True
-                log.warning("restored %s from %s: an overwrite had been interrupted between its renames", path, newest)
+                log.warning("restored %s from %s: an overwrite had been interrupted between its renames", path,
+                            displaced)
             except OSError:
                 return False
-            found.remove(newest)
-    if os.path.lexists(path):
-        for n in found:
+        else:
             try:
-                remove_tree_safely(os.path.join(parent, n))
+                remove_tree_safely(displaced)
             except OSError:
                 pass
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)  # never a checkpoint: no trash step needed
+            with contextlib.suppress(OSError):
+                os.unlink(staging + STAGING_LOCK)
     return restored
 
 

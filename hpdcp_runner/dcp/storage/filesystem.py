@@ -35,12 +35,13 @@ from ..format import objects as objcodec
 from ..core.utils import byte_view
 from ..format.chunk_index import INDEX_FILE
 from ..format.safetensors_io import SafetensorsStreamWriter, digest, naming, pread_into, write_index
-from ..core.errors import (CheckpointChangedError, ConfigError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+from ..core.errors import (CheckpointChangedError, ConfigError, HpdcpError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      MetadataError)
 from ..core.geometry import Box, flat_span, row_major_strides, run_dim, run_starts, runs_contiguous_in
 from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
                        dtype_from_name, dtype_name, element_size)
-from .commit import (STAGING_LOCK, STAGING_MARK, fsync_dir, hold_staging_lock, publish_dir, recover_displaced,
+from .commit import (STAGING_LOCK, STAGING_MARK, fsync_dir, hold_staging_lock, interrupted_swap, publish_dir,
+                     recover_displaced,
                      storage_access_error)
 from .interfaces import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
 from .vectored import (DEFAULT_MAX_REQUEST_BYTES, SCRATCH_WINDOW, ReadCostModel, Sink, check_destination,
@@ -318,9 +319,9 @@ class FileSystemReader(StorageReader):
         mpath = os.path.join(self.path, METADATA_FILE)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"{self.path} is a file, not a checkpoint directory")
-        if not os.path.lexists(self.path):
-            recover_displaced(self.path)
-        if not os.path.isdir(self.path) or not os.path.lexists(mpath):
+        if not os.path.lexists(self.path) and interrupted_swap(self.path) is None:
+            raise self._not_found()
+        if os.path.lexists(self.path) and (not os.path.isdir(self.path) or not os.path.lexists(mpath)):
             raise self._not_found()
         self._pin_directory()
         try:
@@ -342,8 +343,11 @@ class FileSystemReader(StorageReader):
         retention that renames the directory away mid-load cannot mix two checkpoints; this load
         keeps reading the one it started with, or fails saying it changed."""
         if self._dir_fd is None:
+            # an overwrite between its two renames (or killed there) leaves the committed checkpoint
+            # under its displaced name: read it there, as it is (repairing is for writers)
+            where = interrupted_swap(self.path) or self.path
             try:
-                self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+                self._dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
                 raise self._not_found() from None
             except OSError as e:
@@ -361,6 +365,20 @@ class FileSystemReader(StorageReader):
             raise self._changed("it was replaced between the coordinator reading its metadata and this rank "
                                 "opening it")
 
+    def _missing(self, full: str) -> HpdcpError:
+        """A file the metadata lists is not in the pinned directory: the checkpoint was replaced or
+        deleted under this load (the directory is unlinked, or no longer the one under its name),
+        or, if it is still the one there, the file is really missing."""
+        st = os.fstat(self._dir_fd)
+        try:
+            now = os.stat(self.path)
+            same = (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
+        except FileNotFoundError:
+            same = False
+        if st.st_nlink == 0 or not same:
+            return self._changed("the directory it was reading is no longer the one under its name")
+        return CheckpointNotFoundError(f"checkpoint file {full} is missing (listed in {METADATA_FILE})")
+
     def _changed(self, how: str) -> CheckpointChangedError:
         return CheckpointChangedError(f"checkpoint {self.path} changed during the load ({how}: overwritten, moved "
                                       f"or deleted by another process); nothing loaded from it can be trusted")
@@ -376,9 +394,7 @@ class FileSystemReader(StorageReader):
         try:
             fd = open_regular(full, self._dir_fd)
         except FileNotFoundError:
-            if os.fstat(self._dir_fd).st_nlink == 0:
-                raise self._changed("its directory was deleted") from None
-            raise CheckpointNotFoundError(f"checkpoint file {full} is missing (listed in {METADATA_FILE})") from None
+            raise self._missing(full) from None
         expected = self.metadata.files[name].size if self.metadata else None
         actual = os.fstat(fd).st_size
         if expected is not None and actual != expected:
@@ -412,9 +428,7 @@ class FileSystemReader(StorageReader):
         try:
             return open_regular(full, self._dir_fd)
         except FileNotFoundError:
-            if os.fstat(self._dir_fd).st_nlink == 0:
-                raise self._changed("its directory was deleted") from None
-            raise CheckpointNotFoundError(f"checkpoint file {full} is missing (named in {METADATA_FILE})") from None
+            raise self._missing(full) from None
 
     def read_metadata_once(self) -> Metadata:
         """Read, validate and attach the metadata (the v2 index stays open, its directory not),
@@ -463,9 +477,7 @@ class FileSystemReader(StorageReader):
             try:
                 st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
             except FileNotFoundError:
-                if os.fstat(self._dir_fd).st_nlink == 0:
-                    raise self._changed("its directory was deleted") from None
-                raise CheckpointNotFoundError(f"checkpoint file {full} is missing (listed in {METADATA_FILE})") from None
+                raise self._missing(full) from None
             if stat.S_ISLNK(st.st_mode):
                 raise CorruptCheckpointError(f"{full} is a symbolic link; checkpoint files must be regular files "
                                              f"inside the checkpoint directory")

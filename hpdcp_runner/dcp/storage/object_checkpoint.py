@@ -31,6 +31,7 @@ import bisect
 import concurrent.futures as cf
 import datetime as _dt
 import json
+import shutil
 import threading
 import time
 import uuid
@@ -50,6 +51,7 @@ from ..format.safetensors_io import SafetensorsStreamWriter, digest, index_bytes
 from .filesystem import DEFAULT_FILES_KEPT, FileSystemReader, rank_file
 from .interfaces import IOCounters, ReadRequest, StorageWriter, WriteResult
 from .object_store import Bucket, ObjectStoreOptions
+from .uri import is_uri, normalize
 
 log = get_logger(__name__)
 COMMIT_OBJECT = "hpdcp-commit.json"
@@ -392,7 +394,7 @@ class ObjectStoreReader(FileSystemReader):
         return CheckpointChangedError(f"checkpoint {self.path} changed during the load ({how}: overwritten or deleted "
                                       f"by another process); nothing loaded from it can be trusted")
 
-    def _missing(self, name: str) -> Exception:
+    def _missing_file(self, name: str) -> Exception:
         got = read_commit(self.bucket, self.name_key) if self.data else None
         if self.data and (got is None or got[0]["data"] != self.data):
             return self._changed("the save it names was replaced")
@@ -410,7 +412,7 @@ class ObjectStoreReader(FileSystemReader):
         for name in names:
             check_file_name(name)
             if name not in self._sizes:
-                raise self._missing(name)
+                raise self._missing_file(name)
             expected = self.metadata.files[name].size if self.metadata and name in self.metadata.files else None
             if expected is not None and self._sizes[name] != expected:
                 raise CorruptCheckpointError(f"checkpoint file {self.path}/{name} is {self._sizes[name]} bytes but "
@@ -419,7 +421,7 @@ class ObjectStoreReader(FileSystemReader):
     def open_file(self, name: str) -> _RemoteFile:
         check_file_name(name)
         self._pin_directory()
-        return _RemoteFile(self.bucket, self._data_key(name), None, lambda: self._missing(name), self.counters)
+        return _RemoteFile(self.bucket, self._data_key(name), None, lambda: self._missing_file(name), self.counters)
 
     def _fd(self, name: str) -> Any:
         check_file_name(name)
@@ -427,7 +429,7 @@ class ObjectStoreReader(FileSystemReader):
         size = self.metadata.files[name].size if self.metadata and name in self.metadata.files else None
         self.counters.files_opened += name not in self._fds
         self._fds[name] = 0
-        return _RemoteFile(self.bucket, self._data_key(name), size, lambda: self._missing(name), self.counters)
+        return _RemoteFile(self.bucket, self._data_key(name), size, lambda: self._missing_file(name), self.counters)
 
     def close(self) -> None:
         self._fds.clear()
@@ -525,7 +527,7 @@ class ObjectStoreReader(FileSystemReader):
             try:
                 buf = self.bucket.get_range(handles[name].key, lo, hi)
             except CheckpointNotFoundError:
-                raise self._missing(name) from None
+                raise self._missing_file(name) from None
             self._observe(hi - lo, time.perf_counter() - t0)
             return name, lo, hi, buf
 
@@ -608,6 +610,15 @@ def clean_directory_orphans(directory: str, keep: Iterable[str] = ()) -> None:
 def delete_checkpoint_at(uri: str) -> None:
     bucket = Bucket(uri)
     delete_checkpoint(bucket, bucket.root)
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint (or any directory of files) wherever it is, best effort: scratch
+    checkpoints of benchmarks. A store's is unpublished first (``delete_checkpoint``)."""
+    if is_uri(path):
+        delete_checkpoint_at(normalize(path))
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # -- checkpoints of other formats read in place from a store ------------------------------------

@@ -120,12 +120,38 @@ def _store(bucket: str, o: ObjectStoreOptions) -> Any:
             retry = {"max_retries": o.max_retries, "retry_timeout": _dt.timedelta(seconds=o.retry_timeout_s),
                      "backoff": {"init_backoff": _dt.timedelta(milliseconds=100),
                                  "max_backoff": _dt.timedelta(seconds=15), "base": 2.0}}
+            provider = _profile_credentials()
+            extra = {"credential_provider": provider} if provider is not None else {}
             try:
-                _STORES[key] = obs.store.S3Store(bucket, config=config, client_options=client, retry_config=retry)
+                _STORES[key] = obs.store.S3Store(bucket, config=config, client_options=client, retry_config=retry,
+                                                 **extra)
             except Exception as e:  # a malformed endpoint or option: the library says which
                 raise ConfigError(f"s3://{bucket}: cannot configure the object-store client: "
                                   f"{_first_line(e)}") from None
         return _STORES[key]
+
+
+def _profile_credentials() -> Any:
+    """AWS's shared config files (``~/.aws/credentials``, ``~/.aws/config``, ``AWS_PROFILE``, SSO,
+    assumed roles), which the Rust client does not read, through boto3's credential chain when
+    boto3 is installed and the environment names no keys itself. None: the client's own chain
+    (environment keys, web identity, container and instance metadata)."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
+        return None
+    home = os.path.expanduser("~")
+    files = [os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
+             os.environ.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config")]
+    if not os.environ.get("AWS_PROFILE") and not any(os.path.isfile(f) for f in files):
+        return None
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        return None
+    session = boto3.Session()
+    if session.get_credentials() is None:
+        return None
+    return Boto3CredentialProvider(session)
 
 
 def _first_line(e: BaseException) -> str:

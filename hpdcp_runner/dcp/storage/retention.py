@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..core.errors import ConfigError
-from .commit import (DISPLACED_MARK, STAGING_LOCK, STAGING_MARK, TRASH_MARK, recover_displaced, remove_tree_safely, staging_is_abandoned)
+from .commit import (DISPLACED_MARK, STAGING_LOCK, STAGING_MARK, TRASH_MARK, interrupted_swap, recover_displaced,
+                     remove_tree_safely, staging_is_abandoned)
 from .filesystem import open_regular
 from .uri import is_uri, join
 from ..format.metadata import METADATA_FILE
@@ -65,8 +66,9 @@ def series_regex(series: str) -> re.Pattern:
 
 
 def _recorded_extra(path: str) -> dict | None:
-    """``extra`` of a committed checkpoint's metadata, or None if it cannot be read."""
-    full = os.path.join(path, METADATA_FILE)
+    """``extra`` of a committed checkpoint's metadata, or None if it cannot be read (read where
+    an overwrite between its renames left it, if it is not under its name)."""
+    full = os.path.join(path if os.path.lexists(path) else (interrupted_swap(path) or path), METADATA_FILE)
     try:
         fd = open_regular(full)
     except Exception:
@@ -82,35 +84,92 @@ def _recorded_extra(path: str) -> dict | None:
     return extra if isinstance(extra, dict) else None
 
 
-def _committed(directory: str) -> Iterable[str]:
+def _committed(directory: str, repair: bool = False) -> Iterable[str]:
+    """Committed checkpoint names in ``directory``. ``repair`` (writers only: retention after a
+    save) finishes overwrites a crash interrupted between their two renames; without it (readers:
+    latest, listing) a name whose overwrite is between its renames still counts, read in place."""
     if not os.path.isdir(directory):
         return []
-    for n in os.listdir(directory):  # finish overwrites interrupted between their two renames
-        if n.startswith(".") and DISPLACED_MARK in n and TRASH_MARK not in n:
+    displaced = [n for n in os.listdir(directory) if n.startswith(".") and DISPLACED_MARK in n and TRASH_MARK not in n]
+    if repair:
+        for n in displaced:
             recover_displaced(os.path.join(directory, n[1:n.rindex(DISPLACED_MARK)]))
-    return sorted(n for n in os.listdir(directory)
-                  if not n.startswith(".") and os.path.isfile(os.path.join(directory, n, METADATA_FILE)))
+    names = {n for n in os.listdir(directory)
+             if not n.startswith(".") and os.path.isfile(os.path.join(directory, n, METADATA_FILE))}
+    for n in displaced:
+        base = n[1:n.rindex(DISPLACED_MARK)]
+        if base not in names and interrupted_swap(os.path.join(directory, base)):
+            names.add(base)
+    return sorted(names)
 
 
-def _scan(directory: str, rx: re.Pattern) -> Iterable[tuple[str, str, dict | None]]:
+def _scan(directory: str, rx: re.Pattern, repair: bool = False) -> Iterable[tuple[str, str, dict | None]]:
     """(name, path, recorded extra) of each committed checkpoint named like ``rx``."""
     if is_uri(directory):
         from .object_checkpoint import committed_extras
 
         yield from ((n, join(directory, n), x) for n, x in committed_extras(directory, rx.fullmatch))
         return
-    for name in _committed(directory):
+    for name in _committed(directory, repair):
         if rx.fullmatch(name):
             path = os.path.join(directory, name)
             yield name, path, _recorded_extra(path)
 
 
-def list_checkpoints(directory: str | os.PathLike, series: str) -> list[CheckpointEntry]:
-    """Committed checkpoints of ``series`` in ``directory`` (a local directory or a URI), oldest first."""
+def series_name(series: str, step: int | None) -> str | None:
+    """The name ``series`` gives ``step`` (None: the series has a step field and no step)."""
+    if STEP_FIELD not in series:
+        return series
+    return series.replace(STEP_FIELD, str(step)) if type(step) is int and step >= 0 else None
+
+
+def _step_in_name(series: str, name: str) -> int | None:
+    """The step a name of ``series`` carries (``step_007`` -> 7), None if it does not fit."""
+    if STEP_FIELD not in series:
+        return None
+    head, tail = series.split(STEP_FIELD)
+    m = re.fullmatch(re.escape(head) + r"(\d+)" + re.escape(tail), name)
+    return int(m.group(1)) if m else None
+
+
+def why_not_member(name: str, path: str, series: str, extra: dict | None) -> str | None:
+    """Why a committed checkpoint named like ``series`` is not one of its members (None: it is).
+    Membership is claimed by the metadata and confirmed by the name: the recorded series must be
+    this one, and the name exactly the series pattern formatted with the recorded step (a
+    checkpoint copied in under a series name, e.g. another run's final step as ``step_0``, would
+    otherwise sort by its recorded step and make retention delete real ones). A symbolic link is
+    never a member: what it points to belongs to another directory (or run)."""
+    if not is_uri(path) and os.path.islink(path):
+        return "it is a symbolic link (what it points to is not this directory's to order or delete)"
+    if extra is None or "series" not in extra:
+        return "its metadata records no series (another tool or an older version wrote it)"
+    if extra.get("series") != series:
+        return f"its metadata records the series {extra.get('series')!r}"
+    step = extra.get("step")
+    if STEP_FIELD not in series:
+        return None if name == series else f"the series {series!r} has one name, not {name!r}"
+    if not (type(step) is int and step >= 0):
+        return f"its metadata records no step ({step!r}) for a series with a step in its name"
+    if _step_in_name(series, name) != step:
+        return (f"its metadata records step {step}, which the series names {series_name(series, step)!r}, not "
+                f"{name!r} (copied or renamed in)")
+    return None
+
+
+def series_outsiders(directory: str | os.PathLike, series: str) -> list[tuple[str, str]]:
+    """(name, why) of the committed checkpoints named like ``series`` that are not its members:
+    never picked as latest, never deleted by retention; summaries and inspect say why."""
+    d = os.fspath(directory)
+    return [(n, why) for n, p, x in _scan(d, series_regex(series)) if (why := why_not_member(n, p, series, x))]
+
+
+def list_checkpoints(directory: str | os.PathLike, series: str, *, repair: bool = False) -> list[CheckpointEntry]:
+    """Committed members of ``series`` in ``directory`` (a local directory or a URI), oldest first
+    (see :func:`why_not_member`). ``repair``: writers only (see ``_committed``)."""
     d, rx = os.fspath(directory), series_regex(series)
     out = []
-    for name, path, extra in _scan(d, rx):
-        if extra is None or extra.get("series") != series:
+    for name, path, extra in _scan(d, rx, repair):
+        if extra is None or why_not_member(name, path, series, extra) is not None:
             continue
         step, when = extra.get("step"), extra.get("committed_at_ns")
         out.append(CheckpointEntry(name, path, step if type(step) is int else None,
@@ -136,6 +195,11 @@ def clear_trash(directory: str | os.PathLike) -> None:
     directories of saves whose coordinator died (its lock is free); saves in progress keep theirs."""
     d = os.fspath(directory)
     if os.path.isdir(d):
+        # first finish swaps a crash interrupted: their staging directory says which displaced
+        # copy is the committed checkpoint, so it must not go before the recovery read it
+        for n in os.listdir(d):
+            if n.startswith(".") and DISPLACED_MARK in n and TRASH_MARK not in n:
+                recover_displaced(os.path.join(d, n[1:n.rindex(DISPLACED_MARK)]))
         for n in os.listdir(d):
             if n.startswith(".") and TRASH_MARK in n:
                 shutil.rmtree(os.path.join(d, n), ignore_errors=True)
@@ -164,7 +228,7 @@ def apply_retention(directory: str | os.PathLike, keep_last: int, *, series: str
         clear_trash(d)
     if keep_last == 0:
         return []
-    entries = list_checkpoints(d, series)
+    entries = list_checkpoints(d, series, repair=True)
     protected = set(keep)
     removed = [e.name for e in entries[:-keep_last] if e.name not in protected] if len(entries) > keep_last else []
     for n in removed:

@@ -72,23 +72,24 @@ def test_the_checkpoint_just_committed_is_never_deleted(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_100", "step_6"]
 
 
-def test_newest_is_the_recorded_step_never_a_number_in_the_name(tmp_path):
-    # the names lie (a renamed checkpoint); the recorded steps decide
+def test_a_name_and_its_recorded_step_must_agree(tmp_path):
+    # the names lie (renamed checkpoints): neither is a member, so neither is picked or deleted
     _save(tmp_path, "step_9", 20)
     _save(tmp_path, "step_10", 3)
-    assert latest_checkpoint(tmp_path, SERIES) == os.path.join(tmp_path, "step_9")
-    assert apply_retention(tmp_path, 1, series=SERIES) == ["step_10"]
+    _save(tmp_path, "step_007", 7)  # zero-padded: the step in the name is still 7
+    assert latest_checkpoint(tmp_path, SERIES) == os.path.join(tmp_path, "step_007")
+    assert apply_retention(tmp_path, 1, series=SERIES, keep=["step_007"]) == []
+    assert sorted(os.listdir(tmp_path)) == ["step_007", "step_10", "step_9"]
 
 
-def test_without_steps_commit_order_decides(tmp_path):
-    for name in ("ck_b", "ck_a"):
-        _save(tmp_path, name, None, series="ck_{step}")  # commit order: ck_b, then ck_a
-    doc = json.loads((tmp_path / "ck_a" / "metadata.json").read_text())
-    assert doc["extra"]["step"] is None and doc["extra"]["series"] == "ck_{step}"
-    assert _names(tmp_path, "ck_{step}") == []  # names do not fit ck_<digits>
+def test_without_steps_a_step_series_has_no_members(tmp_path):
     for name in ("ck_20", "ck_3"):
         _save(tmp_path, name, None, series="ck_{step}")
-    assert latest_checkpoint(tmp_path, "ck_{step}") == os.path.join(tmp_path, "ck_3")
+    doc = json.loads((tmp_path / "ck_3" / "metadata.json").read_text())
+    assert doc["extra"]["step"] is None and doc["extra"]["series"] == "ck_{step}"
+    assert latest_checkpoint(tmp_path, "ck_{step}") is None
+    _save(tmp_path, "best", None, series="best")  # a series of one name
+    assert latest_checkpoint(tmp_path, "best") == os.path.join(tmp_path, "best")
 
 
 def test_unreadable_metadata_is_skipped_not_deleted(tmp_path):
