@@ -139,6 +139,7 @@ def test_bad_locations_are_one_line(cli, tmp_path, s3_endpoint, s3_bucket):
     assert r.returncode != 0 and "offline transforms work on local directories" in r.stderr, _tail(r)
 
 
+@pytest.mark.slow
 def test_torch_dcp_in_bucket_resharded_in_place(cli, tmp_path, s3_endpoint, s3_bucket):
     import torch.distributed.checkpoint as tdcp
 
@@ -157,6 +158,7 @@ def test_torch_dcp_in_bucket_resharded_in_place(cli, tmp_path, s3_endpoint, s3_b
     assert metrics(tmp_path / "r2")["result"]["verified_tensors"] == 2
 
 
+@pytest.mark.slow
 def test_bench_and_sweep_on_s3(cli, tmp_path, s3_endpoint, s3_bucket):
     """bench against the peer's own object-store path, then a 2-point sweep saving into the bucket:
     scratch checkpoints are deleted from the bucket, each point's checkpoint is there."""
