@@ -31,7 +31,8 @@ from ..format import objects as objcodec
 from ..format.safetensors_io import SafetensorsStreamWriter
 from ..core.errors import ConfigError, CorruptCheckpointError
 from ..storage.commit import StagedDir
-from ..storage.uri import is_uri
+from ..storage.object_checkpoint import ObjectDirectoryOutput
+from ..storage.uri import is_uri, join, normalize
 from ..storage.filesystem import FileSystemReader, FileSystemWriter
 from ..core.geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
@@ -91,8 +92,10 @@ def check_with_safetensors(path: str) -> None:
 
 
 def _read_our_metadata(src: str | os.PathLike) -> tuple[FileSystemReader, Metadata]:
-    reader = FileSystemReader(src)
-    md = Metadata.from_json(reader.read_metadata_text(), source=os.path.join(reader.path, METADATA_FILE),
+    from ..storage.locations import open_reader
+
+    reader = open_reader(src, "hpdcp")
+    md = Metadata.from_json(reader.read_metadata_text(), source=join(reader.path, METADATA_FILE),
                             open_file=reader.open_file)
     reader.attach_metadata(md)
     return reader, md
@@ -118,8 +121,8 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
                 dtype: str | None = None, rename: Sequence[tuple[str, str]] = (), include: str | None = None,
                 exclude: str | None = None, single_file: bool = False, overwrite: bool = False,
                 fsync: bool = True, progress: Progress | None = None) -> dict[str, Any]:
-    """Write our checkpoint ``src`` as a Hugging Face safetensors directory ``dst``."""
-    refuse_uris(src, dst)
+    """Write our checkpoint ``src`` as a Hugging Face safetensors directory ``dst`` (either may be
+    an object-store URI; a store's output is written as ``ObjectDirectoryOutput`` describes)."""
     if max_shard_size <= 0:
         raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
     cast = dtype_from_name(dtype) if dtype else None
@@ -141,7 +144,9 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     shards = [list(names)] if single_file else plan_hf_shards(sizes, max_shard_size)
     n = len(shards)
     files = [HF_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    out = StagedDir(dst, overwrite)
+    store = ObjectDirectoryOutput(normalize(dst), overwrite) if is_uri(dst) else None
+    out = StagedDir(dst, overwrite) if store is None else None
+    before = store.begin() if store is not None else []
     progress = progress or _no_progress
     weight_map: dict[str, str] = {}
     try:
@@ -149,9 +154,10 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         tensors = iter_full_tensors(src, order, reuse_buffer=True)
         cast_buf = torch.empty(max(s for k, s in sizes) if cast is not None else 0, dtype=torch.uint8)
         for fname, shard in zip(files, shards):
-            w = SafetensorsStreamWriter(os.path.join(out.tmp, fname),
+            w = SafetensorsStreamWriter(join(out.tmp if out else normalize(dst), fname),
                                         [(names[k], out_dtype(k), md.tensors[k].shape) for k in shard],
-                                        meta={"format": "pt"}, fsync=fsync)
+                                        meta={"format": "pt"}, fsync=fsync,
+                                        sink=store.sink(fname) if store is not None else None)
             try:
                 for key, full in progress(_take(tensors, len(shard)), len(shard), f"merge {fname}"):
                     if cast is not None and full.is_floating_point():
@@ -165,18 +171,28 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
                 raise
             w.close()
         total = sum(s for _, s in sizes)
-        for fname in files:  # what we write must be what the real reader accepts
+        for fname in files if out is not None else ():  # what we write must be what the real reader accepts
             check_with_safetensors(os.path.join(out.tmp, fname))
         if n > 1:
             doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            with open(os.path.join(out.tmp, HF_INDEX), "w") as f:
-                f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        out.commit()
+            text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+            if store is not None:
+                store.put(HF_INDEX, text.encode())  # last: it names shards all uploaded by now
+            else:
+                with open(os.path.join(out.tmp, HF_INDEX), "w") as f:
+                    f.write(text)
+        if store is not None:
+            store.finish(before, files + ([HF_INDEX] if n > 1 else []))
+        else:
+            out.commit()
     except BaseException:
-        out.abort()
+        if out is not None:
+            out.abort()
+        else:
+            store.abort(files + ([HF_INDEX] if n > 1 else []))
         raise
     skipped = sorted(md.objects)
-    return {"dst": out.dst, "files": files, "tensors": len(names), "total_size": total,
+    return {"dst": out.dst if out is not None else normalize(dst), "files": files, "tensors": len(names), "total_size": total,
             "skipped_objects": skipped}
 
 
@@ -309,9 +325,9 @@ __all__ = ["merge_to_hf", "import_checkpoint", "export_torch_dcp", "select_keys"
 
 
 def refuse_uris(*paths: str | os.PathLike | None) -> None:
-    """The offline transforms read and write local directories only (for now): a URI is refused
-    in one line instead of becoming a local directory named after its scheme."""
+    """The import and torch DCP export transforms read and write local directories only: a URI is
+    refused in one line instead of becoming a local directory named after its scheme."""
     for p in paths:
         if p is not None and is_uri(p):
-            raise ConfigError(f"{p}: offline transforms work on local directories; copy the checkpoint locally, or "
-                              f"use +job=reshard (which reads and writes s3:// checkpoints)")
+            raise ConfigError(f"{p}: this transform works on local directories; +job=reshard reads Hugging Face and "
+                              f"torch DCP checkpoints from s3:// and writes ours (or job.output_format=hf) there")

@@ -91,3 +91,20 @@ def test_torch_dcp_in_place(tmp_path, s3_endpoint, s3_bucket):
     c.put_object(Bucket=s3_bucket[5:], Key=key, Body=bytes(body))
     with pytest.raises(dcp.CorruptCheckpointError, match="distcp"):
         dcp.load({**{k: torch.zeros_like(v) for k, v in t.items()}, "step": 0}, checkpoint_id=uri, allow_pickle=True)
+
+
+def test_merge_to_hf_from_and_to_a_bucket(s3_bucket):
+    from hpdcp_runner.dcp.tools import transforms
+
+    t = {k: v for k, v in _tensors().items() if v.dim()}
+    dcp.save({**t, "step": 4}, checkpoint_id=f"{s3_bucket}/ours")
+    res = transforms.merge_to_hf(f"{s3_bucket}/ours", f"{s3_bucket}/hf", max_shard_size=2048)
+    assert len(res["files"]) > 1 and res["skipped_objects"] == ["step"]
+    got = {k: torch.zeros_like(v) for k, v in t.items()}
+    dcp.load(got, checkpoint_id=f"{s3_bucket}/hf", format="hf")
+    assert all(torch.equal(got[k], t[k]) for k in t)
+    with pytest.raises(dcp.CheckpointExistsError, match="already holds a Hugging Face model"):
+        transforms.merge_to_hf(f"{s3_bucket}/ours", f"{s3_bucket}/hf")
+    transforms.merge_to_hf(f"{s3_bucket}/ours", f"{s3_bucket}/hf", overwrite=True, single_file=True)
+    md = dcp.read_metadata(f"{s3_bucket}/hf", format="hf")
+    assert set(md.files) == {"model.safetensors"}  # the old shards and index were removed
