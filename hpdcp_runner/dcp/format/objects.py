@@ -9,9 +9,10 @@ never attempted without it, so loading an untrusted checkpoint runs no code.
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -136,3 +137,13 @@ def _dec(d: Any, depth: int, allow_pickle: list[int] | bool) -> Any:
             allow_pickle.append(1)
         return pickle.loads(base64.b64decode(arg, validate=True))
     raise ValueError(f"unknown tag {tag!r}")
+
+
+def encode_object_file(objects: Mapping[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """One rank's object file (a JSON object of already-encoded values) and each value's
+    checksum, as every storage writes it."""
+    from .checksums import digest
+
+    texts = {k: json.dumps(v, separators=(",", ":")) for k, v in objects.items()}
+    body = ("{" + ",".join(f"{json.dumps(k)}:{t}" for k, t in texts.items()) + "}").encode()
+    return body, {k: digest(t.encode()) for k, t in texts.items()}

@@ -168,8 +168,7 @@ class FileSystemWriter(StorageWriter):
                 chunks[e.key] = (name, e.byte_offset, e.checksum, e.blocks)
         if objects:
             name = rank_file(rank, "objects.json")
-            texts = {k: json.dumps(v, separators=(",", ":")) for k, v in objects.items()}
-            body = ("{" + ",".join(f"{json.dumps(k)}:{t}" for k, t in texts.items()) + "}").encode()
+            body, digests = objcodec.encode_object_file(objects)
             with open(os.path.join(self.staging, name), "xb") as f, naming(f.name):
                 f.write(body)
                 f.flush()
@@ -177,8 +176,7 @@ class FileSystemWriter(StorageWriter):
                     faults.point("file.fsync", path=f.name)
                     os.fsync(f.fileno())
             files.append(FileMeta(name, len(body), digest(body), rank))
-            for k, t in texts.items():
-                objs[k] = (name, digest(t.encode()))
+            objs.update((k, (name, d)) for k, d in digests.items())
             self.counters.bytes_written += len(body)
         self.counters.files_written += len(files)
         return WriteResult(rank, tuple(files), chunks, objs)

@@ -47,6 +47,7 @@ from ..core.utils import get_logger
 from ..format.chunk_index import INDEX_FILE
 from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, check_file_name, dtype_name,
                                element_size)
+from ..format.objects import encode_object_file
 from ..format.safetensors_io import SafetensorsStreamWriter, digest, index_bytes
 from .filesystem import DEFAULT_FILES_KEPT, FileSystemReader, rank_file
 from .interfaces import IOCounters, ReadRequest, StorageWriter, WriteResult
@@ -203,12 +204,10 @@ class ObjectStoreWriter(StorageWriter):
                 chunks[e.key] = (name, e.byte_offset, e.checksum, e.blocks)
         if objects:
             name = rank_file(self.rank, "objects.json")
-            texts = {k: json.dumps(v, separators=(",", ":")) for k, v in objects.items()}
-            body = ("{" + ",".join(f"{json.dumps(k)}:{t}" for k, t in texts.items()) + "}").encode()
+            body, digests = encode_object_file(objects)
             self.bucket.put(self._key(name), body)
             files.append(FileMeta(name, len(body), digest(body), self.rank))
-            for k, t in texts.items():
-                objs[k] = (name, digest(t.encode()))
+            objs.update((k, (name, d)) for k, d in digests.items())
             self.counters.bytes_written += len(body)
         self.counters.files_written += len(files)
         return WriteResult(self.rank, tuple(files), chunks, objs)
