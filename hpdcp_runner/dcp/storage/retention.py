@@ -6,8 +6,9 @@ the coordinator's clock when it was committed. Retention and "latest" consider o
 checkpoints whose name matches the pattern *and* whose metadata records that same series, so
 other names (``best``, ``init``, ``step_5_backup``), checkpoints of another series, copies under
 another name and checkpoints written by other tools are never touched. "Newest" is the highest
-recorded step, ties (and series without steps) broken by commit time; a number in a name is
-never used for ordering.
+recorded step, ties broken by commit time; a member's name must be the pattern formatted with
+its recorded step (see ``why_not_member``), so a name can never claim an order its metadata
+does not record, nor a recorded step a name it does not have.
 
 Only committed checkpoints count: staging (``.NAME.tmp-*``), trash (``.NAME.trash-*``) and
 directories without ``metadata.json`` are ignored. Deletion renames to a trash name first, so a
