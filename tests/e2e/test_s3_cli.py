@@ -134,7 +134,7 @@ def test_bad_locations_are_one_line(cli, tmp_path, s3_endpoint, s3_bucket):
     assert "Traceback" not in r.stderr
     r = cli(["+job=load", f"checkpoint.dir={s3_bucket}/nothing", f"hydra.run.dir={tmp_path}/c"])
     assert r.returncode != 0 and "no committed checkpoint at" in r.stderr and "checkpoint.path" in r.stderr, _tail(r)
-    r = cli(["+job=transform", "+transform=import", f"transform.src={tmp_path}/none", f"transform.dst={s3_bucket}/i",
+    r = cli(["+job=transform", "transform=import", f"transform.src={tmp_path}/none", f"transform.dst={s3_bucket}/i",
              f"hydra.run.dir={tmp_path}/d"])
     assert r.returncode != 0 and "this transform works on local directories" in r.stderr, _tail(r)
 
