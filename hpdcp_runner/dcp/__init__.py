@@ -18,7 +18,8 @@ from .core.errors import (CheckpointChangedError, CheckpointExistsError, Checkpo
 from .storage.filesystem import FileSystemReader, FileSystemWriter
 from .storage.foreign import HfReader, TorchDcpReader
 from .storage.locations import open_reader, open_writer
-from .storage.object_checkpoint import ObjectStoreReader, ObjectStoreWriter
+from .storage.object_checkpoint import ObjectStoreWriter
+from .storage.object_reader import ObjectStoreReader
 from .format.metadata import Metadata
 from .planning.interfaces import LoadPlanner, SavePlanner
 from .core.ragged import FlatShard, LocalShard

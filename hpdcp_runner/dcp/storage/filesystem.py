@@ -41,8 +41,7 @@ from ..core.geometry import Box, flat_span, row_major_strides, run_dim, run_star
 from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
                        dtype_from_name, dtype_name, element_size)
 from .commit import (STAGING_LOCK, STAGING_MARK, fsync_dir, hold_staging_lock, interrupted_swap, publish_dir,
-                     recover_displaced,
-                     storage_access_error)
+                     recover_displaced, storage_access_error)
 from .interfaces import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
 from .vectored import (DEFAULT_MAX_REQUEST_BYTES, SCRATCH_WINDOW, ReadCostModel, Sink, check_destination,
                        measured_cost_model, read_ranges)
@@ -317,11 +316,9 @@ class FileSystemReader(StorageReader):
         mpath = os.path.join(self.path, METADATA_FILE)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"{self.path} is a file, not a checkpoint directory")
-        if not os.path.lexists(self.path) and interrupted_swap(self.path) is None:
-            raise self._not_found()
         if os.path.lexists(self.path) and (not os.path.isdir(self.path) or not os.path.lexists(mpath)):
             raise self._not_found()
-        self._pin_directory()
+        self._pin_directory()  # (the name, or where an interrupted overwrite left it; else not found)
         try:
             fd = open_regular(mpath, self._dir_fd)
         except FileNotFoundError:

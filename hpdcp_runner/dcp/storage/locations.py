@@ -10,7 +10,8 @@ from ..core.errors import MetadataError
 from .filesystem import FileSystemWriter
 from .foreign import FORMATS, open_local_reader
 from .interfaces import StorageReader, StorageWriter
-from .object_checkpoint import ObjectStoreWriter, open_object_reader
+from .object_checkpoint import ObjectStoreWriter
+from .object_reader import open_object_reader
 from .uri import is_uri, normalize
 
 

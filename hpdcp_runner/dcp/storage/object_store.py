@@ -11,14 +11,15 @@ endpoint and region. Credentials are never stored here, never logged and never p
 from __future__ import annotations
 
 import dataclasses
-import os
 import datetime as _dt
+import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..core.errors import CheckpointNotFoundError, ConfigError, StorageAccessError
+from .interfaces import IOCounters
 
 INSTALL_HINT = 'pip install "hpdcp_runner[s3]"'
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
@@ -221,7 +222,7 @@ class Bucket:
                 raise StorageAccessError(f"{self.url(key)} is {meta['size']} bytes, over the {max_bytes}-byte limit")
             return bytes(r.bytes()), meta
         except FileNotFoundError as e:
-            if "NoSuchBucket" in str(e):
+            if _code(e) == "NoSuchBucket":
                 raise self.error(e, "reading", key) from None
             return None
         except StorageAccessError:
@@ -283,3 +284,68 @@ class Bucket:
             pass
         except Exception as e:
             raise self.error(e, "deleting", keys[0]) from None
+
+
+class RemoteFile:
+    """One object read by ranges (a random-access file for the chunk index and the reads)."""
+
+    def __init__(self, bucket: Bucket, key: str, size: int | None, on_missing: Callable[[], Exception] | None = None,
+                 counters: IOCounters | None = None) -> None:
+        self.bucket, self.key, self._size = bucket, key, size
+        self.on_missing, self.counters = on_missing, counters
+        self._cache: dict[int, bytes] = {}  # small reads' blocks, oldest first
+
+    def size(self) -> int:
+        if self._size is None:
+            meta = self.bucket.head(self.key)
+            if meta is None:
+                raise self._missing()
+            self._size = meta["size"]
+        return self._size
+
+    def _missing(self) -> Exception:
+        if self.on_missing is not None:
+            return self.on_missing()
+        return CheckpointNotFoundError(f"{self.bucket.url(self.key)} is missing (named in metadata.json)")
+
+    _BLOCK = 64 << 10  # small reads (headers, zip directories) go through cached blocks of this size
+    _BLOCKS_KEPT = 64
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Bytes [offset, offset+n); small reads are served from aligned cached blocks (a parser
+        walking a header or a zip record makes many small reads of a few places: one request
+        each would cost a round trip each)."""
+        if n <= 0:
+            return b""
+        if n > self._BLOCK:
+            return self._get(offset, offset + n)
+        out = bytearray()
+        for b in range(offset // self._BLOCK, (offset + n - 1) // self._BLOCK + 1):
+            out += self._block(b)
+        lo = offset - offset // self._BLOCK * self._BLOCK
+        return bytes(out[lo:lo + n])
+
+    def _block(self, b: int) -> bytes:
+        cache = self._cache
+        if b not in cache:
+            end = min((b + 1) * self._BLOCK, self.size())
+            cache[b] = self._get(b * self._BLOCK, end) if end > b * self._BLOCK else b""
+            while len(cache) > self._BLOCKS_KEPT:
+                cache.pop(next(iter(cache)))
+        return cache[b]
+
+    def _get(self, start: int, end: int) -> bytes:
+        try:
+            data = self.bucket.get_range(self.key, start, end)
+        except CheckpointNotFoundError:
+            raise self._missing() from None
+        except StorageAccessError as e:
+            if "416" in str(e) or "Range Not Satisfiable" in str(e):
+                return b""  # past the end: a short read, which the caller reports
+            raise
+        if self.counters is not None:
+            self.counters.bump("store_requests")
+        return bytes(data)
+
+    def close(self) -> None:
+        pass
