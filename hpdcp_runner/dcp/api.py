@@ -8,6 +8,7 @@ rank, and the checkpoint is committed by one atomic rename only after every rank
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -51,6 +52,22 @@ def _checkpoint_path(checkpoint_id: str | os.PathLike | None, storage: Any) -> s
     return os.fspath(path) if path is not None else None
 
 
+def _check_extra(extra: Mapping[str, Any] | None) -> None:
+    """``extra`` goes into ``metadata.json`` as strict JSON: refused here, before any byte is
+    written, if it is not (NaN, infinities, non-string keys, objects JSON cannot hold)."""
+    if extra is None:
+        return
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"extra must be a mapping of JSON values, got {type(extra).__name__}")
+    for k, v in extra.items():
+        try:
+            if not isinstance(k, str):
+                raise TypeError(f"key {k!r} is not a string")
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ConfigError(f"extra[{k!r}] cannot be stored in metadata.json as JSON ({e})") from None
+
+
 @pauses_gc
 def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
@@ -74,6 +91,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     """
     if format_version not in READ_VERSIONS or type(format_version) is not int:
         raise ConfigError(f"format_version must be one of {list(READ_VERSIONS)}, got {format_version!r}")
+    _check_extra(extra)
     path = _checkpoint_path(checkpoint_id, storage_writer)
     comm = Comm.create(process_group, timeout)
     writer = storage_writer or open_writer(path)

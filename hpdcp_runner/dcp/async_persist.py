@@ -171,10 +171,11 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
     after the commit. Returns an ``AsyncSaveResponse``.
     """
     global _IN_FLIGHT
-    from .api import save  # api imports this module's names lazily; avoid a cycle at import time
+    from .api import _check_extra, save  # api imports this module's names lazily; avoid a cycle at import time
 
     if "timer" in save_kwargs:
         raise ConfigError("async_save takes no timer (the save runs in another thread)")
+    _check_extra(save_kwargs.get("extra"))  # refused now, in the caller's thread, not in the background
     wait_for_async_saves()  # one in flight at a time: the staging buffers are reused
     t0 = time.perf_counter()
     group = _persist_group(process_group, timeout)

@@ -20,6 +20,7 @@ import torch
 from ..core.errors import MetadataError
 from ..core.geometry import Box, boxes_tile, intersect, relative, tiling_problem
 from ..core.columns import pack_ints, unpack_ints
+from . import jsondoc
 from .chunk_index import BLOCK_COUNT, BLOCK_START, BYTE_OFFSET, CHECKSUM, FILE, TENSOR, ChunkIndex, hex_to_i64, i64_to_hex
 
 FORMAT_NAME = "hpdcp"
@@ -385,10 +386,13 @@ class Metadata:
             k: dataclasses.replace(t, chunks=tuple(t.chunks)) for k, t in self.tensors.items()})
 
     def validate_all(self) -> None:
-        """Everything a load checks only in part: every row of the index (``verify``)."""
+        """Everything a load checks only in part: every row of the index (``verify``), and that
+        no two chunks share bytes."""
         for t in self.tensors.values():
             if isinstance(t.chunks, IndexedChunks):
                 t.chunks.check_all()
+        if self.index is not None:
+            _check_disjoint(self.tensors, self.index.name)
 
     # -- JSON -------------------------------------------------------------------------------
     def _common_doc(self, version: int) -> dict:
@@ -438,10 +442,7 @@ class Metadata:
                   open_file: Callable[[str], int] | None = None) -> "Metadata":
         """``open_file(name)``: a read-only descriptor of a regular file of the checkpoint (how a
         v2 checkpoint's chunk index is opened; the reader's pinned directory)."""
-        try:
-            doc = json.loads(text)
-        except (ValueError, RecursionError) as e:
-            raise MetadataError(f"{source}: not valid JSON ({e})") from None
+        doc = jsondoc.parse(text, source)
         if isinstance(doc, dict) and doc.get("format_version") == 2 and doc.get("format") == FORMAT_NAME:
             return _parse_v2(doc, source, open_file)
         return _parse(doc, source)
@@ -534,8 +535,15 @@ def _check_header(doc: Any, source: str, fields: set[str]) -> int:
     return version
 
 
+_RANK_FILE = re.compile(r"rank(\d{5,})\.(?:safetensors|objects\.json)")
+
+
 def _parse_files(doc: dict, source: str) -> dict[str, FileMeta]:
+    """The file table; each file's rank lies inside the world size and agrees with the rank in
+    its name (a ``metadata.json`` edited to another world size, or files of another save listed,
+    is refused before anything is read)."""
     files: dict[str, FileMeta] = {}
+    ws = doc["world_size"]
     for name, f in doc["files"].items():
         try:
             check_file_name(name)
@@ -545,7 +553,12 @@ def _parse_files(doc: dict, source: str) -> dict[str, FileMeta]:
               and 0 <= f["size"] < _MAX_INT
               and isinstance(f.get("checksum"), str) and type(f.get("rank")) is int,
               source, f"file {name!r}: bad entry {f!r:.120}")
-        files[name] = FileMeta(name, f["size"], f["checksum"], f["rank"])
+        rank = f["rank"]
+        _need(0 <= rank < ws, source, f"file {name!r}: recorded rank {rank} is outside world_size {ws}")
+        m = _RANK_FILE.fullmatch(name)
+        _need(m is None or int(m.group(1)) == rank, source,
+              f"file {name!r}: recorded rank {rank} differs from the rank in its name")
+        files[name] = FileMeta(name, f["size"], f["checksum"], rank)
     return files
 
 
@@ -571,6 +584,7 @@ def _parse(doc: Any, source: str) -> Metadata:
     files = _parse_files(doc, source)
     tensors = {k: _parse_tensor(k, t, files, source) for k, t in doc["tensors"].items()}
     _check_tilings(tensors, source)
+    _check_disjoint(tensors, source)
     objects = _parse_objects(doc, tensors, files, source)
     block_bytes, blocks = _parse_blocks(doc.get("block_checksums"), tensors, source)
     if blocks:
@@ -604,6 +618,14 @@ def _parse_v2(doc: dict, source: str, open_file: Callable[[str], int] | None) ->
     except MetadataError as e:
         raise MetadataError(f"{source}: index: {e}") from None
     _need(ix["file"] not in files, source, f"index file {ix['file']!r} is also listed as a data file")
+    if open_file is None:
+        raise MetadataError(f"{source}: format version 2 keeps its chunks in {ix['file']}, and this caller gave no "
+                            f"way to open it (read the checkpoint directory, not metadata.json alone)")
+    # the index first: its size against the counts is O(1) and refuses a document listing more
+    # tensors than the index holds before any per-tensor work
+    name = os.path.join(os.path.dirname(source), ix["file"])
+    index = ChunkIndex.open(open_file(ix["file"]), name, size=ix["size"], tensors=len(doc["tensors"]),
+                            rows=ix["rows"], ndim=ix["ndim"], blocks=ix["blocks"])
     specs = []
     for key in sorted(doc["tensors"]):
         t = doc["tensors"][key]
@@ -617,12 +639,6 @@ def _parse_v2(doc: dict, source: str, open_file: Callable[[str], int] | None) ->
         _need(len(shape) <= ix["ndim"], source, f"tensor {key!r}: {len(shape)} dimensions, more than the index's "
                                                 f"ndim {ix['ndim']}")
         specs.append((key, dtype, shape, _path(t["path"], source, key)))
-    if open_file is None:
-        raise MetadataError(f"{source}: format version 2 keeps its chunks in {ix['file']}, and this caller gave no "
-                            f"way to open it (read the checkpoint directory, not metadata.json alone)")
-    name = os.path.join(os.path.dirname(source), ix["file"])
-    index = ChunkIndex.open(open_file(ix["file"]), name, size=ix["size"], tensors=len(specs), rows=ix["rows"],
-                            ndim=ix["ndim"], blocks=ix["blocks"])
     index.recorded = ix  # what metadata.json says of it (verify checks its checksum)
     file_list = [files[n] for n in sorted(files)]
     tensors = {}
@@ -707,6 +723,35 @@ def _parse_tensor(key: str, t: Any, files: Mapping[str, FileMeta], source: str) 
                                 f"{fname} ({f.size} bytes)")
         chunks.append(ChunkMeta(tuple(offs), tuple(sizes), fname, skey, boff, csum))
     return TensorMeta(dtype, shape, tuple(chunks), _path(t.get("path"), source, key))
+
+
+def _check_disjoint(tensors: Mapping[str, TensorMeta], source: str) -> None:
+    """No two non-empty chunks share a byte of a file: two chunks naming the same bytes would
+    load one tensor region's data into another (caught only later, if at all, by a checksum)."""
+    names: dict[str, int] = {}
+    flat: list[int] = []
+    owners: list[tuple[str, int]] = []
+    for k, t in tensors.items():
+        esize = element_size(t.dtype)
+        for i, c in enumerate(t.chunks):
+            n = math.prod(c.sizes) * esize
+            if n:
+                flat += (names.setdefault(c.file, len(names)), c.byte_offset, c.byte_offset + n)
+                owners.append((k, i))
+    if len(owners) < 2:
+        return
+    rows = torch.tensor(flat, dtype=torch.int64).view(-1, 3)
+    order = torch.argsort(rows[:, 1], stable=True)
+    order = order[torch.argsort(rows[order, 0], stable=True)]  # by file, then by start
+    r = rows[order]
+    bad = ((r[1:, 0] == r[:-1, 0]) & (r[1:, 1] < r[:-1, 2])).nonzero()
+    if len(bad):
+        j = int(bad[0])
+        (k1, i1), (k2, i2) = owners[int(order[j])], owners[int(order[j + 1])]
+        fname = next(n for n, v in names.items() if v == int(r[j, 0]))
+        raise MetadataError(f"{source}: chunks share bytes of {fname}: {k1!r} chunk {i1} "
+                            f"[{int(r[j, 1])}, {int(r[j, 2])}) and {k2!r} chunk {i2} [{int(r[j + 1, 1])}, "
+                            f"{int(r[j + 1, 2])}) (a damaged or hand-edited chunk table)")
 
 
 def _check_tilings(tensors: Mapping[str, TensorMeta], source: str) -> None:

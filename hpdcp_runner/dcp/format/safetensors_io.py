@@ -24,6 +24,7 @@ import xxhash
 from ..core import faults
 from ..core.errors import CorruptCheckpointError
 from ..core.utils import byte_view
+from . import jsondoc
 from .checksums import BLOCK_BYTES, digest, file_checksum
 from .chunk_index import ChunkIndex
 from .metadata import DTYPES, dtype_name, element_size
@@ -295,10 +296,7 @@ def parse_header(name: str, size: int, pread: Callable[[int, int], bytes],
     raw = pread(hlen, 8)
     if len(raw) != hlen:
         raise CorruptCheckpointError(f"{name}: short read of its {hlen}-byte header (truncated?)")
-    try:
-        doc = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{name}: header is not valid JSON ({e})") from None
+    doc = jsondoc.parse(raw, f"{name}: header", CorruptCheckpointError)
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{name}: header is not a JSON object")
     declared = len(doc) - ("__metadata__" in doc)

@@ -17,6 +17,7 @@ import torch
 
 from ..format.checksums import block_digests, digest, file_checksum
 from ..format.safetensors_io import read_header
+from ..format import jsondoc
 from ..format import objects as objcodec
 from ..core.errors import HpdcpError, PickleNotAllowedError
 from ..storage.commit import STAGING_MARK, TRASH_MARK
@@ -205,9 +206,9 @@ def _object_file_problems(name: str, body: bytes, keys: list[str], md: Metadata)
     """The objects file is JSON holding every key listed for it, each a well-formed encoding with
     its recorded checksum (pickled values are checked for form only: never unpickled here)."""
     try:
-        doc = json.loads(body)
-    except ValueError as e:
-        return [f"{name}: not valid JSON ({e})"]
+        doc = jsondoc.parse(body, name)
+    except HpdcpError as e:
+        return [str(e)]
     if not isinstance(doc, dict):
         return [f"{name}: not a JSON object"]
     out = []

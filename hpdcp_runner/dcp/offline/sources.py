@@ -18,7 +18,6 @@ import never needs more memory than one tensor. Sources:
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from ..core.geometry import Box, intersect, narrow, relative, whole
+from ..format import jsondoc
 from ..format.metadata import dtype_from_name, dtype_name
 from ..core.utils import flatten_state_dict
 
@@ -84,11 +84,8 @@ class SafetensorsSource(TensorSource):
     def _from_index(self, index: str) -> None:
         if os.path.getsize(index) > MAX_INDEX_BYTES:
             raise MetadataError(f"{index} is larger than {MAX_INDEX_BYTES} bytes")
-        try:
-            with open(index, "rb") as f:
-                doc = json.load(f)
-        except ValueError as e:
-            raise MetadataError(f"{index} is not valid JSON ({e})") from None
+        with open(index, "rb") as f:
+            doc = jsondoc.parse(f.read(), index)
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise MetadataError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -31,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from ..core import faults
+from ..format import jsondoc
 from ..format import objects as objcodec
 from ..core.utils import byte_view
 from ..format.chunk_index import INDEX_FILE
@@ -658,10 +658,7 @@ class FileSystemReader(StorageReader):
             full = os.path.join(self.path, name)
             if self.metadata and digest(body) != self.metadata.files[name].checksum:
                 raise CorruptCheckpointError(f"checkpoint file {full} fails its checksum (corrupted data)")
-            try:
-                doc = json.loads(body)
-            except ValueError as e:
-                raise CorruptCheckpointError(f"checkpoint file {full} is not valid JSON ({e})") from None
+            doc = jsondoc.parse(body, f"checkpoint file {full}", CorruptCheckpointError)
             for fqn in fqns:
                 if not isinstance(doc, dict) or fqn not in doc:
                     raise CorruptCheckpointError(f"checkpoint file {full} lacks object {fqn!r}")

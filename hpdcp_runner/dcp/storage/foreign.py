@@ -20,21 +20,23 @@ sizes and bounds, not the bytes.
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import stat
 import zipfile
+import zlib
 from typing import Any, Mapping
 
 import torch
 
 from ..core.rafile import FdFile, RandomAccessFile
+from ..format import jsondoc
 from ..format.safetensors_io import read_header
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from .filesystem import FileSystemReader
 from ..format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
-from .interfaces import StorageReader
+from ..core.utils import byte_view
+from .interfaces import ReadRequest, StorageReader
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -85,7 +87,10 @@ class _DescribedReader(FileSystemReader):
     format_name = "?"
 
     def __init__(self, path: str, **kwargs: Any) -> None:
-        kwargs["verify_checksums"] = False  # nothing to verify against: the format has no checksums
+        # our block checksums do not exist here; what the format does record (torch DCP's zip
+        # CRC-32 of each record) is checked by the reader itself, if the caller asked for checks
+        self.check_crc = kwargs.get("verify_checksums", True)
+        kwargs["verify_checksums"] = False
         super().__init__(path, **kwargs)
         self._described: str | None = None
 
@@ -156,10 +161,7 @@ class HfReader(_DescribedReader):
         size = self._size_of(HF_INDEX)
         if size > MAX_INDEX_BYTES:
             raise MetadataError(f"{index} is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit")
-        try:
-            doc = json.loads(self._read_small(HF_INDEX))
-        except ValueError as e:
-            raise MetadataError(f"{index} is not valid JSON ({e})") from None
+        doc = jsondoc.parse(self._read_small(HF_INDEX), index)
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str)
                                                           for k, v in wm.items()):
@@ -342,15 +344,37 @@ class TorchDcpReader(_DescribedReader):
                                             f"{info.transform_descriptors} (e.g. compression), which this reader "
                                             f"does not decode")
                     name = self._file(info.relative_path, files, fds, mpath)
-                    start = self._data_offset(fds[name], name, int(info.offset), int(info.length), fqn, sizes,
-                                              m.properties.dtype)
-                    chunks.append(ChunkMeta(offs, sizes, name, fqn, start, ""))
+                    start, crc = self._data_offset(fds[name], name, int(info.offset), int(info.length), fqn, sizes,
+                                                   m.properties.dtype)
+                    chunks.append(ChunkMeta(offs, sizes, name, fqn, start, crc))
                 tensors[fqn] = TensorMeta(dtype, tuple(int(x) for x in m.size), tuple(chunks), path)
         finally:
             for f in fds.values():
                 f.close()
         return Metadata(1, tensors, objects, files, extra={"source_format": "torch_dcp",
                                                            "torch_dcp_objects": locations})
+
+    def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> None:
+        """A chunk that is a record's whole data entry, read whole, is checked against the zip's
+        CRC-32 (what torch.save recorded); a part of one cannot be (the CRC covers the entry)."""
+        crc = r.chunk.checksum
+        if not (self.check_crc and crc.startswith("crc32:") and r.sub.sizes == r.chunk.sizes):
+            super()._read_one(name, offset, nbytes, r, dt)
+            return
+        fd = self._fd(name)
+        dest = r.dest
+        direct = dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
+        buf = dest if direct else self._scratch_view(nbytes)
+        view = byte_view(buf)
+        self._check_bounds(fd, name, r, offset, nbytes)
+        self._pread(fd, offset, view, name=name)
+        self._count(nbytes, 1)
+        if f"crc32:{zlib.crc32(view):08x}" != crc:
+            raise CorruptCheckpointError(f"{os.path.join(self.path, name)}: the record of {r.chunk.key!r} at offset "
+                                         f"{offset} fails its zip CRC-32 (corrupted data)")
+        self.counters.chunks_verified += 1
+        if not direct:
+            dest.copy_(buf.view(dt).view(r.chunk.sizes))
 
     def _file(self, rel: Any, files: dict, fds: dict, mpath: str) -> str:
         name = self._checked_name(rel, mpath)
@@ -360,18 +384,20 @@ class TorchDcpReader(_DescribedReader):
         return name
 
     def _data_offset(self, fd: RandomAccessFile, name: str, offset: int, length: int, fqn: str,
-                     sizes: tuple[int, ...], dtype: torch.dtype) -> int:
-        """The file offset of the chunk's raw bytes inside its ``torch.save`` record, after
-        checking that the record stores exactly this chunk, uncompressed and row-major."""
+                     sizes: tuple[int, ...], dtype: torch.dtype) -> tuple[int, str]:
+        """(file offset of the chunk's raw bytes inside its ``torch.save`` record, its checksum:
+        ``crc32:<hex>`` when the chunk is the record's whole data entry, else ''), after checking
+        that the record stores exactly this chunk, uncompressed and row-major, and that the zip
+        structure locating it is consistent (see :func:`_entry_data`)."""
         full = os.path.join(self.path, name)
         size = fd.size()
         nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
         if offset < 0 or length < 0 or offset + length > size:
-            raise CorruptCheckpointError(f"{full}: record of {fqn!r} at [{offset}, {offset + length}) lies beyond "
-                                         f"the end of the file ({size} bytes)")
+            raise CorruptCheckpointError(f"{full}: record of {fqn!r} at [{offset}, {offset + length}) lies outside "
+                                         f"the file ({size} bytes)")
         if fd.pread(4, offset) != b"PK\x03\x04":
             if length == nbytes:  # raw bytes (torch DCP's safetensors serialization)
-                return offset
+                return offset, ""
             raise CorruptCheckpointError(f"{full}: record of {fqn!r} at offset {offset} is neither a torch.save archive "
                                          f"nor {nbytes} raw bytes")
         problem = None
@@ -382,32 +408,31 @@ class TorchDcpReader(_DescribedReader):
                 if len(pkl) != 1:
                     raise CorruptCheckpointError("no data.pkl")
                 prefix = pkl[0].filename[:-len("data.pkl")]
-                rec = _TensorRecord(io.BytesIO(zf.read(pkl[0]))).load()
+                rec = _TensorRecord(io.BytesIO(_bounded_read(zf, pkl[0]))).load()
                 if not (isinstance(rec, tuple) and rec[0] == "tensor" and isinstance(rec[1], tuple)):
                     raise CorruptCheckpointError("the record is not one tensor")
                 _, (_, storage_type, key), st_off, rsize, rstride = rec
+                esize = torch.empty((), dtype=dtype).element_size()
                 if _STORAGE_DTYPES.get(storage_type, dtype) != dtype and storage_type != "UntypedStorage":
                     problem = f"stores {storage_type}, the metadata says {dtype}"
                 elif rsize != sizes or (rstride != _row_major(sizes) and torch.Size(sizes).numel() > 1):
                     problem = f"stores size {list(rsize)} stride {list(rstride)}, not a row-major {list(sizes)}"
+                elif type(st_off) is not int or st_off < 0:
+                    problem = f"has storage offset {st_off!r} (must be a non-negative integer)"
                 else:
                     info = zf.getinfo(f"{prefix}data/{key}")
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        problem = "its data is compressed"
+                    align = [i for i in infos if i.filename == f"{prefix}.storage_alignment"]
+                    data_at = _entry_data(fd, offset, length, info, infos, zf.start_dir,
+                                          int(_bounded_read(zf, align[0], 32)) if align else 1)
+                    skip = st_off * esize
+                    if skip + nbytes > info.file_size:
+                        problem = (f"its data entry is {info.file_size} bytes, too short for {nbytes} at storage "
+                                   f"offset {st_off}")
                     else:
-                        esize = torch.empty((), dtype=dtype).element_size()
-                        local = fd.pread(30, offset + info.header_offset)
-                        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-                            raise CorruptCheckpointError("bad local header")
-                        nlen = int.from_bytes(local[26:28], "little")
-                        xlen = int.from_bytes(local[28:30], "little")
-                        start = offset + info.header_offset + 30 + nlen + xlen + int(st_off) * esize
-                        if start + nbytes > offset + length or info.file_size < int(st_off) * esize + nbytes:
-                            problem = f"its data entry is {info.file_size} bytes, too short for {nbytes}"
-                        else:
-                            return start
+                        whole = skip == 0 and nbytes == info.file_size
+                        return offset + data_at + skip, (f"crc32:{info.CRC:08x}" if whole else "")
         except (zipfile.BadZipFile, pickle.UnpicklingError, CorruptCheckpointError, KeyError, ValueError,
-                EOFError, TypeError) as e:
+                EOFError, TypeError, OverflowError) as e:
             problem = f"is not a readable torch.save record ({type(e).__name__}: {e})"
         raise CorruptCheckpointError(f"{full}: record of {fqn!r} at offset {offset} {problem}")
 
@@ -425,11 +450,89 @@ class TorchDcpReader(_DescribedReader):
             self._pread(fd, loc[0], memoryview(data), name=om.file)
             self.counters.bytes_read += len(data)
             try:  # weights_only: plain containers, numbers, strings and tensors, never code
+                _check_stored(data)
                 out[fqn] = torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:
                 raise CorruptCheckpointError(f"{os.path.join(self.path, om.file)}: object {fqn!r} cannot be read "
                                              f"safely ({type(e).__name__}: {str(e)[:200]})") from None
         return out
+
+
+MAX_RECORD_PICKLE = 1 << 20  # a tensor record's data.pkl is ~200 bytes; anything near this is hostile
+
+
+def _bounded_read(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int = MAX_RECORD_PICKLE) -> bytes:
+    """An entry's bytes, refusing one over ``limit`` before inflating it: a stored size can lie
+    and a compressed entry can inflate a thousandfold, so the read itself stops at the limit."""
+    if info.file_size > limit:
+        raise CorruptCheckpointError(f"{info.filename} declares {info.file_size} bytes, over the {limit}-byte limit")
+    with zf.open(info) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{info.filename} inflates past the {limit}-byte limit")
+    return data
+
+
+def _entry_data(fd: RandomAccessFile, base: int, length: int, info: zipfile.ZipInfo, infos: list,
+                start_dir: int, align: int = 1) -> int:
+    """Where ``info``'s data starts inside the record at ``base``, after checking the zip
+    structure both ways: the local header agrees with the central directory (name, method, and
+    sizes and CRC, or the data descriptor right after the data when the header defers them), its
+    extra field is whole records, the data starts at the record's declared alignment
+    (``.storage_alignment``, which torch.save pads to) and ends before the next entry and the
+    central directory. A flipped byte in a length field therefore fails here instead of shifting
+    the data read."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpointError(f"{info.filename}: its data is compressed")
+    local = fd.pread(30, base + info.header_offset)
+    if info.header_offset < 0 or len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{info.filename}: no local header at {info.header_offset}")
+    flags, method = int.from_bytes(local[6:8], "little"), int.from_bytes(local[8:10], "little")
+    crc, csize, usize = (int.from_bytes(local[i:i + 4], "little") for i in (14, 18, 22))
+    nlen, xlen = int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+    encoded = info.filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+    if nlen != len(encoded) or fd.pread(nlen, base + info.header_offset + 30) != encoded:
+        raise CorruptCheckpointError(f"{info.filename}: its local header names another file")
+    if method != zipfile.ZIP_STORED:
+        raise CorruptCheckpointError(f"{info.filename}: local header says compressed")
+    extra, i = fd.pread(xlen, base + info.header_offset + 30 + nlen), 0
+    while i + 4 <= len(extra):
+        i += 4 + int.from_bytes(extra[i + 2:i + 4], "little")
+    if i != xlen or len(extra) != xlen:
+        raise CorruptCheckpointError(f"{info.filename}: its local header's extra field ({xlen} bytes) is not whole "
+                                     f"records")
+    start = info.header_offset + 30 + nlen + xlen
+    if align < 1 or start % align:
+        raise CorruptCheckpointError(f"{info.filename}: data at {start} is not at the record's {align}-byte alignment")
+    end = start + info.compress_size
+    later = [i.header_offset for i in infos if i.header_offset > info.header_offset]
+    limit = min(later + [start_dir, length])
+    if end > limit:
+        raise CorruptCheckpointError(f"{info.filename}: data [{start}, {end}) runs into the next zip structure at "
+                                     f"{limit}")
+    if flags & 0x8:  # sizes and CRC follow the data, in a data descriptor (how torch.save writes)
+        tail = fd.pread(24, base + end)
+        if tail[:4] == b"PK\x07\x08":
+            tail = tail[4:]
+        wide = (int.from_bytes(tail[4:12], "little"), int.from_bytes(tail[12:20], "little"))
+        narrow = (int.from_bytes(tail[4:8], "little"), int.from_bytes(tail[8:12], "little"))
+        if int.from_bytes(tail[:4], "little") != info.CRC or (info.compress_size, info.file_size) not in (wide, narrow):
+            raise CorruptCheckpointError(f"{info.filename}: the data descriptor after its data disagrees with the "
+                                         f"central directory (shifted or damaged structure)")
+    elif (crc, csize, usize) != (info.CRC, info.compress_size, info.file_size) and csize != 0xFFFFFFFF:
+        raise CorruptCheckpointError(f"{info.filename}: local header and central directory disagree")
+    return start
+
+
+def _check_stored(data: bytes) -> None:
+    """A ``torch.save`` archive whose entries are all stored (torch never compresses): what
+    ``torch.load`` then inflates is bounded by the record's own size."""
+    if data[:4] != b"PK\x03\x04":
+        return  # the legacy (non-zip) format: torch.load reads it in place
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        for info in zf.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
+                raise CorruptCheckpointError(f"entry {info.filename} is compressed or larger than its record")
 
 
 def _path_of(fqn: str, recorded: Any) -> tuple:

@@ -40,6 +40,7 @@ import torch
 from ..core import faults
 from ..core.errors import CheckpointExistsError, ConfigError, MetadataError
 from ..core.utils import get_logger
+from ..format import jsondoc
 from ..format.chunk_index import INDEX_FILE
 from ..format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name, dtype_name
 from ..format.objects import encode_object_file
@@ -68,10 +69,7 @@ def read_commit(bucket: Bucket, name_key: str) -> tuple[dict, dict] | None:
     if got is None:
         return None
     body, meta = got
-    try:
-        doc = json.loads(body)
-    except ValueError as e:
-        raise MetadataError(f"{bucket.url(name_key + '/' + COMMIT_OBJECT)} is not valid JSON ({e})") from None
+    doc = jsondoc.parse(body, bucket.url(name_key + '/' + COMMIT_OBJECT))
     data = doc.get("data") if isinstance(doc, dict) else None
     if not (isinstance(doc, dict) and doc.get("format") == _COMMIT_FORMAT and isinstance(data, str)
             and data.startswith(SAVE_PREFIX) and "/" not in data):

@@ -286,6 +286,7 @@ class _RemoteDescribed:
     whole, files by ranges. Mixed in before the format's reader and ``ObjectStoreReader``."""
 
     def _init_remote(self, uri: str, kwargs: dict) -> None:
+        self.check_crc = kwargs.get("verify_checksums", True)  # see foreign._DescribedReader
         ObjectStoreReader.__init__(self, uri, **{**kwargs, "verify_checksums": False})
         self._described = None
         self.data = ""

@@ -18,7 +18,6 @@ crash never leaves half a checkpoint under a real name; the next retention clear
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -31,6 +30,7 @@ from .commit import (DISPLACED_MARK, STAGING_LOCK, STAGING_MARK, TRASH_MARK, int
                      remove_tree_safely, staging_is_abandoned)
 from .filesystem import open_regular
 from .uri import is_uri, join
+from ..format import jsondoc
 from ..format.metadata import METADATA_FILE
 from ..core.utils import get_logger
 
@@ -79,8 +79,8 @@ def _recorded_extra(path: str) -> dict | None:
             text = f.read(_MAX_SCAN_BYTES + 1)
         if len(text) > _MAX_SCAN_BYTES:
             return None
-        extra = json.loads(text).get("extra")
-    except (OSError, ValueError, AttributeError, RecursionError):
+        extra = jsondoc.parse(text, "metadata").get("extra")
+    except (OSError, ValueError, AttributeError):
         return None
     return extra if isinstance(extra, dict) else None
 

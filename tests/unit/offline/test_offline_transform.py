@@ -105,7 +105,7 @@ def test_malformed_hf_inputs_name_the_file(tmp_path):
     save_file({"a": torch.ones(2)}, hf / "s1.safetensors")
     save_file({"a": torch.ones(2), "b": torch.zeros(3)}, hf / "s2.safetensors")
     (hf / "model.safetensors.index.json").write_text("{not json")
-    with pytest.raises(MetadataError, match="model.safetensors.index.json is not valid JSON"):
+    with pytest.raises(MetadataError, match="model.safetensors.index.json: not valid JSON"):
         import_checkpoint(hf, tmp_path / "o1")
     (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors",
                                                                                  "b": "s2.safetensors"}}))
