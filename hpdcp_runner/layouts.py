@@ -107,6 +107,16 @@ class Placer:
         """The tensors no rule names (what ``layout.strict`` refuses)."""
         return [f for f in fqns if self.rule_for(f) is None]
 
+    def local_numel(self, fqn: str, shape: tuple[int, ...]) -> int:
+        """Elements :meth:`empty` allocates on this rank for a tensor of ``shape`` (no allocation)."""
+        shape = tuple(int(d) for d in shape)
+        if self.layout.kind == "plain" or not shape:
+            return math.prod(shape)
+        if self.layout.kind == "flat":
+            a, b = self._flat_cuts(math.prod(shape), self.rank)
+            return b - a
+        return sum(b.numel for b in self.boxes(fqn, shape, self.rank))
+
     def empty(self, fqn: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
         """An uninitialised load target for a tensor of ``shape``: this rank's own shard only
         (never the full tensor), as a DTensor / FlatShard / plain tensor per the layout."""

@@ -4,7 +4,7 @@ rank allocates only its own shard), and every object as a placeholder the load f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .dcp import ConfigError, Metadata
 from .dcp.tools import dtype_from_name, set_element
@@ -18,9 +18,16 @@ def _ensure_path(root: dict, path: tuple) -> None:
         node = node.setdefault(k, {})
 
 
-def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False) -> dict[str, Any]:
-    """The nested load target for every key of ``md`` under ``placer``'s layout. With ``strict``,
-    tensors that no layout rule names are one error listing them all."""
+def local_bytes(md: Metadata, placer: Placer, keys: Any = None) -> int:
+    """Bytes :func:`state_from_metadata` allocates on this rank (for ``keys``, default all)."""
+    return sum(placer.local_numel(k, t.shape) * dtype_from_name(t.dtype).itemsize
+               for k, t in md.tensors.items() if keys is None or k in keys)
+
+
+def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False,
+                        only: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """The nested load target for every key of ``md`` (that ``only`` admits) under ``placer``'s
+    layout. With ``strict``, tensors that no layout rule names are one error listing them all."""
     if strict:
         unmatched = placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape))
         if unmatched:
@@ -30,6 +37,8 @@ def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False) -
                               f"tensor(s): {shown}{more}; add rules for them or set layout.strict=false")
     root: dict[str, Any] = {}
     for k, t in sorted(md.tensors.items()):
+        if only is not None and not only(k):
+            continue
         _ensure_path(root, t.path)
         set_element(root, t.path, placer.empty(k, t.shape, dtype_from_name(t.dtype)))
     for k, o in sorted(md.objects.items()):

@@ -12,7 +12,8 @@ from .async_persist import AsyncSaveResponse, async_save, release_staging_buffer
 from .comm.broadcast import BroadcastOptions, release_broadcast_groups
 from .core import faults  # noqa: F401  test-only fault points (HPDCP_FAULTS): hpdcp_runner.dcp.faults
 from .core.errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError,
-                     CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, KeyMismatchError,
+                     CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, InsufficientMemoryError,
+                     KeyMismatchError,
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
                      StorageAccessError)
 from .storage.filesystem import FileSystemReader, FileSystemWriter
@@ -43,5 +44,5 @@ __all__ = [
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
     "CommitDurabilityError", "CheckpointChangedError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",
-    "CoverageError", "PickleNotAllowedError", "StorageAccessError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError",
+    "CoverageError", "PickleNotAllowedError", "StorageAccessError", "ReplicaMismatchError", "DistributedError", "InsufficientMemoryError", "CollectiveTimeoutError",
 ]

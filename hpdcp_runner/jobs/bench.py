@@ -69,7 +69,7 @@ def run(ctx: JobContext) -> dict:
         path = ctx.abspath(job.source.path)
         md = ctx.source_metadata(path)
         with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-            state = state_from_metadata(md, placer, strict=ctx.cfg.layout.strict)
+            state = ctx.target_from_metadata(md, path, copies=2)  # the state timed, and its load target
             target = state_from_metadata(md, placer)
         ctx.load(state, path, phase="source_load", key="job.source.path", foreign=True)
         _copy_objects(state, target)

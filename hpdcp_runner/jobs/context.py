@@ -14,7 +14,7 @@ import torch
 from .. import dcp
 from .. import runtime
 from ..config import Config, EngineOptions, checkpoint_series, engine_options
-from ..dcp.tools import (apply_retention, Comm, configure_object_store, is_uri, join_location, local_pieces,
+from ..dcp.tools import (apply_retention, check_together, Comm, configure_object_store, is_uri, join_location, local_pieces,
                          METADATA_FILE, normalize_location, series_extra, series_outsiders)
 from ..dcp import open_reader, open_writer, rename_keys
 from ..layouts import Placer
@@ -168,9 +168,28 @@ class JobContext:
                 source = f"{path} (as {reader.format_name})" if reader.format_name != "hpdcp" else \
                     join_location(path, METADATA_FILE)
                 md = dcp.Metadata.from_json(got, source=source, open_file=reader.open_file)
+                # targets are built from this: the files must hold what it claims (rank 0 checks)
+                self.comm.agree_root("check source files", lambda: reader.check_claims(md))
                 return rename_keys(md, self.source_renames(), source=f"{path} (job.source.rename)")
         finally:
             reader.close()
+
+    def target_from_metadata(self, md: dcp.Metadata, path: str, only: Callable[[str], bool] | None = None,
+                             key: str = "job.source.path", copies: int = 1) -> dict:
+        """The load target for a user's checkpoint (every tensor ``only`` admits, placed by
+        ``layout=``), after every rank checked that its shards (``copies`` of them: the caller
+        builds more) fit in the memory it has."""
+        from ..targets import local_bytes, state_from_metadata
+
+        placer = self.placer()
+        keys = None if only is None else {k for k in md.tensors if only(k)}
+        need = local_bytes(md, placer, keys) * copies
+        with self.user_errors(key):
+            check_together(self.comm, need, placer.device, f"its shards of {path} under layout "
+                           f"{self.cfg.layout.name!r} ({len(md.tensors) if keys is None else len(keys)} tensors)",
+                           "run on more hosts, pick a layout that shards more (layout=...), or load part of it "
+                           "(job.include=<regex>)")
+            return state_from_metadata(md, placer, strict=self.cfg.layout.strict, only=only)
 
     def load(self, state: Any, path: str, phase: str = "load", strict: bool = True,
              key: str = "checkpoint.path", foreign: bool = False) -> dcp.LoadResult:

@@ -13,7 +13,6 @@ from typing import Any
 from ..dcp import HpdcpError, KeyMismatchError
 from ..dcp.tools import flatten_state_dict, local_pieces
 from ..layouts import place_state
-from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext, compare_state
 
@@ -69,8 +68,9 @@ def _load_source(ctx: JobContext) -> dict:
     job = ctx.cfg.job
     path = ctx.abspath(job.source.path)
     md = ctx.source_metadata(path)
+    only = re.compile(job.include).search if job.include is not None else None
     with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-        target = select(state_from_metadata(md, ctx.placer(), strict=ctx.cfg.layout.strict), job.include)
+        target = select(ctx.target_from_metadata(md, path, only), job.include)
     try:
         res = ctx.load(target, path, strict=job.strict and job.include is None, key="job.source.path", foreign=True)
     except KeyMismatchError as e:

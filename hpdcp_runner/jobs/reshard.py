@@ -16,7 +16,6 @@ from ..dcp import HpdcpError
 from ..dcp.tools import compile_rules, export_hf, full_tensor_digests, rename_key
 from ..config import load_preset
 from ..layouts import place_state
-from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext
 
@@ -43,7 +42,7 @@ def run(ctx: JobContext) -> dict:
             # by layout=; each rank allocates only its own shards; model= plays no part
             md = ctx.source_metadata(source)
             with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-                target = state_from_metadata(md, ctx.placer(), strict=ctx.cfg.layout.strict)
+                target = ctx.target_from_metadata(md, source)
         else:
             with ctx.metrics.phase("build"):
                 target = place_state(zeros_like_state(ref), ctx.placer())

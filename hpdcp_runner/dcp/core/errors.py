@@ -78,6 +78,10 @@ class ReplicaMismatchError(StateDictError):
     """Ranks holding the same replicated chunk hold different values (opt-in check)."""
 
 
+class InsufficientMemoryError(HpdcpError, RuntimeError):
+    """What a checkpoint asks this rank to allocate exceeds what the device has available."""
+
+
 class DistributedError(HpdcpError, RuntimeError):
     """One or more ranks failed; raised identically on every rank.
 

@@ -20,6 +20,7 @@ from ..api import Timeout, load
 from ..protocol import metadata_source
 from ..format.safetensors_io import write_file
 from ..comm.collectives import Comm
+from ..core.memory import check_together
 from ..core.errors import ConfigError
 from ..storage.object_checkpoint import ObjectDirectoryOutput
 from ..storage.uri import is_uri, normalize
@@ -112,6 +113,21 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     owners = assign_files([sum(size_of[k] for k in s) for s in shards], comm.world_size)
     mine = [i for i in range(n) if owners[i] == comm.rank]
     rounds = max(owners.count(r) for r in range(comm.world_size))
+
+    def check_claims() -> None:
+        """Before a byte is allocated: the files hold what the metadata claims (rank 0, once)."""
+        if hasattr(source_reader, "check_claims"):  # a custom reader checks its own
+            try:
+                source_reader.check_claims(md)
+            finally:
+                source_reader.close()
+
+    comm.agree_root("export_hf: sizes", check_claims)
+    big = max(mine, key=lambda i: sum(size_of[k] for k in shards[i])) if mine else None
+    check_together(comm, sum(size_of[k] for k in shards[big]) if mine else 0, "cpu",
+                   f"export_hf of {src} (writing {files[big] if mine else 'nothing'})",
+                   "each rank holds one whole output shard at a time: use more hosts or a smaller max_shard_size "
+                   "(a single tensor larger than memory cannot be exported)")
     side_dir = (normalize(files_from) if is_uri(files_from) else os.path.abspath(os.fspath(files_from))) \
         if files_from else (src if kind == "hf" else None)
     if side_dir is not None and not is_uri(side_dir) and os.path.isfile(side_dir):

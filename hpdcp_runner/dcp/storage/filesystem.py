@@ -459,6 +459,24 @@ class FileSystemReader(StorageReader):
             if on_done is not None:
                 on_done(k)
 
+    def check_claims(self, md: Metadata) -> None:
+        """Before anything is allocated from ``md``: every file it lists is here at its recorded
+        size, and its tensors claim no more bytes than those files hold (chunks tile each
+        tensor and never share bytes, so a valid checkpoint's tensor bytes fit in its files). A
+        tiny file claiming a 1 TiB tensor fails here, naming the file or the tensor."""
+        before, self.metadata = self.metadata, md
+        try:
+            self.check_files(sorted(md.files))
+        finally:
+            self.metadata = before
+        have = sum(f.size for f in md.files.values())
+        claimed = md.total_tensor_bytes
+        if claimed > have:
+            big = max(md.tensors.items(), key=lambda kv: kv[1].nbytes)
+            raise CorruptCheckpointError(f"{self.path}: the metadata claims {claimed} bytes of tensors (e.g. "
+                                         f"{big[0]!r}: {big[1].dtype} {list(big[1].shape)}, {big[1].nbytes} bytes) "
+                                         f"but its files hold {have} bytes (damaged or hostile metadata)")
+
     def check_files(self, names: Iterable[str]) -> None:
         """Check these files now (inside the pinned directory: each a regular file of its recorded
         size) without opening them: a load checks every file it needs before any data moves, and
