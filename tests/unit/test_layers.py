@@ -126,7 +126,7 @@ def test_public_surface_is_the_documented_one():
         "ObjectStoreWriter", "rename_keys", "FlatShard", "LocalShard",
         "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
         "CommitDurabilityError", "CheckpointChangedError", "MetadataError", "CorruptCheckpointError",
-        "StateDictError", "KeyMismatchError", "ShapeMismatchError", "CoverageError", "PickleNotAllowedError",
+        "StateDictError", "InsufficientMemoryError", "KeyMismatchError", "ShapeMismatchError", "CoverageError", "PickleNotAllowedError",
         "StorageAccessError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError"])
     for name in dcp.__all__:
         assert hasattr(dcp, name), name

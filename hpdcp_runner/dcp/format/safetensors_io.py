@@ -23,6 +23,7 @@ import xxhash
 
 from ..core import faults
 from ..core.errors import CorruptCheckpointError
+from ..core.rafile import open_regular_file
 from ..core.utils import byte_view
 from . import jsondoc
 from .checksums import BLOCK_BYTES, digest, file_checksum
@@ -278,7 +279,7 @@ class HeaderEntry:
 def read_header(path: str, max_entries: int | None = None) -> tuple[bytes, list[HeaderEntry]]:
     """Parse and validate a safetensors header (used by inspect/verify and offline tools).
     ``max_entries`` bounds the work a foreign file can ask for before anything is read."""
-    with open(path, "rb") as f:
+    with open_regular_file(path) as f:  # not through a link swapped in after a check
         size = os.fstat(f.fileno()).st_size
         return parse_header(os.path.basename(path), size, lambda n, off: os.pread(f.fileno(), n, off), max_entries)
 

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import shutil
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,7 +20,8 @@ from ..protocol import metadata_source
 from ..format.safetensors_io import write_file
 from ..comm.collectives import Comm
 from ..core.memory import check_together
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, HpdcpError
+from ..core.rafile import open_regular_file
 from ..storage.object_checkpoint import ObjectDirectoryOutput
 from ..storage.uri import is_uri, normalize
 from ..storage.commit import StagedDir
@@ -58,16 +58,7 @@ def assign_files(nbytes: Sequence[int], world_size: int) -> list[int]:
 def side_files(directory: str) -> list[str]:
     """The regular files of a model directory that are not weights: config, generation config,
     tokenizer, chat template, custom code (copied, never run)."""
-    out = []
-    for name in sorted(os.listdir(directory)):
-        full = os.path.join(directory, name)
-        if _NOT_SIDE_FILES.fullmatch(name) or os.path.islink(full) or not os.path.isfile(full):
-            continue
-        if os.path.getsize(full) > MAX_SIDE_FILE_BYTES:
-            log.warning("not copying %s: over %d bytes", full, MAX_SIDE_FILE_BYTES)
-            continue
-        out.append(name)
-    return out
+    return sorted(_read_side_files(directory, names_only=True))
 
 
 def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, format: str = "auto",
@@ -186,9 +177,11 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             if store_out is not None:
                 store_out.finish(began["before"], weights + began["copied"])
                 return began["copied"]
-            copied = side_files(side_dir) if side_dir else []
-            for name in copied:
-                shutil.copyfile(os.path.join(side_dir, name), os.path.join(staging, name))
+            side = _read_side_files(side_dir) if side_dir else {}
+            for name, data in side.items():  # the bytes read from the checked descriptor
+                with open(os.path.join(staging, name), "xb") as f:
+                    f.write(data)
+            copied = sorted(side)
             out.commit(fsync=fsync)
             return copied
 
@@ -207,14 +200,30 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             "counters": counters}
 
 
-def _read_side_files(where: str) -> dict[str, bytes]:
-    """The side files (``side_files``'s rule) of a local directory or of a directory in a store,
-    read whole: they are small (config, tokenizer), and a store has no copy across buckets."""
+def _read_side_files(where: str, names_only: bool = False) -> dict[str, bytes]:
+    """The side files of a local directory or of a directory in a store, read whole: they are
+    small (config, tokenizer), and a store has no copy across buckets. Locally each is opened
+    inside the directory without following links and checked on the descriptor, then read from
+    it: a link swapped in after the listing is refused, never followed (what is copied is what
+    was checked)."""
     if not is_uri(where):
         out = {}
-        for name in side_files(where):
-            with open(os.path.join(where, name), "rb") as f:
-                out[name] = f.read()
+        dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for name in sorted(os.listdir(dfd)):
+                if _NOT_SIDE_FILES.fullmatch(name):
+                    continue
+                try:
+                    f = open_regular_file(os.path.join(where, name), dfd, what="side file")
+                except (FileNotFoundError, HpdcpError):
+                    continue  # a link, a directory, a device, or gone: not copied
+                with f:
+                    if os.fstat(f.fileno()).st_size > MAX_SIDE_FILE_BYTES:
+                        log.warning("not copying %s: over %d bytes", os.path.join(where, name), MAX_SIDE_FILE_BYTES)
+                        continue
+                    out[name] = b"" if names_only else f.read(MAX_SIDE_FILE_BYTES + 1)[:MAX_SIDE_FILE_BYTES]
+        finally:
+            os.close(dfd)
         return out
     from ..storage.object_store import Bucket
 

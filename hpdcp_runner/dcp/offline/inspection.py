@@ -11,12 +11,13 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import torch
 
 from ..format.checksums import block_digests, digest, file_checksum
-from ..format.safetensors_io import read_header
+from ..format.safetensors_io import parse_header
+from ..core.rafile import open_regular_file
 from ..format import jsondoc
 from ..format import objects as objcodec
 from ..core.errors import HpdcpError, PickleNotAllowedError
@@ -158,34 +159,40 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
         blocks_by_file.setdefault(f, {})[k] = hexes
     problems += _rank_problems(md)
     checked = nbytes = 0
-    for name, fm in sorted(md.files.items()):
-        full = os.path.join(abspath, name)
-        if not os.path.lexists(full):
-            problems.append(f"{name}: missing")
-            continue
-        if os.path.islink(full) or not os.path.isfile(full):
-            problems.append(f"{name}: not a regular file ({'a symbolic link' if os.path.islink(full) else 'special'}); "
-                            f"load refuses it")
-            continue
-        size = os.path.getsize(full)
-        if size != fm.size:
-            problems.append(f"{name}: {size} bytes, metadata records {fm.size}")
-            continue
-        checked += 1
-        nbytes += size
-        if name.endswith(".safetensors"):
-            problems += _verify_tensor_file(full, name, fm.checksum, by_file.get(name, {}),
-                                            blocks_by_file.get(name, {}), md.block_bytes)
-        else:
-            with open(full, "rb") as f:
-                body = f.read()
-            if digest(body) != fm.checksum:
-                problems.append(f"{name}: checksum mismatch")
-            problems += _object_file_problems(name, body, objects_by_file.get(name, []), md)
-        if on_file is not None:
-            on_file(name, size)
-    extra = sorted(set(os.listdir(abspath)) - set(md.files) - {METADATA_FILE}
-                   - ({md.index.recorded["file"]} if md.index is not None else set()))
+    dfd = os.open(abspath, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:  # every file opened inside this directory, never through a link (no check-then-open window)
+        for name, fm in sorted(md.files.items()):
+            full = os.path.join(abspath, name)
+            try:
+                f = open_regular_file(full, dfd)
+            except FileNotFoundError:
+                problems.append(f"{name}: missing")
+                continue
+            except HpdcpError as e:
+                kind = "a symbolic link" if "symbolic link" in str(e) else "special"
+                problems.append(f"{name}: not a regular file ({kind}); load refuses it")
+                continue
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size != fm.size:
+                    problems.append(f"{name}: {size} bytes, metadata records {fm.size}")
+                    continue
+                checked += 1
+                nbytes += size
+                if name.endswith(".safetensors"):
+                    problems += _verify_tensor_file(f, name, fm.checksum, by_file.get(name, {}),
+                                                    blocks_by_file.get(name, {}), md.block_bytes)
+                else:
+                    body = f.read()
+                    if digest(body) != fm.checksum:
+                        problems.append(f"{name}: checksum mismatch")
+                    problems += _object_file_problems(name, body, objects_by_file.get(name, []), md)
+            if on_file is not None:
+                on_file(name, size)
+        extra = sorted(set(os.listdir(dfd)) - set(md.files) - {METADATA_FILE}
+                       - ({md.index.recorded["file"]} if md.index is not None else set()))
+    finally:
+        os.close(dfd)
     problems += [f"{n}: not listed in {METADATA_FILE}" for n in extra]
     return VerifyReport(abspath, tuple(problems), checked, nbytes)
 
@@ -232,8 +239,8 @@ def _verify_index(full: str, checksum: str) -> list[str]:
     """The chunk index's own checksum (as a rank file's: header, then each entry's digest)."""
     name = os.path.basename(full)
     try:
-        raw, entries = read_header(full)
-        with open(full, "rb") as f:
+        with open_regular_file(full) as f:
+            raw, entries = parse_header(name, os.fstat(f.fileno()).st_size, lambda n, off: os.pread(f.fileno(), n, off))
             digests = []
             for e in entries:
                 f.seek(e.byte_offset)
@@ -243,32 +250,33 @@ def _verify_index(full: str, checksum: str) -> list[str]:
     return [] if file_checksum(raw, digests) == checksum else [f"{name}: checksum mismatch (recorded in metadata.json)"]
 
 
-def _verify_tensor_file(full: str, name: str, checksum: str, chunks: dict, blocks: dict[str, str],
+def _verify_tensor_file(f: BinaryIO, name: str, checksum: str, chunks: dict, blocks: dict[str, str],
                         block_bytes: int) -> list[str]:
+    """One rank file, read through ``f`` (opened once, not followed through a link)."""
     problems = []
     try:
-        header, entries = read_header(full)
+        header, entries = parse_header(name, os.fstat(f.fileno()).st_size,
+                                       lambda n, off: os.pread(f.fileno(), n, off))
     except HpdcpError as e:
         return [str(e)]
     digests = []
-    with open(full, "rb") as f:
-        for e in entries:
-            f.seek(e.byte_offset)
-            data = f.read(e.nbytes)
-            d = digest(data)
-            digests.append(d)
-            found = chunks.get(e.key)
-            if found is None:
-                problems.append(f"{name}: key {e.key!r} is not in the metadata")
-                continue
-            c, dtype, tensor = found
-            if e.dtype != dtype or e.shape != c.sizes or e.nbytes != math.prod(c.sizes) * element_size(dtype):
-                problems.append(f"{name}: key {e.key!r} is {e.dtype} {list(e.shape)} ({e.nbytes} bytes) in the file "
-                                f"but {METADATA_FILE} records tensor {tensor!r} as {dtype} chunk {list(c.sizes)}")
-            elif c.checksum != d or c.byte_offset != e.byte_offset:
-                problems.append(f"{name}: key {e.key!r} fails its checksum")
-            elif e.key in blocks and block_digests(memoryview(data), block_bytes) != blocks[e.key]:
-                problems.append(f"{name}: key {e.key!r}: its block checksums do not match its bytes")
+    for e in entries:
+        f.seek(e.byte_offset)
+        data = f.read(e.nbytes)
+        d = digest(data)
+        digests.append(d)
+        found = chunks.get(e.key)
+        if found is None:
+            problems.append(f"{name}: key {e.key!r} is not in the metadata")
+            continue
+        c, dtype, tensor = found
+        if e.dtype != dtype or e.shape != c.sizes or e.nbytes != math.prod(c.sizes) * element_size(dtype):
+            problems.append(f"{name}: key {e.key!r} is {e.dtype} {list(e.shape)} ({e.nbytes} bytes) in the file "
+                            f"but {METADATA_FILE} records tensor {tensor!r} as {dtype} chunk {list(c.sizes)}")
+        elif c.checksum != d or c.byte_offset != e.byte_offset:
+            problems.append(f"{name}: key {e.key!r} fails its checksum")
+        elif e.key in blocks and block_digests(memoryview(data), block_bytes) != blocks[e.key]:
+            problems.append(f"{name}: key {e.key!r}: its block checksums do not match its bytes")
     missing = sorted(set(chunks) - {e.key for e in entries})
     problems += [f"{name}: key {k!r} listed in the metadata is not in the file" for k in missing]
     if file_checksum(header, digests) != checksum:

@@ -27,6 +27,7 @@ import torch
 from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from ..core.geometry import Box, intersect, narrow, relative, whole
 from ..format import jsondoc
+from ..core.rafile import open_regular, open_regular_file
 from ..format.metadata import dtype_from_name, dtype_name
 from ..core.utils import flatten_state_dict
 
@@ -60,10 +61,9 @@ class TensorSource:
 
 class SafetensorsSource(TensorSource):
     def __init__(self, path: str | os.PathLike) -> None:
-        from safetensors import safe_open
 
         self.path = os.path.abspath(os.fspath(path))
-        self._open = safe_open
+        self._open = safe_open_pinned
         self.files: dict[str, str] = {}  # key -> file path
         if os.path.isdir(self.path):
             index = os.path.join(self.path, HF_INDEX)
@@ -84,7 +84,7 @@ class SafetensorsSource(TensorSource):
     def _from_index(self, index: str) -> None:
         if os.path.getsize(index) > MAX_INDEX_BYTES:
             raise MetadataError(f"{index} is larger than {MAX_INDEX_BYTES} bytes")
-        with open(index, "rb") as f:
+        with open_regular_file(index, what="index file") as f:
             doc = jsondoc.parse(f.read(), index)
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
@@ -175,6 +175,20 @@ class TorchFileSource(TensorSource):
 
     def close(self) -> None:
         self._tensors.clear()
+
+
+def safe_open_pinned(path: str, framework: str = "pt") -> Any:
+    """``safetensors.safe_open`` of the regular file at ``path``, never of a link swapped in after
+    its header was checked: the file is opened without following links and the library opens
+    that descriptor (``/proc/self/fd``) where the platform has it."""
+    from safetensors import safe_open
+
+    fd = open_regular(path)
+    try:
+        via = f"/proc/self/fd/{fd}"
+        return safe_open(via if os.path.exists(via) else path, framework=framework)
+    finally:
+        os.close(fd)
 
 
 def _require_pickle(path: str, allow_pickle: bool, what: str) -> None:
@@ -268,9 +282,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def read_hyper_parallel_metadata(path: str, max_bytes: int = 256 << 20) -> Any:
-    if os.path.getsize(path) > max_bytes:
-        raise MetadataError(f"{path} is larger than {max_bytes} bytes")
-    with open(path, "rb") as f:
+    with open_regular_file(path, what="metadata file") as f:
+        if os.fstat(f.fileno()).st_size > max_bytes:
+            raise MetadataError(f"{path} is larger than {max_bytes} bytes")
         data = f.read()
     try:
         md = _RestrictedUnpickler(io.BytesIO(data)).load()
@@ -283,7 +297,6 @@ def read_hyper_parallel_metadata(path: str, max_bytes: int = 256 << 20) -> Any:
 
 class HyperParallelSource(TensorSource):
     def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False) -> None:
-        from safetensors import safe_open
 
         self.path = os.path.abspath(os.fspath(path))
         mpath = os.path.join(self.path, ".metadata")
@@ -291,7 +304,7 @@ class HyperParallelSource(TensorSource):
             raise CheckpointNotFoundError(f"{self.path}: no .metadata (not a hyper-parallel checkpoint)")
         _require_pickle(mpath, allow_pickle, "a hyper-parallel checkpoint")
         md = read_hyper_parallel_metadata(mpath)
-        self._open = safe_open
+        self._open = safe_open_pinned
         self._handles: dict[str, Any] = {}
         self.specs, self.chunks, self._paths, self._bytes = {}, {}, {}, {}
         storage = {(getattr(k, "fqn", None), tuple(getattr(k, "offset", ()) or ())): v
@@ -355,7 +368,7 @@ class HyperParallelSource(TensorSource):
     def objects(self) -> dict[str, Any]:
         out = {}
         for fqn, (fp, off, length) in self._bytes.items():
-            with open(fp, "rb") as f:
+            with open_regular_file(fp) as f:
                 f.seek(off)
                 data = f.read(length if length >= 0 else -1)
             out[fqn] = pickle.loads(data)  # allow_pickle was required to get here

@@ -15,7 +15,6 @@ the old one is then moved to a trash name and deleted.
 
 from __future__ import annotations
 
-import errno
 import dataclasses
 import math
 import os
@@ -33,6 +32,7 @@ from ..core import faults
 from ..format import jsondoc
 from ..format import objects as objcodec
 from ..core.utils import byte_view
+from ..core.rafile import open_regular  # noqa: F401  (re-exported: api, retention)
 from ..format.chunk_index import INDEX_FILE
 from ..format.safetensors_io import SafetensorsStreamWriter, digest, naming, pread_into, write_index
 from ..core.errors import (CheckpointChangedError, ConfigError, HpdcpError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
@@ -53,28 +53,6 @@ DEFAULT_FILES_KEPT = 8
 
 def rank_file(rank: int, kind: str) -> str:
     return f"rank{rank:05d}.{kind}"
-
-
-def open_regular(full: str, dir_fd: int | None = None) -> int:
-    """Open a checkpoint file for reading: no symlinks, no FIFOs or devices (which could hang or
-    read outside the checkpoint), only a regular file. With ``dir_fd``, the file's base name is
-    opened inside that (pinned) directory. Returns the fd."""
-    try:
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-        fd = os.open(os.path.basename(full), flags, dir_fd=dir_fd) if dir_fd is not None else os.open(full, flags)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CorruptCheckpointError(f"{full} is a symbolic link; checkpoint files must be regular files inside "
-                                         f"the checkpoint directory") from None
-        if e.errno in (errno.EACCES, errno.EPERM):
-            raise storage_access_error(e, "cannot read the checkpoint") from None
-        raise CorruptCheckpointError(f"cannot open checkpoint file {full}: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{full} is not a regular file")
-    return fd
 
 
 class RankFile:

@@ -29,9 +29,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ..core.rafile import FdFile, RandomAccessFile
+from ..core.rafile import FdFile, RandomAccessFile, open_regular, open_regular_file
 from ..format import jsondoc
-from ..format.safetensors_io import read_header
+from ..format.safetensors_io import parse_header
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from .filesystem import FileSystemReader
 from ..format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
@@ -128,16 +128,20 @@ class _DescribedReader(FileSystemReader):
         return self._stat_file(name).st_size
 
     def _read_small(self, name: str) -> bytes:
-        self._size_of(name)  # a regular file, not a link
-        with open(os.path.join(self.path, name), "rb") as f:
+        self._pin_directory()  # opened inside the pinned directory, never through a link
+        with open_regular_file(os.path.join(self.path, name), self._dir_fd) as f:
             return f.read()
 
     def _random_access(self, name: str) -> RandomAccessFile:
         self._pin_directory()
-        return FdFile(os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=self._dir_fd))
+        return FdFile(open_regular(os.path.join(self.path, name), self._dir_fd))
 
     def _header_of(self, name: str) -> list:
-        return read_header(os.path.join(self.path, name), max_entries=MAX_ENTRIES_PER_FILE)[1]
+        f = self._random_access(name)
+        try:
+            return parse_header(os.path.join(self.path, name), f.size(), f.pread, MAX_ENTRIES_PER_FILE)[1]
+        finally:
+            f.close()
 
     def describe(self) -> Metadata:
         raise NotImplementedError
