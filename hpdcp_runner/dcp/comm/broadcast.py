@@ -30,6 +30,7 @@ from ..core.errors import CollectiveTimeoutError, ConfigError
 from ..format.metadata import dtype_from_name
 from ..planning.load_replicas import MODES, Batch
 from ..core.utils import get_logger
+from .groups import WeakGroups
 
 log = get_logger(__name__)
 DEFAULT_BATCH_BYTES = 8 << 20
@@ -72,7 +73,7 @@ class GroupCache:
     global order) on first use, reused by later loads, destroyed by :meth:`destroy_owned`."""
 
     def __init__(self) -> None:
-        self.owned: dict[tuple, Any] = {}
+        self.owned = WeakGroups()  # alive while torch's registry holds them (see WeakGroups)
         self.created = 0
 
     def get(self, global_ranks: tuple[int, ...], backend: str, timeout: Any, purpose: str = "data",

@@ -21,20 +21,17 @@ import torch.distributed as dist
 from ..core import errors as errmod
 from ..core.errors import CollectiveTimeoutError, DistributedError, HpdcpError
 from ..core.utils import get_logger
+from .groups import WeakGroups
 
 log = get_logger(__name__)
-_GROUP_CACHE: dict[tuple, Any] = {}
+_GROUP_CACHE = WeakGroups()
 
 
 def forget_groups() -> None:
-    """Drop this process's references to the groups the engine created (control groups here,
-    broadcast groups in ``broadcast.GROUPS``) without destroying them, then collect garbage.
-    Registered at exit. A ProcessGroup object still referenced at exit (by a module cache, or
-    by a reference cycle such as a DeviceMesh and its DTensors in the user's script) is
-    otherwise freed during interpreter teardown, after ``destroy_process_group()``, where
-    gloo's destructor can abort the process ("terminate called without an active exception",
-    measured: a 4-rank save or a 3-rank load of 12 DTensors, 1 run in 3; plain torch with a
-    module-level DeviceMesh, 1 in 26). Freed here, it goes while the runtime is whole."""
+    """Drop this process's references to the groups the engine created (they are weak already:
+    see :class:`WeakGroups`), then collect garbage while the runtime is whole: a reference
+    cycle in the user's script (a DeviceMesh and its DTensors) otherwise frees its group during
+    interpreter teardown. Registered at exit."""
     _GROUP_CACHE.clear()
     from .broadcast import GROUPS
 
