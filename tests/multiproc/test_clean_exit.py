@@ -17,7 +17,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "clean_exit_script.py")
 
 
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # an abort prints every stack
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
                            f"--master-port={free_port()}", SCRIPT, *args], env=env, capture_output=True, text=True,
                           timeout=300)
