@@ -5,8 +5,9 @@ Each reader describes the foreign files as our own metadata (one chunk per store
 torch DCP chunk, located by file and byte offset), so planning, replica broadcast, batching and
 partial reads are exactly those of our format: a rank reads only the byte ranges of the slices it
 keeps. The coordinator builds the description once and every rank validates it as it would our
-``metadata.json`` (bounds, tiling). Foreign formats record no checksums: loads check headers,
-sizes and bounds, not the bytes.
+``metadata.json`` (bounds, tiling). Hugging Face files record no checksums: loads check
+headers, sizes and bounds, not the bytes. A torch DCP record carries its zip's CRC-32, checked
+whenever a chunk that is a whole record is read whole (docs/threat_model.md has the table).
 
 * ``HfReader``: a directory with ``model.safetensors.index.json`` (shards) or
   ``model.safetensors``, or one ``.safetensors`` file. Keys stay flat (``model.layers.0...``).
