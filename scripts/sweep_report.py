@@ -6,8 +6,11 @@ Writes ``report.md``, ``report.csv`` and ``report.png`` (the objective against e
 min-max bars) into the multirun directory. Where the job records the objective's spread
 (``<objective>_range``: the min and max over its repeats, as the bench job does), points whose
 range overlaps the best point's are marked "within noise" and no single best is named from
-noise; otherwise the best point is printed as a ready-to-paste override line. Failed points (a
-``FAILED`` marker or no ``metrics.json``) are listed with their cause, not plotted. The plot
+noise; a best point is named (a ready-to-paste override line) only where every point's spread was
+measured and the best stands out of it. Any job can be swept: every job records
+``result.objective`` (see ``OBJECTIVE_PHASES`` in ``hpdcp_runner/jobs``). Failed points (a
+``FAILED`` marker or no ``metrics.json``) and points without the objective are listed with their
+cause (for the latter: the metrics they do have), not plotted. The plot
 needs matplotlib (``pip install 'hpdcp_runner[report]'``), checked before anything is written;
 ``--no-plot`` skips it.
 """
@@ -25,9 +28,9 @@ import yaml
 
 
 def _get(doc, path: str):
-    for part in path.split("."):
-        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
-    return doc
+    from hpdcp_runner.launch import lookup
+
+    return lookup(doc, path)
 
 
 def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
@@ -53,10 +56,20 @@ def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
         else:
             with open(metrics) as f:
                 doc = json.load(f)
-            row["objective"] = float(_get(doc, objective))
+            try:
+                row["objective"] = float(_get(doc, objective))
+            except (KeyError, TypeError, ValueError):
+                from hpdcp_runner.launch import metric_paths
+
+                have = [p for p in metric_paths(doc) if p.startswith(("result.", "summary."))]
+                row["status"] = "no objective"
+                row["cause"] = f"no {objective} in its metrics.json (job {doc.get('job')}); it has: {', '.join(have[:12])}"
+                rows.append(row)
+                continue
             try:
                 lo, hi = _get(doc, objective + "_range")
-                row["range"] = (float(lo), float(hi))
+                if float(lo) < float(hi):  # one sample (min == max) measures no spread
+                    row["range"] = (float(lo), float(hi))
             except (KeyError, IndexError, TypeError, ValueError):
                 pass
         rows.append(row)
@@ -119,13 +132,25 @@ def write(root: str, rows: list[dict], knobs: list[str], objective: str, maximiz
     for r in ok + failed:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
     tied = [r for r in ok if r.get("vs_best") == "within noise"]
-    best = ok[0] if ok and not tied else None
+    measured = bool(ok) and all(r["range"] is not None for r in ok)
+    # a best point only where every point's spread was measured and the best stands out of it:
+    # one sample per point cannot tell a 5% difference from the machine's noise
+    best = ok[0] if ok and measured and not tied else None
+
+    def named(r: dict) -> str:
+        return f"point {r['point']} ({' '.join(r['overrides'])})"
+
     if best:
         lines += ["", "Best point:", "", "```", " ".join(o for o in best["overrides"]), "```"]
     elif tied:
         lines += ["", f"No single best point: {len(tied)} point(s) are within the measured noise (min-max overlap) "
-                  f"of the lowest median, point {ok[0]['point']}: {', '.join(r['point'] for r in tied)}. "
+                  f"of the lowest median, {named(ok[0])}: {'; '.join(named(r) for r in tied)}. "
                   f"Repeat with more job.repeats to separate them."]
+    elif len(ok) > 1:
+        tied = ok[1:]
+        lines += ["", f"No best point named: the objective has no measured spread (one sample per point), so the "
+                  f"ordering above may be noise. Lowest: {named(ok[0])}. Time repeats (+job=bench "
+                  f"job.repeats=5) to compare points."]
     with open(os.path.join(root, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if plot:
@@ -198,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if best is not None:
         print("best:", " ".join(best["overrides"]))
-    else:
+    elif tied and all(r["range"] is not None for r in tied):
         print("within noise:", "; ".join(" ".join(r["overrides"]) for r in tied))
+    elif tied:
+        print("no best point (no measured spread, one sample per point); lowest:", " ".join(tied[0]["overrides"]))
     return 0
 
 

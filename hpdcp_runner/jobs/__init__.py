@@ -140,16 +140,40 @@ def _record(e: BaseException) -> None:
         ErrorHandler().record_exception(e)
 
 
+# The phase whose seconds (max over ranks) are each job's ``result.objective``, first present
+# wins: what a sweep of that job minimizes unless ``hydra.launcher.objective`` names another
+# metric. A reshard of a user's checkpoint times the source as it is read (``reshard.load``),
+# not a re-saved copy. bench sets its own (the median load of its repeats, with a spread).
+OBJECTIVE_PHASES = {"save": ("save",), "load": ("load",), "reshard": ("reshard.load", "reshard.export_hf"),
+                    "verify": ("verify",), "transform": ("transform",),
+                    "train": ("train.save_blocking", "train.save", "train.step")}
+
+
+def _objective(job: str, result: dict, summary: dict) -> None:
+    """``result.objective`` (and ``objective_is``: where it comes from) for any job."""
+    if "objective" in result:
+        result.setdefault("objective_is", "result.objective")
+        return
+    for phase in OBJECTIVE_PHASES.get(job, ()):
+        if phase in summary:
+            result["objective"] = summary[phase]["seconds_max"]
+            result["objective_is"] = f"summary.{phase}.seconds_max"
+            return
+
+
 def _report(ctx: JobContext, result: dict, digest: str) -> None:
     records = ctx.comm.all_gather_json(ctx.metrics.rank_record(ctx.info.rank), "metrics")
     if ctx.info.rank != 0:
         return
+    summary = summarize(records)
+    if isinstance(result, dict):
+        _objective(ctx.cfg.job.name, result, summary)
     # a job on a user's checkpoint names it instead of the (unused) synthetic model= preset
     source = getattr(getattr(ctx.cfg.job, "source", None), "path", None)
     doc = {"job": ctx.cfg.job.name, "world_size": ctx.info.world_size, "layout": ctx.cfg.layout.name,
            "model": None if source else ctx.cfg.model.name, "source": source, "run_dir": ctx.run_dir, "config": ctx.plain,
            "config_digest": digest, "ranks": records,
-           "summary": summarize(records), "result": result,
+           "summary": summary, "result": result,
            "engine": ctx.engine.knobs()}
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
     # a job that prints machine-readable output keeps stdout for it alone

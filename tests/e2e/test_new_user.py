@@ -200,6 +200,28 @@ def test_sweep_report_marks_noise_instead_of_naming_a_best(tmp_path):
     assert not (bare / "report.md").exists() and not (bare / "report.csv").exists()
 
 
+def test_sweep_report_names_no_best_from_single_samples_and_keeps_points_without_the_objective(tmp_path):
+    """One sample per point (no spread, or a spread of zero): the lowest is shown, no best is
+    named; a point whose metrics lack the objective is listed as such with what it has."""
+    root = tmp_path / "single"
+    _fake_sweep(root, [(["k=1"], 1.00, None), (["k=2"], 1.05, [1.05, 1.05]), (["k=3"], 0.9, None)])
+    d = root / "3"
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text("- k=4\n")
+    (d / "metrics.json").write_text(json.dumps({"job": "inspect", "result": {"tensors": 3},
+                                                "summary": {"inspect": {"seconds_max": 0.1}}}))
+    r = _report(root, "--no-plot")
+    assert r.returncode == 0, r.stderr
+    assert "best:" not in r.stdout and "lowest: k=3" in r.stdout, r.stdout
+    md = (root / "report.md").read_text()
+    assert "No best point named" in md and "point 2 (k=3)" in md
+    assert "no objective" in md and "summary.inspect.seconds_max" in md and "result.tensors" in md
+    noisy = tmp_path / "noisy"
+    _fake_sweep(noisy, [(["k=1"], 1.00, [0.90, 1.20]), (["k=2"], 1.05, [0.95, 1.30])])
+    _report(noisy, "--no-plot")
+    assert "point 0 (k=1): point 1 (k=2)" in (noisy / "report.md").read_text()
+
+
 @pytest.mark.slow
 def test_bench_script_drops_the_page_cache_only_when_asked(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
