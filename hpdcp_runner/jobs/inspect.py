@@ -9,7 +9,6 @@ layout can be checked against a real checkpoint before any rank is started.
 from __future__ import annotations
 
 import json
-import os
 
 from ..dcp import ConfigError, Metadata, rename_keys
 from ..dcp.tools import METADATA_FILE, describe, join_location
@@ -22,11 +21,15 @@ SHOWN_RANKS = 8
 def format_table(d: dict) -> str:
     lines = [f"checkpoint {d['path']} [{d['state']}] {d['format']} format v{d['format_version']}, saved at world "
              f"size {d['world_size']}, {d['tensor_bytes']} tensor bytes in {len(d['files'])} files"]
-    lines.append(f"{'key':<48}{'dtype':<10}{'shape':<22}{'chunks':>7}{'bytes':>14}")
+    # columns as wide as their longest entry (plus a gap): long key names never run into the next
+    kw = max([len("key"), *map(len, d["tensors"]), *map(len, d["objects"])]) + 2
+    sw = max([len("shape"), *(len(str(t["shape"])) for t in d["tensors"].values())]) + 2
+    dw = max([len("object"), *(len(t["dtype"]) for t in d["tensors"].values())]) + 2
+    lines.append(f"{'key':<{kw}}{'dtype':<{dw}}{'shape':<{sw}}{'chunks':>7}{'bytes':>14}")
     for k, t in sorted(d["tensors"].items()):
-        lines.append(f"{k:<48}{t['dtype']:<10}{str(t['shape']):<22}{t['chunks']:>7}{t['bytes']:>14}")
+        lines.append(f"{k:<{kw}}{t['dtype']:<{dw}}{str(t['shape']):<{sw}}{t['chunks']:>7}{t['bytes']:>14}")
     for k in d["objects"]:
-        lines.append(f"{k:<48}{'object':<10}")
+        lines.append(f"{k:<{kw}}{'object':<{dw}}")
     lines.append("files: " + ", ".join(f"{n} ({f['size']} B)" for n, f in d["files"].items()))
     if "series" in d:
         sr = d["series"]
@@ -40,12 +43,13 @@ def format_table(d: dict) -> str:
 
 def _layout_lines(lay: dict) -> list[str]:
     ranks = min(lay["ranks"], SHOWN_RANKS)
+    kw = max([len("key"), *map(len, lay["tensors"])]) + 2
     lines = [f"layout {lay['name']} at {lay['ranks']} ranks (mesh {lay['mesh']}): rule matched, placements, "
              f"shard per rank as offsets+sizes" + (f" (first {ranks} ranks)" if lay["ranks"] > ranks else "")]
     for k, t in sorted(lay["tensors"].items()):
         rule = f"rules[{t['rule']}]" if t["rule"] is not None else "no rule (R)"
         shards = " ".join(f"{r}:{_box(o, s)}" for r, (o, s) in enumerate(t["shards"][:ranks]))
-        lines.append(f"  {k:<46}{rule:<14}{','.join(t['placements']):<10}{shards}")
+        lines.append(f"  {k:<{kw}}{rule:<14}{','.join(t['placements']):<10}{shards}")
     if lay["unmatched"]:
         lines.append(f"  {len(lay['unmatched'])} tensor(s) match no rule and are replicated on every rank "
                      f"(layout.strict=true refuses them)")

@@ -51,8 +51,11 @@ def run(ctx: JobContext) -> dict:
         ctx.save(target, output, phase="reshard.save", key=out_key)
         del target
         result = {"source": source, "output": output, "output_format": "hpdcp"}
-    result.update(source_layout=None if foreign else job.source.layout,
-                  target_layout=ctx.cfg.layout.name if job.output_format == "hpdcp" else None)
+    # what each side's layout really is: a user's checkpoint is read as it was saved, and Hugging
+    # Face output holds whole tensors whatever layout= says (layout= places hpdcp output only)
+    result.update(source_layout="as saved" if foreign else job.source.layout,
+                  target_layout=ctx.cfg.layout.name if job.output_format == "hpdcp" else
+                  f"whole tensors (Hugging Face; layout={ctx.cfg.layout.name} not used)")
     if job.verify:
         def check() -> int | None:
             if ctx.info.rank != 0:

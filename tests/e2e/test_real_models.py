@@ -78,6 +78,8 @@ def test_llama_from_hugging_face_through_tp_and_fsdp_tp_back_to_hugging_face(cli
     m = _reshard(cli, tmp_path, "hf", f"job.source.path={tmp_path}/fsdp_tp", "job.output_format=hf",
                  f"job.hf_files_from={tmp_path}/llama_hf", "job.hf_max_shard_size=60KB", f"job.output={tmp_path}/out")
     assert m["verified_tensors"] == n and len(m["files"]) > 2 and "config.json" in m["copied"]
+    # the summary says what the layouts really are (not "none"): read as saved, written whole
+    assert m["source_layout"] == "as saved" and m["target_layout"].startswith("whole tensors (Hugging Face")
     assert torch.equal(_logits(_reopened(tmp_path / "out")), _logits(model))
 
 

@@ -92,6 +92,14 @@ def test_torch_dcp_to_ours_to_torch_dcp(tmp_path):
         raise AssertionError("reading torch DCP metadata without allow_pickle must be refused")
     except PickleNotAllowedError as e:
         assert f"{src}/.metadata" in str(e) and "allow_pickle" in str(e)
+    # read in place, it reports the world size its files show (torch DCP records none)
+    from hpdcp_runner.dcp import open_reader
+    from hpdcp_runner.jobs.inspect import format_table
+    from hpdcp_runner.dcp.tools import describe
+
+    reader = open_reader(src, "torch_dcp", allow_pickle=True)
+    desc = describe(src, reader, reader.read_metadata_once())
+    assert desc["world_size"] == 2 and "saved at world size 2" in format_table(desc)
     md = import_checkpoint(src, ours, allow_pickle=True, world_size=2, boxes=_shard1(2))  # ours: Shard(1) files
     assert md.world_size == 2 and [c.sizes for c in md.tensors["w1"].chunks] == [(8, 5), (8, 4)]
     assert all(run_ranks(2, _load_ours, ours, 1))  # loads directly under Shard(1)

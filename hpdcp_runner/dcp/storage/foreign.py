@@ -20,7 +20,9 @@ whenever a chunk that is a whole record is read whole (docs/threat_model.md has 
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import re
 import os
 import pickle
 import stat
@@ -45,6 +47,7 @@ DCP_METADATA = ".metadata"
 MAX_INDEX_BYTES = 64 << 20
 MAX_ENTRIES_PER_FILE = 65536
 FORMATS = ("auto", "hpdcp", "hf", "torch_dcp")
+_DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 
 
 def detect_format(path: str) -> str:
@@ -356,8 +359,13 @@ class TorchDcpReader(_DescribedReader):
         finally:
             for f in fds.values():
                 f.close()
-        return Metadata(1, tensors, objects, files, extra={"source_format": "torch_dcp",
-                                                           "torch_dcp_objects": locations})
+        # torch DCP records no world size; its files are named __<rank>_<n>.distcp by the rank
+        # that wrote them, so the highest such rank bounds it from below (what inspect reports)
+        ranks = {n: int(m.group(1)) for n in files if (m := _DCP_FILE.fullmatch(n))}
+        world = max(ranks.values(), default=0) + 1
+        files = {n: dataclasses.replace(f, rank=ranks.get(n, 0)) for n, f in files.items()}
+        return Metadata(world, tensors, objects, files, extra={"source_format": "torch_dcp",
+                                                               "torch_dcp_objects": locations})
 
     def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> None:
         """A chunk that is a record's whole data entry, read whole, is checked against the zip's

@@ -38,3 +38,19 @@ def test_inspect_layout_report_shows_rule_and_shard_per_rank(tmp_path):
     text = format_table(d)
     assert "layers.0.attention.wq.weight" in text and "0:[0+3,0+2] 1:[3+3,0+2]" in text
     assert "1 tensor(s) match no rule" in text
+
+
+def test_inspect_columns_fit_long_key_names(tmp_path):
+    long = "model.layers.12.mixture_of_experts.experts.63.feed_forward.down_projection.weight_scale_inv"
+    save({long: torch.zeros(3, 2, dtype=torch.bfloat16), "b": torch.ones(7), "opt": {"lr_schedule_name_long": 1}},
+         checkpoint_id=tmp_path / "c")
+    from hpdcp_runner.dcp.tools import describe
+
+    text = format_table(describe(tmp_path / "c"))
+    rows = {line.split()[0]: line for line in text.splitlines()[1:] if line.split()}
+    header = text.splitlines()[1]
+    for key in (long, "b"):
+        line = rows[key]
+        assert line.split()[1] in ("bfloat16", "float32")  # key and dtype never run together
+        assert line.index(line.split()[1]) == header.index("dtype")  # dtype column aligned
+    assert rows["opt.lr_schedule_name_long"].index("object") == header.index("dtype")
