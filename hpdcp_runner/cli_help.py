@@ -81,8 +81,43 @@ complete -o nospace -o default -F _hpdcp_runner_complete hpdcp python python3
 '''
 
 
+_NOT_A_NAME = ("null", "choice(", "range(", "interval(", "glob(", "tag(", "sort(", "shuffle(", "${")
+
+
+def unknown_choices(argv: list[str], conf_dir: str | None = None) -> list[str]:
+    """One line per ``group=choice`` override naming a choice the group does not have (the
+    internal ``*_schema`` entries are not choices). Skipped when the user adds config
+    directories of their own (``hydra.searchpath``, ``--config-dir``), whose choices we cannot see."""
+    if any(a.startswith(("hydra.searchpath", "--config-dir", "-cd")) for a in argv):
+        return []
+    conf = conf_dir or find_conf_dir()
+    out = []
+    for a in argv:
+        if a.startswith("-") or "=" not in a:
+            continue
+        key, _, value = a.partition("=")
+        group = key.lstrip("+~")
+        if key.startswith("~") or "." in group or "/" in group or not os.path.isdir(os.path.join(conf, group)):
+            continue
+        names = [n for n, _ in group_choices(conf, group) if not n.endswith("_schema")]
+        if not names or value.startswith(_NOT_A_NAME):  # sweep functions: Hydra checks their choices
+            continue
+        for v in value.split(","):  # a sweep lists several
+            v = v.strip()
+            if v and not v.startswith(_NOT_A_NAME) and v not in names:
+                out.append(f"ConfigError: {group}={v}: no such choice; {group} is one of: {', '.join(names)}")
+    return out
+
+
 def handle_early_flags(argv: list[str], rank: int) -> int | None:
-    """Answer what needs no Hydra run; returns an exit code when handled, else None."""
+    """Answer what needs no Hydra run; returns an exit code when handled, else None. A config
+    group choice that does not exist is one line (printed once under torchrun) and exit 2, not
+    Hydra's 20-line composition error on every rank with exit 1."""
+    bad = unknown_choices(argv) if not any(a.split("=")[0] in PRINT_ONLY_FLAGS for a in argv) else []
+    if bad:
+        if rank == 0:
+            print("\n".join(bad) + "\n  (python -m hpdcp_runner --help lists every group's choices)", file=sys.stderr)
+        return 2
     if rank != 0 and any(a.split("=")[0] in PRINT_ONLY_FLAGS for a in argv):
         return 0  # torchrun: rank 0 prints it once
     if any(a in ("--help", "-h") for a in argv):

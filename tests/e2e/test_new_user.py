@@ -90,7 +90,13 @@ def test_help_completion_and_schema_entries(cli, tmp_path):
     assert r.returncode == 0 and r.stdout.count("checkpoint:") == 1, _tail(r)
     for bad in (["+job=save_schema"], ["+job=save", "layout=layout_schema"]):
         r = cli(bad + [f"hydra.run.dir={tmp_path}/x"])
-        assert r.returncode == 2 and "internal type schemas" in r.stderr, _tail(r)
+        assert r.returncode == 2 and "no such choice" in r.stderr and "_schema," not in r.stderr, _tail(r)
+    # a wrong choice under torchrun: one line (once, not per rank), exit 2, the real choices listed
+    r = cli(["+job=save", "layout=fsdpp", f"hydra.run.dir={tmp_path}/y"], nproc=2)
+    assert r.returncode != 0 and r.stderr.count("layout=fsdpp: no such choice") == 1, _tail(r)
+    assert "fsdp, gpt2_fsdp_tp" in r.stderr and "layout_schema" not in r.stderr and "Config search path" not in r.stderr
+    r = cli(["+job=save", "layout=fsdpp", f"hydra.run.dir={tmp_path}/z"])
+    assert r.returncode == 2 and r.stderr.count("no such choice") == 1, _tail(r)
     script = tmp_path / "comp.sh"
     script.write_text(f"""cd {tmp_path}
 eval "$({sys.executable} -m hpdcp_runner -sc install=bash)"

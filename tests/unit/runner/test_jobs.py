@@ -54,3 +54,15 @@ def test_inspect_columns_fit_long_key_names(tmp_path):
         assert line.split()[1] in ("bfloat16", "float32")  # key and dtype never run together
         assert line.index(line.split()[1]) == header.index("dtype")  # dtype column aligned
     assert rows["opt.lr_schedule_name_long"].index("object") == header.index("dtype")
+
+
+def test_unknown_group_choices_are_one_line_each():
+    from hpdcp_runner.cli_help import handle_early_flags, unknown_choices
+
+    assert unknown_choices(["+job=save", "layout=fsdp", "model=tiny", "checkpoint.dir=x", "hydra/launcher=basic"]) == []
+    bad = unknown_choices(["+job=sav", "layout=fsdp,tpp", "layout=layout_schema"])
+    assert len(bad) == 3 and bad[0].startswith("ConfigError: job=sav: no such choice; job is one of: bench,")
+    assert "layout=tpp" in bad[1] and all("layout_schema," not in b for b in bad)
+    assert unknown_choices(["layout=custom", "hydra.searchpath=[file:///mine]"]) == []  # their own choices
+    assert unknown_choices(["layout=null", "model=choice(tiny,mlp)"]) == []
+    assert handle_early_flags(["+job=save", "layout=nope"], 1) == 2  # every rank exits 2, rank 0 prints
