@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from hpdcp_runner.dcp import load, save
+from hpdcp_runner.dcp import BroadcastOptions, load, save
 
 
 def state(world: int, seed: int, zeros: bool) -> dict:
@@ -39,7 +39,8 @@ def main() -> int:
         save(state(world, 7, False), checkpoint_id=path)
     else:
         tgt = state(world, 7, True)
-        load(tgt, checkpoint_id=path)
+        # broadcasts on: the replica subgroups are what the engine creates and must not keep
+        load(tgt, checkpoint_id=path, broadcast=BroadcastOptions(mode="always"))
         ref = state(world, 7, False)
         for k in ref:  # bitwise, whatever the placements
             assert torch.equal(tgt[k].full_tensor(), ref[k].full_tensor()), k
@@ -47,6 +48,18 @@ def main() -> int:
             with open(os.path.join(path, f"loaded_{sys.argv[3]}"), "w") as f:
                 f.write("ok")
     dist.destroy_process_group()  # what torch DCP users do; nothing of the engine's released first
+    import gc
+
+    from hpdcp_runner.dcp.comm.broadcast import GROUPS
+    from hpdcp_runner.dcp.comm.collectives import _GROUP_CACHE
+
+    gc.collect()
+    # weak: what the destroy left alive, and how many the load created (the check means nothing
+    # if it created none)
+    alive = f"{len(GROUPS.owned) + len(_GROUP_CACHE)} {GROUPS.created}"
+    if mode == "load" and dist.is_available():
+        with open(os.path.join(path, f"groups_{sys.argv[3]}_{os.environ['RANK']}"), "w") as f:
+            f.write(str(alive))
     return 0
 
 
