@@ -30,6 +30,16 @@ def loads_bitwise(path, k: int) -> bool:
     return torch.equal(tgt["w"], ref["w"]) and torch.equal(tgt["b"], ref["b"]) and tgt["meta"] == ref["meta"]
 
 
+def raises_naming(fn, exc_type, *needles) -> str:
+    """``fn()`` raises ``exc_type`` whose message contains every needle; returns the message."""
+    with pytest.raises(exc_type) as ei:
+        fn()
+    msg = str(ei.value)
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg
+
+
 @pytest.fixture
 def two_checkpoints(tmp_path):
     """``step_1`` (the previous checkpoint, never touched) and ``step_2`` (the one faults hit)."""

@@ -20,18 +20,12 @@ from hpdcp_runner.dcp import (CheckpointNotFoundError, CorruptCheckpointError, H
                               PickleNotAllowedError, faults, load, save)
 from hpdcp_runner.dcp.offline.inspection import verify
 from hpdcp_runner.dcp.offline.transforms import merge_to_hf
-from tests.faults.conftest import loads_bitwise, state, zeros
+from tests.faults.conftest import loads_bitwise, raises_naming, state, zeros
 
 RANK0 = "rank00000.safetensors"
 
 
-def _raises(fn, exc_type, *needles):
-    with pytest.raises(exc_type) as ei:
-        fn()
-    msg = str(ei.value)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
+_raises = raises_naming
 
 
 def _load(path):

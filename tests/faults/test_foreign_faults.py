@@ -23,6 +23,7 @@ import torch
 import torch._utils
 
 from hpdcp_runner.dcp import CorruptCheckpointError, load, open_reader, tools
+from tests.faults.conftest import raises_naming
 
 STATE = {"w": torch.arange(48, dtype=torch.float32).view(8, 6) / 7, "b": torch.arange(6, dtype=torch.bfloat16),
          "i": torch.arange(10, dtype=torch.int64)}
@@ -74,12 +75,7 @@ def _patch(path, name: str, at: int, new: bytes) -> None:
 
 
 def _raises(fn, *needles) -> str:
-    with pytest.raises(CorruptCheckpointError) as ei:
-        fn()
-    msg = str(ei.value)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
+    return raises_naming(fn, CorruptCheckpointError, *needles)
 
 
 @pytest.fixture

@@ -16,19 +16,13 @@ import torch
 from hpdcp_runner.dcp import (CorruptCheckpointError, HpdcpError, MetadataError, StateDictError, load, save,
                               tools)
 from hpdcp_runner.dcp.offline.inspection import verify
-from tests.faults.conftest import loads_bitwise, zeros
+from tests.faults.conftest import loads_bitwise, raises_naming, zeros
 
 RANK0 = "rank00000.safetensors"
 OBJ0 = "rank00000.objects.json"
 
 
-def _fails(fn, exc_type, *needles) -> str:
-    with pytest.raises(exc_type) as ei:
-        fn()
-    msg = str(ei.value)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
+_fails = raises_naming
 
 
 def _load(path):

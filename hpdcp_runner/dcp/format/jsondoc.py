@@ -28,8 +28,3 @@ def parse(raw: bytes | bytearray | str, source: str, error: type[HpdcpError] = M
         raise error(f"{source}: JSON nested too deeply to parse (hostile or damaged file)") from None
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
         raise error(f"{source}: not valid JSON ({e})") from None
-
-
-def dumps(doc: Any) -> str:
-    """Compact JSON that :func:`parse` reads back: ``NaN``/``Infinity`` refused at write."""
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
