@@ -223,6 +223,7 @@ class LoadJob(ReadingJob):
     verify: bool = True
     strict: bool = True  # false loads the keys the state and the checkpoint share and reports the rest
     include: Optional[str] = None  # only state keys matching this regex (re.search), e.g. '^model\.'
+    exclude: Optional[str] = None  # and none matching this one, e.g. '^optim\.'
 
 
 @dataclass
@@ -230,6 +231,13 @@ class ReshardJob(ReadingJob):
     verify: bool = True
     output: Optional[str] = None  # where the resharded checkpoint goes
     output_format: str = "hpdcp"  # hpdcp | hf (Hugging Face shards + index, from_pretrained-ready)
+    include: Optional[str] = None  # only tensors whose key matches this regex (re.search)
+    exclude: Optional[str] = None  # and none matching this one, e.g. '^optim\.'
+    # output_format=hf: a model+optimizer checkpoint gives only the model's weights, under the
+    # model's own names (optimizer state found by its structure; what is left out is reported);
+    # false writes every tensor
+    model_only: bool = True
+    dtype: Optional[str] = None  # output_format=hf: cast floating tensors (e.g. bfloat16)
     # output_format=hf: cap per model-*.safetensors file (a size: bytes or 64MiB-style)
     hf_max_shard_size: str = "5GB"
     # output_format=hf: directory whose config.json / tokenizer files travel with the output
@@ -250,6 +258,8 @@ class VerifyJob(ReadingJob):
 
 @dataclass
 class BenchJob(ReadingJob):
+    include: Optional[str] = None  # job.source.path: time only the tensors matching this regex
+    exclude: Optional[str] = None  # and none matching this one
     warmup: int = 1
     repeats: int = 3
     peer: bool = False  # run torch.distributed.checkpoint side by side
@@ -290,6 +300,11 @@ class TransformConf:
     single_file: bool = False  # merge_hf: one model.safetensors whatever the size
     include: Optional[str] = None  # regex (re.search) a tensor name must match
     exclude: Optional[str] = None  # regex that drops a tensor name (e.g. ^optim\.)
+    # merge_hf: a model+optimizer checkpoint gives only the model's weights under the model's own
+    # names (what is left out is reported); false writes every tensor
+    model_only: bool = True
+    # merge_hf: the Hugging Face directory whose config.json / tokenizer files travel with the output
+    files_from: Optional[str] = None
     # [{pattern: <re.sub pattern>, replace: <replacement>}, ...] applied in order to kept names
     rename: list[Any] = field(default_factory=list)
     world_size: int = 1  # import: number of rank files
@@ -413,11 +428,21 @@ def _source_problems(c: Config) -> list[str]:
             out.append(f"job.ranks: must be >= 1, got {j.ranks}")
         if j.format not in ("table", "json"):
             out.append(f"job.format: {j.format!r} is not table or json")
-    if isinstance(j, LoadJob) and j.include is not None:
-        try:
-            re.compile(j.include)
-        except re.error as e:
-            out.append(f"job.include: bad regex {j.include!r} ({e})")
+    for key in ("include", "exclude"):
+        pat = getattr(j, key, None)
+        if pat is not None:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                out.append(f"job.{key}: bad regex {pat!r} ({e})")
+    if isinstance(j, ReshardJob) and j.dtype is not None:
+        from .dcp.tools import DTYPES
+
+        if j.dtype not in DTYPES:
+            out.append(f"job.dtype: {j.dtype!r} is not a dtype ({', '.join(sorted(DTYPES))})")
+        elif j.output_format != "hf":
+            out.append("job.dtype: casts Hugging Face output only (job.output_format=hf); an hpdcp reshard keeps "
+                       "the dtypes as saved")
     if isinstance(j, BenchJob):
         if j.peer and importlib.util.find_spec("numpy") is None:
             out.append("job.peer: the torch.distributed.checkpoint side needs numpy: pip install numpy")

@@ -15,6 +15,7 @@ from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext, compare_state
+from .load import select
 
 
 def _max_over_ranks(seconds: float) -> float:
@@ -68,10 +69,11 @@ def run(ctx: JobContext) -> dict:
     if job.source.path:  # a user's checkpoint, loaded once under layout=, is the state timed
         path = ctx.abspath(job.source.path)
         md = ctx.source_metadata(path)
+        only = ctx.key_filter()  # job.include / job.exclude: time part of it
         with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-            state = ctx.target_from_metadata(md, path, copies=2)  # the state timed, and its load target
-            target = state_from_metadata(md, placer)
-        ctx.load(state, path, phase="source_load", key="job.source.path", foreign=True)
+            state = select(ctx.target_from_metadata(md, path, only, copies=2), only, ctx.filter_keys_named())
+            target = select(state_from_metadata(md, placer, only=only), only, ctx.filter_keys_named())
+        ctx.load(state, path, phase="source_load", key="job.source.path", foreign=True, strict=only is None)
         _copy_objects(state, target)
     else:
         with ctx.metrics.phase("build"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 from typing import Any, Callable, Iterator
@@ -153,6 +154,22 @@ class JobContext:
         fmt = source.format if foreign and source is not None else "hpdcp"
         return open_reader(path, fmt, allow_pickle=self.engine.allow_pickle, store_options=self.engine.store,
                            **self.engine.reader.kwargs())
+
+    def key_filter(self) -> Callable[[str], bool] | None:
+        """``job.include`` / ``job.exclude`` (regexes, ``re.search``) as one predicate on a key;
+        None when the job sets neither."""
+        inc, exc = getattr(self.cfg.job, "include", None), getattr(self.cfg.job, "exclude", None)
+        if inc is None and exc is None:
+            return None
+        i = re.compile(inc).search if inc is not None else None
+        x = re.compile(exc).search if exc is not None else None
+        return lambda k: (i is None or bool(i(k))) and not (x is not None and x(k))
+
+    def filter_keys_named(self) -> str:
+        """How the filter is named in messages: ``job.include='...'``, ``job.exclude='...'``."""
+        job = self.cfg.job
+        return " ".join(f"job.{k}={getattr(job, k)!r}" for k in ("include", "exclude")
+                        if getattr(job, k, None) is not None)
 
     def source_renames(self) -> list:
         source = getattr(self.cfg.job, "source", None)

@@ -1,14 +1,13 @@
 """load: build a zeroed target under the layout, load, verify every local shard bitwise.
 
-``job.include`` keeps only the state keys matching a regex (e.g. the model of a model+optimizer
-checkpoint); ``job.strict=false`` loads the keys the state and the checkpoint share and reports
+``job.include`` / ``job.exclude`` keep only the state keys one regex matches and the other does
+not (e.g. the model of a model+optimizer checkpoint); ``job.strict=false`` loads the keys the state and the checkpoint share and reports
 the others instead of failing.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from typing import Any, Callable
 
 from ..dcp import HpdcpError, KeyMismatchError
 from ..dcp.tools import flatten_state_dict, local_pieces
@@ -17,20 +16,19 @@ from ..workloads import reference_state, zeros_like_state
 from .context import JobContext, compare_state
 
 
-def select(state: dict, pattern: str | None) -> dict:
-    """The nested state with only the leaves whose dotted key matches ``pattern``."""
-    if pattern is None:
+def select(state: dict, keep: Callable[[str], bool] | None, named: str = "job.include") -> dict:
+    """The nested state with only the leaves whose dotted key ``keep`` admits."""
+    if keep is None:
         return state
-    rx = re.compile(pattern)
     out: dict[str, Any] = {}
     for fqn, path in flatten_state_dict(state)[1].items():
-        if rx.search(fqn):
+        if keep(fqn):
             node, src = out, state
             for k in path[:-1]:
                 src, node = src[k], node.setdefault(k, {})
             node[path[-1]] = src[path[-1]]
     if not out:
-        raise HpdcpError(f"job.include={pattern!r} matches none of the state's keys")
+        raise HpdcpError(f"{named} matches none of the state's keys")
     return out
 
 
@@ -39,7 +37,7 @@ def run(ctx: JobContext) -> dict:
     if job.source.path:
         return _load_source(ctx)
     with ctx.metrics.phase("build"):
-        ref = select(reference_state(ctx.cfg.model), job.include)
+        ref = select(reference_state(ctx.cfg.model), ctx.key_filter(), ctx.filter_keys_named())
         target = place_state(zeros_like_state(ref), placer)
     path = ctx.checkpoint_path()
     try:
@@ -68,11 +66,11 @@ def _load_source(ctx: JobContext) -> dict:
     job = ctx.cfg.job
     path = ctx.abspath(job.source.path)
     md = ctx.source_metadata(path)
-    only = re.compile(job.include).search if job.include is not None else None
+    only = ctx.key_filter()
     with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-        target = select(ctx.target_from_metadata(md, path, only), job.include)
+        target = select(ctx.target_from_metadata(md, path, only), only, ctx.filter_keys_named())
     try:
-        res = ctx.load(target, path, strict=job.strict and job.include is None, key="job.source.path", foreign=True)
+        res = ctx.load(target, path, strict=job.strict and only is None, key="job.source.path", foreign=True)
     except KeyMismatchError as e:
         raise _hinted(e) from None
     flat = flatten_state_dict(target)[0]

@@ -11,22 +11,26 @@ writes a Hugging Face directory instead, its files split among the ranks. With n
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ..config import parse_size
 from ..dcp import HpdcpError
-from ..dcp.tools import compile_rules, export_hf, full_tensor_digests, rename_key
+from ..dcp.tools import compile_rules, dtype_from_name, export_hf, full_tensor_digests, rename_key
 from ..config import load_preset
 from ..layouts import place_state
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext
+from .load import select
 
 
 def run(ctx: JobContext) -> dict:
     job = ctx.cfg.job
     foreign = bool(job.source.path)
+    only = ctx.key_filter()
     if foreign:
         source = ctx.abspath(job.source.path)
     else:
-        ref = reference_state(ctx.cfg.model)
+        ref = select(reference_state(ctx.cfg.model), only, ctx.filter_keys_named())
         source = ctx.checkpoint_path("source")
         with ctx.metrics.phase("build"):
             state = place_state(ref, ctx.placer(load_preset(job.source.layout)))
@@ -36,21 +40,23 @@ def run(ctx: JobContext) -> dict:
     out_key = "job.output" if job.output else "checkpoint.dir"
     if job.output_format == "hf":
         result = _to_hf(ctx, source, output, foreign, out_key)
+        names = result.pop("names")
     else:
         if foreign:
             # the target is whatever the checkpoint holds (keys, shapes, dtypes, objects), placed
             # by layout=; each rank allocates only its own shards; model= plays no part
             md = ctx.source_metadata(source)
             with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-                target = ctx.target_from_metadata(md, source)
+                target = select(ctx.target_from_metadata(md, source, only), only, ctx.filter_keys_named())
         else:
             with ctx.metrics.phase("build"):
                 target = place_state(zeros_like_state(ref), ctx.placer())
         ctx.load(target, source, phase="reshard.load", key="job.source.path" if foreign else "checkpoint.dir",
-                 foreign=foreign)
+                 foreign=foreign, strict=only is None)
         ctx.save(target, output, phase="reshard.save", key=out_key)
         del target
         result = {"source": source, "output": output, "output_format": "hpdcp"}
+        names = None if only is None else {k: k for k in _tensor_keys(ctx, output)}
     # what each side's layout really is: a user's checkpoint is read as it was saved, and Hugging
     # Face output holds whole tensors whatever layout= says (layout= places hpdcp output only)
     result.update(source_layout="as saved" if foreign else job.source.layout,
@@ -61,7 +67,7 @@ def run(ctx: JobContext) -> dict:
             if ctx.info.rank != 0:
                 return None
             with ctx.metrics.phase("verify"):
-                return _verify(ctx, source, output, foreign)
+                return _verify(ctx, source, output, foreign, names)
 
         # rank 0 reads both; a difference is every rank's error and exit code
         result["verified_tensors"] = ctx.comm.agree("reshard: verify", check)[0]
@@ -75,16 +81,34 @@ def _to_hf(ctx: JobContext, source: str, output: str, foreign: bool, out_key: st
                         allow_pickle=e.allow_pickle, max_shard_size=parse_size(job.hf_max_shard_size),
                         files_from=ctx.abspath(job.hf_files_from) if job.hf_files_from else None,
                         overwrite=ctx.cfg.checkpoint.overwrite, fsync=e.fsync, timeout=e.timeout_s,
-                        reader_factory=lambda: ctx.reader(source, foreign), load_kwargs={"broadcast": e.broadcast})
+                        reader_factory=lambda: ctx.reader(source, foreign), load_kwargs={"broadcast": e.broadcast},
+                        model_only=job.model_only, include=job.include, exclude=job.exclude, dtype=job.dtype)
     ctx.metrics.add(res.pop("counters"), "reshard.export_hf.")
+    if res["left_out"] is None:
+        res.pop("left_out")
     return {"source": source, "output": output, "output_format": "hf", **res}
 
 
-def _verify(ctx: JobContext, source: str, output: str, foreign: bool) -> int:
+def _tensor_keys(ctx: JobContext, path: str) -> list[str]:
+    """The tensor keys of the checkpoint just written (rank 0 reads its metadata)."""
+    if ctx.info.rank != 0:
+        return []
+    from ..dcp import read_metadata
+
+    return sorted(read_metadata(path).tensors)
+
+
+def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dict[str, str] | None) -> int:
     """Every tensor of the output equals the source's, bit for bit (full-tensor digests, one
-    tensor in memory at a time); renamed keys are compared under their new names."""
+    tensor in memory at a time); renamed keys are compared under their new names. ``names``: the
+    source keys written and their names in the output (default: all, unchanged); with
+    ``job.dtype``, the source's floating tensors are cast the same way first."""
     rules = compile_rules(ctx.source_renames()) if foreign else []
-    a = {rename_key(k, rules): v for k, v in full_tensor_digests(source, ctx.reader(source, foreign)).items()}
+    cast = dtype_from_name(ctx.cfg.job.dtype) if ctx.cfg.job.output_format == "hf" and ctx.cfg.job.dtype else None
+    a = {rename_key(k, rules): v for k, v in full_tensor_digests(source, ctx.reader(source, foreign), cast=cast,
+                                                                 keep=_keep_renamed(rules, names)).items()}
+    if names is not None:
+        a = {names[k]: v for k, v in a.items() if k in names}
     out_format = "hf" if ctx.cfg.job.output_format == "hf" else "hpdcp"
     from ..dcp import open_reader
 
@@ -93,3 +117,10 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool) -> int:
     if bad:
         raise HpdcpError(f"resharded checkpoint {output} differs from {source} in {len(bad)} tensors: {bad[:10]}")
     return len(a)
+
+
+def _keep_renamed(rules: list, names: dict[str, str] | None) -> Callable[[str], bool] | None:
+    """Which source keys (before ``job.source.rename``) the verify reads: those written."""
+    if names is None:
+        return None
+    return lambda k: rename_key(k, rules) in names

@@ -30,7 +30,10 @@ def run(ctx: JobContext) -> dict:
             res = ot.merge_to_hf(src, dst, max_shard_size=parse_size(t.max_shard_size, "transform.max_shard_size"),
                                  dtype=t.dtype, rename=rename, include=t.include, exclude=t.exclude,
                                  single_file=t.single_file, overwrite=t.overwrite, fsync=ctx.engine.fsync,
-                                 progress=progress)
+                                 progress=progress, model_only=t.model_only,
+                                 files_from=ctx.abspath(t.files_from) if t.files_from else None)
+            if res["left_out"] is None:
+                res.pop("left_out")
         elif t.kind == "import":
             placer = Placer(load_preset(t.layout), 0, t.world_size)
             md = ot.import_checkpoint(src, dst, source_format=t.source_format, world_size=t.world_size,

@@ -126,3 +126,60 @@ def test_gpt2_conv1d_layout_and_a_torch_dcp_checkpoint_written_by_torch(cli, tmp
     assert target["step"] == 5
     back.load_state_dict({k: target[k] for k in sd})
     assert torch.equal(_logits(back), _logits(llama))
+
+
+def test_a_model_and_optimizer_checkpoint_to_hugging_face_in_one_command(cli, tmp_path):
+    """A training script's torch DCP checkpoint of {"model", "optim"} (torch's own state_dict
+    helpers, after an AdamW step) -> Hugging Face: the output holds the model's weights only,
+    under the model's own names, in the dtype asked for, with config.json, and transformers loads
+    it with nothing unexpected or missing. The transform does the same for our own checkpoint."""
+    import json
+
+    import torch.distributed.checkpoint as tdcp
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    cfg = LlamaConfig(vocab_size=130, hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=32)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.arange(16).view(2, 8)
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    cfg.save_pretrained(tmp_path / "config_dir")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msd, osd = get_state_dict(model, opt)
+        tdcp.save({"model": msd, "optim": osd, "step": 1}, checkpoint_id=str(tmp_path / "tdcp"), no_dist=True)
+    m = _reshard(cli, tmp_path, "mo", f"job.source.path={tmp_path}/tdcp", "dcp.allow_pickle=true",
+                 "job.output_format=hf", f"job.hf_files_from={tmp_path}/config_dir", "job.dtype=bfloat16",
+                 f"job.output={tmp_path}/hf")
+    n_params = len(list(model.named_parameters()))
+    assert m["tensors"] == m["verified_tensors"] == len(msd)
+    assert "left_out" in m and f"{3 * n_params} optimizer-state tensors (optim.*)" in m["left_out"], m
+    assert m["copied"] == ["config.json"]
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(msd)  # the model's own names, no optim.*, no "model." prefix
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    from transformers import AutoModelForCausalLM
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # nothing unexpected, missing or mismatched
+    assert all(torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16)) for k, v in msd.items())
+
+    # the same model+optimizer checkpoint in our format, merged offline by the transform: the
+    # config travels with transform.files_from
+    m = _reshard(cli, tmp_path, "ours", f"job.source.path={tmp_path}/tdcp", "dcp.allow_pickle=true",
+                 f"job.output={tmp_path}/ours")
+    assert m["verified_tensors"] == len(msd) + 3 * n_params  # hpdcp output keeps everything
+    r = cli(["+job=transform", f"transform.src={tmp_path}/ours", f"transform.dst={tmp_path}/merged",
+             f"transform.files_from={tmp_path}/config_dir", f"hydra.run.dir={tmp_path}/run_merge"])
+    assert r.returncode == 0, _tail(r)
+    res = metrics(tmp_path / "run_merge")["result"]
+    assert res["copied"] == ["config.json"] and res["tensors"] == len(msd) and "optimizer-state" in res["left_out"]
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["hidden_size"] == 40
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert torch.equal(_logits(merged), _logits(model))

@@ -134,3 +134,24 @@ def test_verify_a_torch_dcp_checkpoint_checks_each_record_crc(cli, tmp_path):
     r = cli(args + [f"hydra.run.dir={tmp_path}/r2"])
     assert r.returncode != 0 and "CRC-32" in r.stderr and name.name in r.stderr, _tail(r)
     assert "Traceback" not in r.stderr
+
+
+def test_reshard_and_load_take_part_of_a_checkpoint(cli, tmp_path):
+    """job.include / job.exclude on reshard (hpdcp output) and load of a user's checkpoint: only
+    the keys chosen are read, written and verified; job.dtype is for Hugging Face output only."""
+    src = tmp_path / "src"
+    save(_llama_state(), checkpoint_id=src)
+    r = cli(["+job=reshard", f"job.source.path={src}", "layout=llama_tp", "job.exclude='^optim[.]'",
+             f"job.output={tmp_path}/model_only", f"hydra.run.dir={tmp_path}/r"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    assert metrics(tmp_path / "r")["result"]["verified_tensors"] == 21
+    out = read_metadata(tmp_path / "model_only")
+    assert len(out.tensors) == 21 and not any(k.startswith("optim.") for k in list(out.tensors) + list(out.objects))
+    r = cli(["+job=load", f"job.source.path={src}", "job.include='^model[.]'", "job.exclude='norm'",
+             f"hydra.run.dir={tmp_path}/l"])
+    assert r.returncode == 0, _tail(r)
+    assert metrics(tmp_path / "l")["result"]["loaded_keys"] == 21 - 5  # 2 layers x 2 norms + the final norm
+    r = cli(["+job=reshard", f"job.source.path={src}", "job.dtype=bfloat16", f"job.output={tmp_path}/x",
+             "job.exclude='('", f"hydra.run.dir={tmp_path}/e"])
+    assert r.returncode == 2 and "job.dtype" in r.stderr and "job.output_format=hf" in r.stderr, _tail(r)
+    assert "job.exclude: bad regex" in r.stderr and not (tmp_path / "x").exists()

@@ -20,24 +20,21 @@ from ..protocol import metadata_source
 from ..format.safetensors_io import write_file
 from ..comm.collectives import Comm
 from ..core.memory import check_together
-from ..core.errors import ConfigError, HpdcpError
-from ..core.rafile import open_regular_file
+from ..core.errors import ConfigError
+from .side_files import check_side_dir, read_side_files, resolve_side_dir
 from ..storage.object_checkpoint import ObjectDirectoryOutput
 from ..storage.uri import is_uri, normalize
 from ..storage.commit import StagedDir
 from ..storage.foreign import HF_INDEX, HF_SINGLE
 from ..storage.locations import open_reader
 from ..format.metadata import Metadata, dtype_from_name, element_size
-from .transforms import check_with_safetensors, plan_hf_shards
+from .model_weights import describe_split, split_model_weights
+from .transforms import check_with_safetensors, plan_hf_shards, select_keys
 from ..format.renames import rename_keys
 from ..storage.interfaces import StorageReader
 from ..core.utils import get_logger
 
 log = get_logger(__name__)
-# weights and checkpoint metadata never travel as side files; everything else small does
-_NOT_SIDE_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|distcp|ckpt|h5|msgpack)|\..*|metadata\.json|"
-                             r".*\.index\.json")
-MAX_SIDE_FILE_BYTES = 256 << 20
 
 
 def natural_key(key: str) -> list:
@@ -55,22 +52,21 @@ def assign_files(nbytes: Sequence[int], world_size: int) -> list[int]:
     return owner
 
 
-def side_files(directory: str) -> list[str]:
-    """The regular files of a model directory that are not weights: config, generation config,
-    tokenizer, chat template, custom code (copied, never run)."""
-    return sorted(_read_side_files(directory, names_only=True))
-
-
 def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, format: str = "auto",
               rename: Sequence[Any] = (), allow_pickle: bool = False, max_shard_size: int = 5 * 10**9,
               files_from: str | os.PathLike | None = None, overwrite: bool = False, fsync: bool = True,
               process_group: Any = None, timeout: Timeout = None,
               reader_factory: Callable[[], StorageReader] | None = None,
-              load_kwargs: dict | None = None) -> dict[str, Any]:
+              load_kwargs: dict | None = None, model_only: bool = True, include: str | None = None,
+              exclude: str | None = None, dtype: str | None = None) -> dict[str, Any]:
     """Write the tensors of ``checkpoint_id`` (ours, Hugging Face or torch DCP; ``rename`` applied)
     as a Hugging Face directory at ``output``. Collective: every rank of ``process_group`` calls
     it. ``files_from``: the directory whose config/tokenizer files are copied (default: the
-    source when it is a Hugging Face directory). Objects (non-tensor values) are not written."""
+    source when it is a Hugging Face directory). Objects (non-tensor values) are not written.
+    ``model_only``: of a model+optimizer checkpoint, only the model's weights under the model's
+    own names (``model_weights.split_model_weights``; ``left_out`` in the result says what was
+    not written). ``include``/``exclude``: regexes on the keys (after ``rename``); ``dtype``:
+    floating tensors cast to it."""
     if max_shard_size <= 0:
         raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
     remote = is_uri(output)  # a store: see storage.object_checkpoint.ObjectDirectoryOutput
@@ -93,10 +89,20 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
 
     text = comm.agree_root("export_hf: metadata", describe)
     md = rename_keys(Metadata.from_json(text, source=where, open_file=source_reader.open_file), rename, source=src)
-    names = sorted(md.tensors, key=natural_key)
-    if "__metadata__" in names:
-        raise ConfigError(f"{src}: a tensor named '__metadata__' cannot be written to safetensors; rename it")
-    sizes = [(k, math.prod(md.tensors[k].shape) * element_size(md.tensors[k].dtype)) for k in names]
+    split = split_model_weights(md.tensors) if model_only else None
+    base = split.names if split is not None else {k: k for k in md.tensors}
+    out_name = _output_names(select_keys(sorted(base), include=include, exclude=exclude, names=base), src)
+    left_out = describe_split(split) if split is not None and split.split else None
+    if left_out and comm.rank == 0:
+        log.warning("%s: %s (model_only=False writes every tensor)", src, left_out)
+    cast = dtype_from_name(dtype) if dtype else None
+
+    def out_dtype(key: str) -> str:
+        d = md.tensors[key].dtype
+        return dtype if cast is not None and dtype_from_name(d).is_floating_point else d
+
+    names = sorted(out_name, key=lambda k: natural_key(out_name[k]))
+    sizes = [(k, math.prod(md.tensors[k].shape) * element_size(out_dtype(k))) for k in names]
     shards = plan_hf_shards(sizes, max_shard_size)
     n = len(shards)
     files = [HF_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -115,26 +121,23 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
 
     comm.agree_root("export_hf: sizes", check_claims)
     big = max(mine, key=lambda i: sum(size_of[k] for k in shards[i])) if mine else None
-    check_together(comm, sum(size_of[k] for k in shards[big]) if mine else 0, "cpu",
+    # loaded in the source's dtypes, then cast one tensor at a time
+    held = sum(math.prod(md.tensors[k].shape) * element_size(md.tensors[k].dtype) for k in shards[big]) + \
+        (max(size_of[k] for k in shards[big]) if cast is not None else 0) if mine else 0
+    check_together(comm, held, "cpu",
                    f"export_hf of {src} (writing {files[big] if mine else 'nothing'})",
                    "each rank holds one whole output shard at a time: use more hosts or a smaller max_shard_size "
                    "(a single tensor larger than memory cannot be exported)")
-    side_dir = (normalize(files_from) if is_uri(files_from) else os.path.abspath(os.fspath(files_from))) \
-        if files_from else (src if kind == "hf" else None)
-    if side_dir is not None and not is_uri(side_dir) and os.path.isfile(side_dir):
-        side_dir = os.path.dirname(side_dir)
-    if side_dir is not None and is_uri(side_dir) and side_dir.endswith(".safetensors"):
-        side_dir = side_dir.rsplit("/", 1)[0]
+    side_dir = resolve_side_dir(files_from, src if kind == "hf" else None)
     store_out = ObjectDirectoryOutput(dst, overwrite) if remote else None
     weights = files + ([HF_INDEX] if n > 1 else [])
 
     def begin() -> Any:
-        if side_dir is not None and not is_uri(side_dir) and not os.path.isdir(side_dir):
-            raise ConfigError(f"{side_dir}: the directory to copy config/tokenizer files from does not exist")
+        check_side_dir(side_dir)
         if store_out is None:
             return StagedDir(dst, overwrite).tmp
         before = store_out.begin()
-        side = _read_side_files(side_dir) if side_dir else {}
+        side = read_side_files(side_dir) if side_dir else {}
         for name, data in side.items():  # first: the weights' arrival makes the directory usable
             store_out.put(name, data)
         return {"before": before, "copied": sorted(side)}
@@ -153,12 +156,15 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             counters = dict(res.counters)  # the reader's counters: cumulative over the rounds
 
             def write(i: int | None = i, keys: list = keys, state: dict = state) -> None:
+                for k in keys:  # one tensor at a time: the shard is never held twice
+                    if cast is not None and state[k].is_floating_point():
+                        state[k] = state[k].to(cast)
+                pairs = [(out_name[k], state[k]) for k in keys]
                 if i is not None and store_out is not None:
-                    write_file(f"{dst}/{files[i]}", [(k, state[k]) for k in keys], meta={"format": "pt"},
-                               sink=store_out.sink(files[i]))
+                    write_file(f"{dst}/{files[i]}", pairs, meta={"format": "pt"}, sink=store_out.sink(files[i]))
                 elif i is not None:
                     path = os.path.join(staging, files[i])
-                    write_file(path, [(k, state[k]) for k in keys], meta={"format": "pt"}, fsync=fsync)
+                    write_file(path, pairs, meta={"format": "pt"}, fsync=fsync)
                     check_with_safetensors(path)  # what we publish is what the real reader accepts
 
             comm.agree(f"export_hf: write round {r}", write)
@@ -167,7 +173,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
         def commit() -> list[str]:
             if n > 1:
                 doc = {"metadata": {"total_size": sum(s for _, s in sizes)},
-                       "weight_map": {k: files[i] for i, s in enumerate(shards) for k in s}}
+                       "weight_map": {out_name[k]: files[i] for i, s in enumerate(shards) for k in s}}
                 text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
                 if store_out is not None:
                     store_out.put(HF_INDEX, text.encode())  # last: it names shards all uploaded by now
@@ -177,7 +183,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             if store_out is not None:
                 store_out.finish(began["before"], weights + began["copied"])
                 return began["copied"]
-            side = _read_side_files(side_dir) if side_dir else {}
+            side = read_side_files(side_dir) if side_dir else {}
             for name, data in side.items():  # the bytes read from the checked descriptor
                 with open(os.path.join(staging, name), "xb") as f:
                     f.write(data)
@@ -197,43 +203,16 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
                     "one; pass files_from=<a Hugging Face model directory>", dst)
     return {"output": dst, "files": files, "tensors": len(names), "total_size": sum(s for _, s in sizes),
             "files_written_here": [files[i] for i in mine], "copied": copied, "skipped_objects": sorted(md.objects),
-            "counters": counters}
+            "left_out": left_out, "names": out_name, "counters": counters}
 
 
-def _read_side_files(where: str, names_only: bool = False) -> dict[str, bytes]:
-    """The side files of a local directory or of a directory in a store, read whole: they are
-    small (config, tokenizer), and a store has no copy across buckets. Locally each is opened
-    inside the directory without following links and checked on the descriptor, then read from
-    it: a link swapped in after the listing is refused, never followed (what is copied is what
-    was checked)."""
-    if not is_uri(where):
-        out = {}
-        dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            for name in sorted(os.listdir(dfd)):
-                if _NOT_SIDE_FILES.fullmatch(name):
-                    continue
-                try:
-                    f = open_regular_file(os.path.join(where, name), dfd, what="side file")
-                except (FileNotFoundError, HpdcpError):
-                    continue  # a link, a directory, a device, or gone: not copied
-                with f:
-                    if os.fstat(f.fileno()).st_size > MAX_SIDE_FILE_BYTES:
-                        log.warning("not copying %s: over %d bytes", os.path.join(where, name), MAX_SIDE_FILE_BYTES)
-                        continue
-                    out[name] = b"" if names_only else f.read(MAX_SIDE_FILE_BYTES + 1)[:MAX_SIDE_FILE_BYTES]
-        finally:
-            os.close(dfd)
-        return out
-    from ..storage.object_store import Bucket
-
-    bucket = Bucket(where)
-    out = {}
-    for o in bucket.list_dir(bucket.root)[1]:
-        name = o["path"].rsplit("/", 1)[-1]
-        if _NOT_SIDE_FILES.fullmatch(name) or o["size"] > MAX_SIDE_FILE_BYTES:
-            continue
-        got = bucket.get(o["path"], max_bytes=MAX_SIDE_FILE_BYTES)
-        if got is not None:
-            out[name] = got[0]
-    return out
+def _output_names(names: dict[str, str], src: str) -> dict[str, str]:
+    """{tensor key: name in the output}, checked: something is left, and no name is the one the
+    safetensors header reserves."""
+    if not names:
+        raise ConfigError(f"{src}: no tensor left to export (include/exclude left none)")
+    reserved = [k for k, name in names.items() if name == "__metadata__"]
+    if reserved:
+        raise ConfigError(f"{src}: tensor {reserved[0]!r} would be named '__metadata__' in the output, a "
+                          f"name the safetensors format reserves; rename it")
+    return names

@@ -73,8 +73,8 @@ def describe(path: str | os.PathLike, reader: StorageReader | None = None, md: M
 
 
 def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
-                      reuse_buffer: bool = False, reader: StorageReader | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      reuse_buffer: bool = False, reader: StorageReader | None = None,
+                      keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, full tensor)`` assembled from every chunk, one tensor at a time.
 
     With ``reuse_buffer`` every tensor is a view of one buffer sized for the largest (valid only
@@ -85,7 +85,7 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
     md = Metadata.from_json(reader.read_metadata_text(), source=join(os.fspath(path), METADATA_FILE),
                             open_file=reader.open_file)
     reader.attach_metadata(md)
-    keys = list(keys) if keys is not None else sorted(md.tensors)
+    keys = list(keys) if keys is not None else sorted(k for k in md.tensors if keep is None or keep(k))
     reader.check_files(sorted({c.file for k in keys for c in md.tensors[k].chunks}))  # sizes real before allocating
     scratch = torch.empty(max((md.tensors[k].nbytes for k in keys), default=0) if reuse_buffer else 0,
                           dtype=torch.uint8)
@@ -116,9 +116,15 @@ def tensor_digest(t: torch.Tensor) -> str:
     return digest(f"{c.dtype}{list(c.shape)}".encode() + bytes(byte_view(c)))
 
 
-def full_tensor_digests(path: str | os.PathLike, reader: StorageReader | None = None) -> dict[str, str]:
-    """{key: digest of the full tensor}, one tensor in memory at a time (``reader``: a foreign one)."""
-    return {k: tensor_digest(t) for k, t in iter_full_tensors(path, reader=reader, reuse_buffer=True)}
+def full_tensor_digests(path: str | os.PathLike, reader: StorageReader | None = None, *,
+                        keep: Callable[[str], bool] | None = None, cast: torch.dtype | None = None) -> dict[str, str]:
+    """{key: digest of the full tensor}, one tensor in memory at a time (``reader``: a foreign
+    one). ``keep``: only the keys it admits (the others are never read); ``cast``: floating
+    tensors digested as cast to it (what an export with that dtype wrote)."""
+    out = {}
+    for k, t in iter_full_tensors(path, reader=reader, reuse_buffer=True, keep=keep):
+        out[k] = tensor_digest(t.to(cast) if cast is not None and t.is_floating_point() else t)
+    return out
 
 
 @dataclass(frozen=True)

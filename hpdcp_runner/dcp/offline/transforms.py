@@ -36,6 +36,8 @@ from ..storage.uri import is_uri, join, normalize
 from ..storage.filesystem import FileSystemReader, FileSystemWriter
 from ..core.geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
+from .model_weights import describe_split, split_model_weights
+from .side_files import check_side_dir, read_side_files, resolve_side_dir
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from .sources import HF_INDEX, HF_SINGLE, TensorSource, open_source
 from ..planning.interfaces import OBJECT, TENSOR, SavePlan, WriteItem
@@ -53,9 +55,10 @@ def _no_progress(it: Iterable, total: int, desc: str) -> Iterable:
 
 
 def select_keys(keys: Iterable[str], *, include: str | None = None, exclude: str | None = None,
-                rename: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
-    """``{source key: output key}`` after the filters (``re.search``) and the renames
-    (``re.sub``, applied in order). Two keys renamed to one name are an error."""
+                rename: Sequence[tuple[str, str]] = (), names: dict[str, str] | None = None) -> dict[str, str]:
+    """``{source key: output key}`` after the filters (``re.search`` on the source key) and the
+    renames (``re.sub``, applied in order to ``names[key]``, default the key). Two keys renamed to
+    one name are an error."""
     try:
         inc = re.compile(include) if include else None
         exc = re.compile(exclude) if exclude else None
@@ -67,7 +70,7 @@ def select_keys(keys: Iterable[str], *, include: str | None = None, exclude: str
     for k in keys:
         if (inc and not inc.search(k)) or (exc and exc.search(k)):
             continue
-        name = k
+        name = k if names is None else names[k]
         for pat, rep in rules:
             name = pat.sub(rep, name)
         if name in seen:
@@ -120,17 +123,28 @@ def plan_hf_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> lis
 def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int = 5 * 10**9,
                 dtype: str | None = None, rename: Sequence[tuple[str, str]] = (), include: str | None = None,
                 exclude: str | None = None, single_file: bool = False, overwrite: bool = False,
-                fsync: bool = True, progress: Progress | None = None) -> dict[str, Any]:
+                fsync: bool = True, progress: Progress | None = None, model_only: bool = True,
+                files_from: str | os.PathLike | None = None) -> dict[str, Any]:
     """Write our checkpoint ``src`` as a Hugging Face safetensors directory ``dst`` (either may be
-    an object-store URI; a store's output is written as ``ObjectDirectoryOutput`` describes)."""
+    an object-store URI; a store's output is written as ``ObjectDirectoryOutput`` describes).
+    ``model_only``: of a model+optimizer checkpoint, only the model's weights under the model's
+    own names (``model_weights.split_model_weights``; the result's ``left_out`` says what was
+    not written). ``files_from``: a Hugging Face directory whose config/tokenizer files are copied."""
     if max_shard_size <= 0:
         raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
     cast = dtype_from_name(dtype) if dtype else None
     reader, md = _read_our_metadata(src)
     reader.close()
-    names = select_keys(sorted(md.tensors), include=include, exclude=exclude, rename=rename)
+    split = split_model_weights(md.tensors) if model_only else None
+    base = split.names if split is not None else {k: k for k in md.tensors}
+    names = select_keys(sorted(base), include=include, exclude=exclude, rename=rename, names=base)
     if not names:
         raise ConfigError(f"{src}: no tensor is left after include={include!r} exclude={exclude!r}")
+    if split is not None and split.split:
+        log.warning("%s: %s (model_only=False writes every tensor)", src, describe_split(split))
+    side_dir = resolve_side_dir(files_from, None)
+    check_side_dir(side_dir)
+    side = read_side_files(side_dir) if side_dir else {}
     reserved = sorted(k for k, name in names.items() if name == "__metadata__")
     if reserved:
         raise ConfigError(f"{src}: tensor {reserved[0]!r} would be named '__metadata__' in the output, a name the "
@@ -147,6 +161,8 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     store = ObjectDirectoryOutput(normalize(dst), overwrite) if is_uri(dst) else None
     out = StagedDir(dst, overwrite) if store is None else None
     before = store.begin() if store is not None else []
+    for name, data in side.items() if store is not None else ():  # first: the weights make it usable
+        store.put(name, data)
     progress = progress or _no_progress
     weight_map: dict[str, str] = {}
     try:
@@ -181,19 +197,26 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
             else:
                 with open(os.path.join(out.tmp, HF_INDEX), "w") as f:
                     f.write(text)
+        for name, data in side.items() if out is not None else ():  # bytes read from the checked descriptors
+            with open(os.path.join(out.tmp, name), "xb") as f:
+                f.write(data)
         if store is not None:
-            store.finish(before, files + ([HF_INDEX] if n > 1 else []))
+            store.finish(before, files + ([HF_INDEX] if n > 1 else []) + sorted(side))
         else:
             out.commit()
     except BaseException:
         if out is not None:
             out.abort()
         else:
-            store.abort(files + ([HF_INDEX] if n > 1 else []))
+            store.abort(files + ([HF_INDEX] if n > 1 else []) + sorted(side))
         raise
     skipped = sorted(md.objects)
+    if not any(name == "config.json" for name in side):
+        log.warning("%s has no config.json: from_pretrained needs one; pass files_from=<the model's Hugging Face "
+                    "directory>", dst)
     return {"dst": out.dst if out is not None else normalize(dst), "files": files, "tensors": len(names), "total_size": total,
-            "skipped_objects": skipped}
+            "skipped_objects": skipped, "copied": sorted(side),
+            "left_out": describe_split(split) if split is not None and split.split else None}
 
 
 def _take(it: Iterable, n: int) -> Iterable:

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from hpdcp_runner.dcp import CheckpointExistsError, save
 from hpdcp_runner.dcp.offline import hf_export
-from hpdcp_runner.dcp.offline.hf_export import assign_files, export_hf, natural_key, side_files
+from hpdcp_runner.dcp.offline.hf_export import assign_files, export_hf, natural_key
+from hpdcp_runner.dcp.offline.side_files import side_files
 
 
 def test_planning_is_pure_and_balanced():

@@ -82,13 +82,14 @@ dcp.cache_plan dcp.format_version
 dcp.storage.endpoint dcp.storage.region dcp.storage.allow_http dcp.storage.part_size dcp.storage.concurrency
 dcp.storage.max_retries dcp.storage.coalesce_bytes dcp.storage.read_buffer_bytes dcp.storage.orphan_grace_s
 job.fail_on_rank job.name job.output job.output_format job.hf_max_shard_size job.hf_files_from job.verify
+job.include job.exclude job.model_only job.dtype
 job.source.layout job.source.path job.source.format job.source.rename
 layout.flat_units layout.kind layout.mesh layout.name layout.rules layout.strict
 model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab
 model.dropout model.heads model.seq_len
 transform.allow_pickle transform.dst transform.dtype transform.exclude transform.include transform.kind transform.layout
 transform.max_shard_size transform.overwrite transform.rename transform.single_file transform.source_format
-transform.src transform.world_size
+transform.src transform.world_size transform.model_only transform.files_from
 runtime.backend runtime.device runtime.nproc_per_node runtime.progress runtime.timeout_s
 """.split())
 

@@ -3,6 +3,8 @@ report, and the registry."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -14,10 +16,11 @@ from hpdcp_runner.jobs.load import select
 
 def test_include_keeps_the_matching_leaves_of_a_nested_state():
     state = {"model": {"a": 1, "b": {"c": 2}}, "optim": {"a": 3}}
-    assert select(state, r"^model\.") == {"model": {"a": 1, "b": {"c": 2}}}
+    assert select(state, re.compile(r"^model\.").search) == {"model": {"a": 1, "b": {"c": 2}}}
+    assert select(state, lambda k: not k.endswith(".a")) == {"model": {"b": {"c": 2}}}
     assert select(state, None) is state
-    with pytest.raises(HpdcpError, match="matches none"):
-        select(state, "^nothing")
+    with pytest.raises(HpdcpError, match="job.exclude='x' matches none"):
+        select(state, lambda k: False, "job.exclude='x'")
 
 
 class _Ctx:
