@@ -23,12 +23,27 @@ def _task(cfg: DictConfig):
 def main() -> None:
     import sys
 
-    from .cli_help import handle_early_flags
     from .rank_launcher import launch
 
     code = launch(sys.argv[1:])
-    if code is None:
-        code = handle_early_flags(sys.argv[1:], runtime.env_rank())
+    if code is not None:
+        raise SystemExit(code)
+    runtime.install_interrupt_handlers()
+    try:
+        _worker()
+    except KeyboardInterrupt as e:  # outside the job (config composition, rendezvous, teardown)
+        sig = getattr(e, "signame", "SIGINT")
+        if runtime.env_rank() == 0:
+            sys.stderr.write(f"error: interrupted by {sig}\n")
+        raise SystemExit(getattr(e, "exit_code", 130)) from None
+
+
+def _worker() -> None:
+    import sys
+
+    from .cli_help import handle_early_flags
+
+    code = handle_early_flags(sys.argv[1:], runtime.env_rank())
     if code is not None:
         raise SystemExit(code)
     runtime.remember_launch_dir()

@@ -45,10 +45,19 @@ def launch(argv: list[str]) -> int | None:
     launcher, job = split_launcher_args(argv)
     # torchrun's agent logs its banner and a failure summary at WARNING/ERROR: the workers
     # already said what went wrong, once
+    import torch.distributed.elastic.agent.server.api  # noqa: F401 (its logger is made on import)
+
+    for name in list(logging.root.manager.loggerDict):  # some set their own level: each is quieted
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run(parse_args([*launcher, "-m", "hpdcp_runner", *job]))
+    except SignalException as e:  # Ctrl-C / SIGTERM: relayed to the workers, which said so and cleaned up
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode < 0:  # killed by a signal: no worker could say why

@@ -12,6 +12,8 @@ import datetime as _dt
 import logging
 import os
 import secrets
+import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +122,66 @@ def peak_rss_mib() -> float:
 
 
 _FAILED = False
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM (Ctrl-C, ``kill``, a SLURM preemption) arrived: raised in the main
+    thread so every ``finally`` and abort on the way out runs (a save's staging is removed)."""
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(signame)
+        self.signame = signame
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(getattr(signal, self.signame, signal.SIGINT))
+
+
+_INTERRUPTED: list[tuple[str, float]] = []  # (signal name, when) of the first interrupt
+_REPEAT_IGNORED_S = 5.0  # a second signal this soon is the launcher relaying the same one
+
+
+def install_interrupt_handlers() -> None:
+    """SIGINT and SIGTERM raise :class:`JobInterrupted` once. A repeat within a few seconds is
+    ignored, so the cleanup it started is not itself interrupted (a terminal's Ctrl-C reaches
+    every worker, and torchrun then relays the same signal to them); a later one interrupts
+    again. Main thread only (Python delivers signals there)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if _INTERRUPTED and now - _INTERRUPTED[0][1] < _REPEAT_IGNORED_S:
+            return
+        if _ENDING:  # the job's outcome is told; this is the launcher ending the teardown: go quietly
+            detail_logger().warning("%s during teardown: exiting now", name)
+            os._exit(128 + signum)
+        first = not _INTERRUPTED
+        _INTERRUPTED[:] = [(name, now)]
+        if first:
+            detail_logger().warning("interrupted by %s: stopping, removing what this job staged", name)
+        raise JobInterrupted(name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+_ENDING = False
+
+
+def job_ending() -> None:
+    """The job's outcome is decided and told (or being told): a signal from now on ends the
+    process at once instead of interrupting the teardown with a traceback."""
+    global _ENDING
+    _ENDING = True
+
+
+def interrupted() -> str | None:
+    """The signal that interrupted this job, if one did."""
+    return _INTERRUPTED[0][0] if _INTERRUPTED else None
 
 
 def mark_failed() -> None:

@@ -28,7 +28,7 @@ import copy
 import datetime as _dt
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait as futures_wait
 from typing import Any, Callable, Mapping
 
 import torch
@@ -129,9 +129,13 @@ class AsyncSaveResponse:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until persisted (or failed) without raising; True when finished."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Block until persisted (or failed) without raising; True when finished. Waits on the
+        outcome, not on ``Thread.join``: a signal (Ctrl-C) that interrupts a join can leave the
+        thread marked stopped while it still writes, and interpreter exit would then not wait
+        for the checkpoint (seen on CPython 3.11)."""
+        futures_wait([self._future], timeout)
+        if self._future.done() and self._thread is not None:
+            self._thread.join()  # it is past the outcome: only its return is left
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> Metadata:
@@ -151,6 +155,12 @@ def _persist_group(process_group: Any, timeout: float | _dt.timedelta | None) ->
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return gloo_group(process_group or dist.group.WORLD, timeout, "async")
+
+
+def save_in_flight() -> bool:
+    """Whether this process has an async save still persisting."""
+    with _LOCK:
+        return _IN_FLIGHT is not None and not _IN_FLIGHT.done()
 
 
 def wait_for_async_saves(timeout: float | None = None) -> None:

@@ -29,6 +29,7 @@ def _fail(message: str, code: int, *, every_rank: bool = False, run_dir: str | N
     """One line on the console (from rank 0 alone when every rank has the same error), the cause
     in ``<run dir>/FAILED`` (what a sweep reports for the point), the exit code."""
     runtime.mark_failed()
+    runtime.job_ending()
     if not logged:
         detail.error("%s", message)
     rank = runtime.env_rank()
@@ -53,7 +54,40 @@ def registry() -> dict[str, Callable[[JobContext], Any]]:
 
 def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
     """The Hydra task function's body (or a launcher worker's, with ``run_dir``). Returns the
-    job's objective (for sweepers)."""
+    job's objective (for sweepers). SIGINT/SIGTERM end it with one line and ``FAILED`` saying
+    so, after the aborts on the way out removed what it staged."""
+    runtime.install_interrupt_handlers()
+    try:
+        return _run(cfg, run_dir)
+    except KeyboardInterrupt as e:
+        interrupted(e, run_dir)
+    finally:
+        runtime.job_ending()
+
+
+def interrupted(e: KeyboardInterrupt, run_dir: str | None) -> None:
+    """One line (rank 0, or the one process), ``FAILED`` in the run dir, exit 128+signal."""
+    sig = getattr(e, "signame", None) or runtime.interrupted() or "SIGINT"
+    code = getattr(e, "exit_code", 130)
+    detail.warning("job interrupted by %s", sig, exc_info=e)
+    from ..dcp.tools import save_in_flight
+
+    background = " (the checkpoint being written in the background is finished first)" if save_in_flight() else ""
+    _fail(f"interrupted by {sig}: the job stopped before it finished; nothing is left half-written under a "
+          f"checkpoint's name{background}", code,
+          run_dir=run_dir or _hydra_run_dir(), logged=True)
+
+
+def _hydra_run_dir() -> str | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.output_dir
+    except Exception:  # not under Hydra, or before it set up
+        return None
+
+
+def _run(cfg: DictConfig, run_dir: str | None = None) -> Any:
     if cfg.get("job") is None:
         _fail("no job given. Run one with +job=<name>, one of: " + ", ".join(JOBS)
               + "\n  e.g. python -m hpdcp_runner +job=reshard   (python -m hpdcp_runner --help lists them)", 2)

@@ -238,9 +238,11 @@ class JobContext:
         try:
             yield
         except dcp.CheckpointExistsError as e:
+            what = _first_line(e).split(";")[0].rstrip(". ")  # without the engine's keyword hint
+            other = "checkpoint.name / checkpoint.dir" if key == "checkpoint.dir" else key
             raise dcp.CheckpointExistsError(
-                f"{_first_line(e)}. To replace it, add checkpoint.overwrite=true (the old checkpoint stays "
-                f"loadable until the new one commits), or pick another checkpoint.name / checkpoint.dir.") from None
+                f"{what}{'' if key == 'checkpoint.dir' else f' ({key})'}. To replace it, add checkpoint.overwrite=true (the old one stays loadable until "
+                f"the new one commits), or pick another {other}.") from None
         except (dcp.CheckpointNotFoundError, dcp.StorageAccessError) as e:
             raise type(e)(f"{_first_line(e)} (check {key})") from None
         except dcp.PickleNotAllowedError as e:

@@ -8,13 +8,26 @@ are ``hpdcp_runner.dcp.offline.transforms``.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from ..config import parse_size
+from ..dcp import CheckpointExistsError
 from ..dcp.tools import transforms as ot
 from ..config import load_preset
 from ..layouts import Placer
 from .context import JobContext
+
+
+@contextlib.contextmanager
+def _existing_dst() -> Iterator[None]:
+    """An existing output names the keys that decide it (not the engine's keyword)."""
+    try:
+        yield
+    except CheckpointExistsError as e:
+        what = str(e).split(";")[0].rstrip(". ")
+        raise CheckpointExistsError(f"{what} (transform.dst). To replace it, add transform.overwrite=true, or pick "
+                                    f"another transform.dst.") from None
 
 
 def run(ctx: JobContext) -> dict:
@@ -25,7 +38,7 @@ def run(ctx: JobContext) -> dict:
     def progress(it: Any, total: int, desc: str) -> Any:
         return ctx.progress(it, desc, total=total)
 
-    with ctx.metrics.phase("transform"):
+    with ctx.metrics.phase("transform"), _existing_dst():
         if t.kind == "merge_hf":
             res = ot.merge_to_hf(src, dst, max_shard_size=parse_size(t.max_shard_size, "transform.max_shard_size"),
                                  dtype=t.dtype, rename=rename, include=t.include, exclude=t.exclude,

@@ -131,6 +131,42 @@ def test_first_run_prints_no_warnings(tmp_path):
     assert "Warning" not in r.stderr and "Failed to initialize NumPy" not in r.stderr, r.stderr
 
 
+def test_existing_output_unwritable_run_dir_and_full_disk_name_what_to_change(cli, tmp_path):
+    ck = tmp_path / "ck"
+    r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=s", f"hydra.run.dir={tmp_path}/r0"])
+    assert r.returncode == 0, _tail(r)
+    (tmp_path / "taken").mkdir()
+    # an existing job.output: that key, not checkpoint.name / checkpoint.dir nor the engine's keyword
+    r = cli(["+job=reshard", f"job.source.path={ck}/s", "job.output=taken", "job.output_format=hf",
+             f"hydra.run.dir={tmp_path}/r1"])
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 1 and "(job.output)" in line and "pick another job.output" in line, line
+    assert "checkpoint.name" not in line and "pass overwrite" not in line, line
+    r = cli(["+job=transform", f"transform.src={ck}/s", "transform.dst=taken", f"hydra.run.dir={tmp_path}/r2"])
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 1 and "transform.overwrite=true" in line and "pass overwrite" not in line, line
+    # a run directory that cannot be made (the default one, under a working directory nobody may
+    # write, even root: /sys): one line naming hydra.run.dir, exit 2 (a config error), no traceback
+    try:
+        os.mkdir("/sys/hpdcp_probe")
+    except OSError:
+        pass
+    else:
+        os.rmdir("/sys/hpdcp_probe")
+        pytest.skip("/sys is writable here")
+    r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=t"], cwd="/sys")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, _tail(r)
+    line = _one_error_line(r.stderr)
+    assert "hydra.run.dir" in line and "/sys/outputs/" in line, line
+    # a full disk: a storage error saying where, not a DistributedError around an OSError
+    r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=save", f"checkpoint.dir={ck}", "checkpoint.name=u",
+                        f"hydra.run.dir={tmp_path}/r3"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                       env=dict(_env(), HPDCP_FAULTS="file.write:enospc"))
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 1 and line.startswith("error: StorageAccessError") and f"no space left on {ck}" in line, line
+    assert "DistributedError" not in r.stderr and sorted(os.listdir(ck)) == ["s"]
+
+
 @pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_progress_on_a_terminal_only(tmp_path):
     """A load throttled to ~4 s shows rank 0's bytes, files and rate on a terminal; piped, nothing."""

@@ -17,6 +17,7 @@ import errno
 import fcntl
 import os
 import shutil
+import socket
 import time
 import uuid
 
@@ -75,12 +76,29 @@ def hold_staging_lock(staging: str) -> int:
     directory from one in progress."""
     fd = os.open(staging + STAGING_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    # who holds it: where flock is local to a host (some cluster file systems), a lock taken on
+    # another host looks free here, so the holder's host and pid say more than the lock alone
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
     return fd
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # alive, someone else's
+    return True
+
+
 def staging_is_abandoned(staging: str, *, unlocked_age_s: float = 3600.0) -> bool:
-    """True when no live process saves into ``staging``: its lock is free, or it has no lock
-    (a version without one, or an early crash) and was last touched over ``unlocked_age_s`` ago."""
+    """True when no live process saves into ``staging``: its lock is free and its holder (host,
+    pid, written in the lock) is a process of this host that is gone, or a process of another
+    host that has not touched it for ``unlocked_age_s``; or it has no lock (an early crash, or a
+    version without one) and was last touched over ``unlocked_age_s`` ago."""
     lock = staging + STAGING_LOCK
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
@@ -92,17 +110,72 @@ def staging_is_abandoned(staging: str, *, unlocked_age_s: float = 3600.0) -> boo
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        holder = os.pread(fd, 256, 0).decode(errors="replace").split()
+        if len(holder) != 2 or not holder[1].isdigit():
+            return True  # free, holder unknown (a lock from before holders were recorded)
+        if holder[0] == socket.gethostname():
+            return not _pid_alive(int(holder[1])) or time.time() - os.fstat(fd).st_mtime > unlocked_age_s
+        return time.time() - max(os.fstat(fd).st_mtime, _newest_mtime(staging)) > unlocked_age_s
     finally:
         os.close(fd)
+
+
+def _newest_mtime(directory: str) -> float:
+    """The latest modification time in ``directory`` (its files grow while a save writes them)."""
+    newest = 0.0
+    with contextlib.suppress(OSError), os.scandir(directory) as it:
+        for e in it:
+            with contextlib.suppress(OSError):
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def clear_abandoned(directory: str) -> list[str]:
+    """Delete what dead writers left in ``directory``: trash of a deletion or overwrite that
+    crashed half-way, and staging directories (with their locks) whose save is no longer running
+    (:func:`staging_is_abandoned`); saves in progress keep theirs. Swaps a crash interrupted are
+    finished first (their staging says which displaced copy is the committed checkpoint). Returns
+    the staging names removed. Every save's coordinator calls it, so an interrupted or killed
+    save's bytes do not stay behind whatever retention is set to."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for n in names:
+        if n.startswith(".") and DISPLACED_MARK in n and TRASH_MARK not in n:
+            recover_displaced(os.path.join(directory, n[1:n.rindex(DISPLACED_MARK)]))
+    for n in names:
+        if n.startswith(".") and TRASH_MARK in n:
+            shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
+        elif n.startswith(".") and STAGING_MARK in n and not n.endswith(STAGING_LOCK):
+            staging = os.path.join(directory, n)
+            if os.path.isdir(staging) and not os.path.islink(staging) and staging_is_abandoned(staging):
+                log.info("removing %s: the save that staged it is no longer running", staging)
+                shutil.rmtree(staging, ignore_errors=True)  # never a checkpoint: no trash step needed
+                with contextlib.suppress(OSError):
+                    os.unlink(staging + STAGING_LOCK)
+                removed.append(n)
+    return removed
+
+
+NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+USER_FIXES = NO_SPACE + (errno.EROFS, errno.EACCES, errno.EPERM)  # what a user fixes, not a bug
 
 
 def storage_access_error(e: OSError, what: str) -> StorageAccessError:
     """``what`` failed for a reason the user fixes (permissions, a file in the way, no space)."""
     where = f" ({e.filename})" if e.filename else ""
+    if e.errno in NO_SPACE:
+        place = os.path.dirname(os.path.dirname(e.filename)) if e.filename and STAGING_MARK in e.filename \
+            else os.path.dirname(e.filename) if e.filename else "the device"
+        quota = " (over the quota)" if e.errno != errno.ENOSPC else ""
+        return StorageAccessError(f"{what}: no space left on {place}{quota}: {e.strerror or e}{where}; free space "
+                                  f"there or write elsewhere")
     if isinstance(e, (FileExistsError, NotADirectoryError)):
         return StorageAccessError(f"{what}: a file is in the way where a directory should be{where}")
     return StorageAccessError(f"{what}: {e.strerror or e}{where}")

@@ -15,6 +15,7 @@ the old one is then moved to a trash name and deleted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -40,8 +41,8 @@ from ..core.errors import (CheckpointChangedError, ConfigError, HpdcpError, Chec
 from ..core.geometry import Box, flat_span, row_major_strides, run_dim, run_starts, runs_contiguous_in
 from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, FileMeta, Metadata, ObjectMeta, check_file_name,
                        dtype_from_name, dtype_name, element_size)
-from .commit import (STAGING_LOCK, STAGING_MARK, fsync_dir, hold_staging_lock, interrupted_swap, publish_dir,
-                     recover_displaced, storage_access_error)
+from .commit import (STAGING_LOCK, STAGING_MARK, clear_abandoned, fsync_dir, hold_staging_lock, interrupted_swap, publish_dir,
+                     recover_displaced, storage_access_error, USER_FIXES)
 from .interfaces import IOCounters, ReadRequest, StorageReader, StorageWriter, WriteResult
 from .vectored import (DEFAULT_MAX_REQUEST_BYTES, SCRATCH_WINDOW, ReadCostModel, Sink, check_destination,
                        measured_cost_model, read_ranges)
@@ -111,6 +112,10 @@ class FileSystemWriter(StorageWriter):
             raise storage_access_error(e, f"cannot create the checkpoint {self.path}") from None
         self.staging = os.path.join(self.parent, token)
         self._lock_fd = hold_staging_lock(self.staging)
+        try:  # what interrupted or killed saves left here goes now, whatever retention says
+            clear_abandoned(self.parent)
+        except OSError as e:  # best effort: never the reason a save fails
+            log.warning("could not clear abandoned staging in %s: %s", self.parent, e)
         return token
 
     def attach(self, token: str, *, rank: int, world_size: int) -> None:
@@ -118,15 +123,27 @@ class FileSystemWriter(StorageWriter):
         self.rank = rank
 
     def write(self, tensors: Sequence[tuple[str, torch.Tensor]], objects: Mapping[str, Any]) -> WriteResult:
-        stream = self.open_rank_file(self.rank, [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors]) \
-            if tensors else None
+        with self._user_fixes("writing"):
+            stream = self.open_rank_file(self.rank, [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors]) \
+                if tensors else None
+            try:
+                for key, t in tensors:
+                    stream.append(key, t)
+            except BaseException:
+                stream.abort()
+                raise
+            return self.finish_rank(self.rank, stream, objects)
+
+    @contextlib.contextmanager
+    def _user_fixes(self, doing: str) -> Iterator[None]:
+        """A full disk, a quota, a read-only or forbidden directory: a storage error naming the
+        checkpoint and the place, not a bare ``OSError`` (which reads like a bug)."""
         try:
-            for key, t in tensors:
-                stream.append(key, t)
-        except BaseException:
-            stream.abort()
-            raise
-        return self.finish_rank(self.rank, stream, objects)
+            yield
+        except OSError as e:
+            if e.errno not in USER_FIXES:
+                raise
+            raise storage_access_error(e, f"{doing} the checkpoint {self.path}") from e
 
     def open_rank_file(self, rank: int, specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> "RankFile":
         """The tensor file of ``rank`` in staging, declared up front (``specs``: key, dtype name,
@@ -159,14 +176,15 @@ class FileSystemWriter(StorageWriter):
         return WriteResult(rank, tuple(files), chunks, objs)
 
     def commit(self, metadata: Metadata) -> None:
-        if metadata.index is not None:  # format v2: the chunk index first, metadata.json last
-            write_index(os.path.join(self.staging, INDEX_FILE), metadata.index, fsync=self.fsync)
-        body = metadata.to_json().encode()
-        with open(os.path.join(self.staging, METADATA_FILE), "xb") as f, naming(f.name):
-            f.write(body)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
+        with self._user_fixes("committing"):
+            if metadata.index is not None:  # format v2: the chunk index first, metadata.json last
+                write_index(os.path.join(self.staging, INDEX_FILE), metadata.index, fsync=self.fsync)
+            body = metadata.to_json().encode()
+            with open(os.path.join(self.staging, METADATA_FILE), "xb") as f, naming(f.name):
+                f.write(body)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
         if self.fsync:
             fsync_dir(self.staging)
         try:

@@ -17,17 +17,15 @@ crash never leaves half a checkpoint under a real name; the next retention clear
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..core.errors import ConfigError
-from .commit import (DISPLACED_MARK, STAGING_LOCK, STAGING_MARK, TRASH_MARK, interrupted_swap, recover_displaced,
-                     remove_tree_safely, staging_is_abandoned)
+from .commit import (DISPLACED_MARK, TRASH_MARK, clear_abandoned, interrupted_swap, recover_displaced,
+                     remove_tree_safely)
 from .filesystem import open_regular
 from .uri import is_uri, join
 from ..format import jsondoc
@@ -193,24 +191,10 @@ def latest_checkpoint(directory: str | os.PathLike, series: str) -> str | None:
 
 def clear_trash(directory: str | os.PathLike) -> None:
     """Delete trash left by a deletion or overwrite that crashed half-way, and the staging
-    directories of saves whose coordinator died (its lock is free); saves in progress keep theirs."""
+    directories of saves whose coordinator died; saves in progress keep theirs."""
     d = os.fspath(directory)
     if os.path.isdir(d):
-        # first finish swaps a crash interrupted: their staging directory says which displaced
-        # copy is the committed checkpoint, so it must not go before the recovery read it
-        for n in os.listdir(d):
-            if n.startswith(".") and DISPLACED_MARK in n and TRASH_MARK not in n:
-                recover_displaced(os.path.join(d, n[1:n.rindex(DISPLACED_MARK)]))
-        for n in os.listdir(d):
-            if n.startswith(".") and TRASH_MARK in n:
-                shutil.rmtree(os.path.join(d, n), ignore_errors=True)
-            elif n.startswith(".") and STAGING_MARK in n and not n.endswith(STAGING_LOCK):
-                staging = os.path.join(d, n)
-                if staging_is_abandoned(staging):
-                    log.info("removing %s: the save that staged it is no longer running", staging)
-                    shutil.rmtree(staging, ignore_errors=True)  # never a checkpoint: no trash step needed
-                    with contextlib.suppress(OSError):
-                        os.unlink(staging + STAGING_LOCK)
+        clear_abandoned(d)
 
 
 def apply_retention(directory: str | os.PathLike, keep_last: int, *, series: str,
