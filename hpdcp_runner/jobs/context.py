@@ -68,12 +68,12 @@ class JobContext:
                 and not os.environ.get("CI"))
 
     def progress(self, iterable: Any, desc: str, total: int | None = None) -> Any:
-        """A progress bar over ``iterable`` (see ``show_progress``)."""
+        """A progress bar over ``iterable`` (see ``show_progress``), once the phase ran 2 s."""
         if not self.show_progress():
             return iterable
         from tqdm import tqdm
 
-        return tqdm(iterable, desc=desc, total=total, leave=False)
+        return tqdm(iterable, desc=desc, total=total, leave=False, delay=2.0, **_terminal_size())
 
     @contextlib.contextmanager
     def byte_progress(self, desc: str, done: Callable[[], tuple[int, int]]) -> Iterator[None]:
@@ -84,7 +84,8 @@ class JobContext:
             return
         from tqdm import tqdm
 
-        bar = tqdm(desc=f"{desc} (rank 0)", unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False)
+        bar = tqdm(desc=f"{desc} (rank 0)", unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False,
+                   **_terminal_size())
         stop = threading.Event()
 
         def poll() -> None:
@@ -247,6 +248,17 @@ class JobContext:
             raise type(e)(f"{_first_line(e)} (check {key})") from None
         except dcp.PickleNotAllowedError as e:
             raise dcp.PickleNotAllowedError(_first_line(e)) from None
+
+
+def _terminal_size() -> dict:
+    """A terminal that reports no size (a pseudo-terminal nobody sized: ``script`` run without a
+    terminal, some CI runners and container consoles) makes tqdm print nothing at all (0 rows):
+    such a one gets 80 x 24; a real size is left to tqdm (which follows resizes)."""
+    try:
+        cols, rows = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return {}
+    return {} if cols > 0 and rows > 0 else {"ncols": cols or 80, "nrows": rows or 24}
 
 
 def _first_line(e: BaseException) -> str:

@@ -105,14 +105,17 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dic
     ``job.dtype``, the source's floating tensors are cast the same way first."""
     rules = compile_rules(ctx.source_renames()) if foreign else []
     cast = dtype_from_name(ctx.cfg.job.dtype) if ctx.cfg.job.output_format == "hf" and ctx.cfg.job.dtype else None
+    def bar(it, total, desc):  # the verify reads both checkpoints whole: it can take a while
+        return ctx.progress(it, f"verify: {desc}", total=total)
+
     a = {rename_key(k, rules): v for k, v in full_tensor_digests(source, ctx.reader(source, foreign), cast=cast,
-                                                                 keep=_keep_renamed(rules, names)).items()}
+                                                                 keep=_keep_renamed(rules, names), progress=bar).items()}
     if names is not None:
         a = {names[k]: v for k, v in a.items() if k in names}
     out_format = "hf" if ctx.cfg.job.output_format == "hf" else "hpdcp"
     from ..dcp import open_reader
 
-    b = full_tensor_digests(output, open_reader(output, out_format))
+    b = full_tensor_digests(output, open_reader(output, out_format), progress=bar)
     bad = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if bad:
         raise HpdcpError(f"resharded checkpoint {output} differs from {source} in {len(bad)} tensors: {bad[:10]}")

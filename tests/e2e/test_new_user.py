@@ -200,6 +200,47 @@ def test_progress_on_a_terminal_only(tmp_path):
     assert piped.returncode == 0 and "(rank 0)" not in piped.stderr + piped.stdout
 
 
+def _on_a_terminal(cmd, env, cwd, rows=0, cols=0) -> tuple[int, str]:
+    """Run ``cmd`` with a pseudo-terminal as its stdout/stderr, sized rows x cols (0 x 0: one
+    nobody sized, as under ``script`` without a terminal); (exit code, what it showed)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        os.chdir(cwd)
+        os.execvpe(cmd[0], cmd, env)
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
+def test_progress_through_torchrun_and_hpdcp_on_an_unsized_terminal(tmp_path):
+    """Progress shows under torchrun and the hpdcp launcher, also on a terminal that reports no
+    size (tqdm alone prints nothing there), and the reshard's verify phase has its own."""
+    ck = tmp_path / "ck"
+    env = _env()
+    env.pop("CI", None)
+    model = ["model.vocab=2048", "model.hidden=128", "model.ffn=512"]  # 3.7 MB in 20 tensors
+    subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=save", f"checkpoint.dir={ck}", "checkpoint.name=s",
+                    *model], check=True, env=env, cwd=str(tmp_path), capture_output=True, timeout=240)
+    slow = "dcp.storage.max_read_bytes_per_s=600KiB"  # ~3 s of reading per rank
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "hpdcp_runner"]
+    code, shown = _on_a_terminal(torchrun + ["+job=load", f"checkpoint.path={ck}/s", slow, *model], env, tmp_path)
+    assert code == 0 and "load (rank 0)" in shown and "B/s" in shown, shown[-2000:]
+    hpdcp = [sys.executable, "-m", "hpdcp_runner", "--nproc-per-node=2"]
+    code, shown = _on_a_terminal(hpdcp + ["+job=reshard", f"job.source.path={ck}/s", "job.output=out", slow],
+                                 env, tmp_path)
+    assert code == 0 and "reshard.load (rank 0)" in shown and "verify: digest s" in shown, shown[-2000:]
+
+
 def _fake_sweep(root, points):
     for i, (ov, obj, rng) in enumerate(points):
         d = root / str(i)

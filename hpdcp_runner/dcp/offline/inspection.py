@@ -11,7 +11,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import torch
 
@@ -117,12 +117,15 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def full_tensor_digests(path: str | os.PathLike, reader: StorageReader | None = None, *,
-                        keep: Callable[[str], bool] | None = None, cast: torch.dtype | None = None) -> dict[str, str]:
+                        keep: Callable[[str], bool] | None = None, cast: torch.dtype | None = None,
+                        progress: Callable[[Iterable, int | None, str], Iterable] | None = None) -> dict[str, str]:
     """{key: digest of the full tensor}, one tensor in memory at a time (``reader``: a foreign
     one). ``keep``: only the keys it admits (the others are never read); ``cast``: floating
-    tensors digested as cast to it (what an export with that dtype wrote)."""
+    tensors digested as cast to it (what an export with that dtype wrote); ``progress(it, total,
+    desc)`` wraps the tensors as they are read (a progress bar)."""
     out = {}
-    for k, t in iter_full_tensors(path, reader=reader, reuse_buffer=True, keep=keep):
+    tensors = iter_full_tensors(path, reader=reader, reuse_buffer=True, keep=keep)
+    for k, t in (progress(tensors, None, f"digest {os.path.basename(os.fspath(path))}") if progress else tensors):
         out[k] = tensor_digest(t.to(cast) if cast is not None and t.is_floating_point() else t)
     return out
 
