@@ -1,6 +1,6 @@
 """Turn a Hydra multirun directory of hpdcp jobs into a table and a plot.
 
-    python scripts/sweep_report.py multirun/2026-12-02_14-15-24_f8584e [--objective result.objective] [--maximize]
+    python -m hpdcp_runner.sweep_report multirun/2026-12-02_14-15-24_f8584e [--objective result.objective] [--maximize]
 
 Writes ``report.md``, ``report.csv`` and ``report.png`` (the objective against each swept knob,
 min-max bars) into the multirun directory. Where the job records the objective's spread
