@@ -7,6 +7,8 @@ Thin on purpose: agree the run dir across ranks before Hydra starts, then hand o
 
 from __future__ import annotations
 
+import os
+
 import hydra
 from omegaconf import DictConfig
 
@@ -17,7 +19,24 @@ from .paths import find_conf_dir
 def _task(cfg: DictConfig):
     from . import jobs
 
-    return jobs.run(cfg)
+    if "SUBMITIT_FOLDER" not in os.environ:
+        return jobs.run(cfg)
+    # a task of a submitit job (hydra/launcher=submitit_*): its tasks are the ranks of one
+    # process group, formed from the scheduler's variables; the process ends with the task
+    runtime.adopt_scheduler_env()
+    try:
+        return jobs.run(cfg)
+    except SystemExit as e:
+        if e.code not in (0, None):  # the job failed and said so (FAILED in its run dir): the
+            return None  # launcher reports the point and the sweep goes on; exiting would lose it
+        raise
+    finally:
+        runtime.shutdown_distributed()
+
+
+# A submitit task runs this module's _task in a fresh process that never ran main(): the
+# resolvers the config uses (run stamp, rank) must exist there too.
+runtime.register_resolvers()
 
 
 def main() -> None:
@@ -46,6 +65,7 @@ def _worker() -> None:
     code = handle_early_flags(sys.argv[1:], runtime.env_rank())
     if code is not None:
         raise SystemExit(code)
+    runtime.adopt_scheduler_env()  # srun: each task is a rank, as under torchrun
     runtime.remember_launch_dir()
     runtime.agree_run_stamp()
     runtime.register_resolvers()
@@ -56,6 +76,10 @@ def _worker() -> None:
     from hydra_plugins.hpdcp_launcher.torchrun_launcher import TorchrunLauncher
 
     Plugins.instance().register(TorchrunLauncher)
+    from hydra_plugins.hpdcp_launcher import submitit_launchers  # its presets join the ConfigStore on import
+
+    for launcher in submitit_launchers.LAUNCHERS:  # none without the slurm extra
+        Plugins.instance().register(launcher)
     try:
         hydra.main(version_base="1.3", config_path=find_conf_dir(), config_name="config")(_task)()
     finally:

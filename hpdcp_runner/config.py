@@ -276,7 +276,7 @@ class TrainJob(JobConf):
     lr: float = 0.01
     compare_losses: Optional[str] = None  # losses.json of a reference run: report (and require) a match
     loss_rtol: float = 0.0  # tolerance of that match, relative per step; 0 = bitwise
-    kill_after_step: Optional[int] = None  # drill: SIGKILL one rank after this step
+    kill_after_step: Optional[int] = None  # drill: SIGKILL one rank after this step (first attempt only)
     kill_rank: Optional[int] = None  # the rank killed (default: the last)
 
 

@@ -44,8 +44,10 @@ class Metrics(PhaseTimer):
                 self.counters[prefix + k] = self.counters.get(prefix + k, 0) + v
 
     def rank_record(self, rank: int) -> dict:
+        from .dcp.tools import node_id
+
         return {"rank": rank, "phases_s": self.seconds, "counters": self.counters,
-                "peak_rss_mib": round(peak_rss_mib(), 1)}
+                "peak_rss_mib": round(peak_rss_mib(), 1), "node": node_id()}
 
 
 def summarize(records: list[dict]) -> dict:

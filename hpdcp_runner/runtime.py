@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,95 @@ def launch_dir() -> str:
 
 
 def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    """This process's global rank from its launcher (torchrun's RANK, else SLURM's or submitit's
+    task id), before any process group exists (Hydra resolves the rank-0-only paths with it)."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    sched = scheduler_env()
+    return int(sched["RANK"]) if sched else 0
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list (``node[03-05,9],gpu7`` -> ``node03``): the first
+    entry with each bracket group replaced by its first value (zero padding kept)."""
+    depth, entry = 0, ""
+    for ch in nodelist:
+        if ch == "," and depth == 0:
+            break
+        depth += (ch == "[") - (ch == "]")
+        entry += ch
+    while "[" in entry:
+        head, rest = entry.split("[", 1)
+        group, tail = rest.split("]", 1)
+        entry = head + group.split(",")[0].split("-")[0] + tail
+    return entry
+
+
+def scheduler_env(environ: "os._Environ[str] | dict[str, str] | None" = None) -> dict[str, str] | None:
+    """torch.distributed's env:// variables for a process a scheduler started as one task of a
+    job, with no launcher having set them: ``srun`` (SLURM's variables of the job step) or
+    submitit (its SLURM executor sets SLURM's; its local executor its own). None when a launcher
+    (torchrun) set ``RANK`` or no scheduler started this process as a task."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env:
+        return None
+    if "SUBMITIT_LOCAL_GLOBALID" in env:
+        rank, world = env["SUBMITIT_LOCAL_GLOBALID"], env.get("SUBMITIT_LOCAL_NTASKS", "1")
+        local, node, nodes = env.get("SUBMITIT_LOCAL_LOCALID", rank), env.get("SUBMITIT_LOCAL_NODEID", "0"), \
+            env.get("SUBMITIT_LOCAL_JOB_NUM_NODES", "1")
+        host, job = "127.0.0.1", env.get("SUBMITIT_LOCAL_JOB_ID", "0")
+    elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # a task of an srun step
+        rank, world = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+        local, node, nodes = env.get("SLURM_LOCALID", "0"), env.get("SLURM_NODEID", "0"), \
+            env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1"))
+        host = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1")
+        job = f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}"
+    else:
+        return None
+    # the same port and run stamp on every task of the job, with nothing exchanged (a task of a
+    # submitit job inherits the stamp its launcher agreed; srun's tasks derive it from the step)
+    port = env.get("MASTER_PORT") or str(20000 + zlib.crc32(job.encode()) % 40000)
+    stamp = env.get(STAMP_ENV) or (f"slurm-{job}" if "SUBMITIT_LOCAL_GLOBALID" not in env else "")
+    per_node = max(1, int(world) // max(1, int(nodes)))
+    return {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": node, "MASTER_ADDR": env.get("MASTER_ADDR") or host, "MASTER_PORT": port,
+            STAMP_ENV: stamp}
+
+
+def launcher_name() -> str:
+    """Who started this process as a rank: what the metrics record."""
+    if "SUBMITIT_FOLDER" in os.environ:
+        return "submitit"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun (under srun)" if "SLURM_STEP_NUM_TASKS" in os.environ else "torchrun"
+    if "SLURM_STEP_NUM_TASKS" in os.environ and "WORLD_SIZE" in os.environ:
+        return "srun"
+    return "one process"
+
+
+def adopt_scheduler_env() -> bool:
+    """Export :func:`scheduler_env` (when a scheduler started this process) so the process group
+    forms from it, as under torchrun. True when it did."""
+    sched = scheduler_env()
+    if not sched:
+        return False
+    try:
+        rank, world, local = int(sched["RANK"]), int(sched["WORLD_SIZE"]), int(sched["LOCAL_RANK"])
+        ok = 0 <= rank < world and 0 <= local < world
+    except ValueError:
+        ok = False
+    if not ok:
+        names = ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_NTASKS", "SUBMITIT_LOCAL_LOCALID") \
+            if "SUBMITIT_LOCAL_GLOBALID" in os.environ else ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
+        shown = ", ".join(f"{n}={os.environ.get(n)!r}" for n in names)
+        import sys
+
+        sys.stderr.write(f"error: ConfigError: the scheduler's task variables do not describe a rank of the job "
+                         f"({shown}): a task's id must be below the task count; start the tasks with srun (or "
+                         f"set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT yourself)\n")
+        raise SystemExit(2)
+    os.environ.update({k: v for k, v in sched.items() if v})
+    return True
 
 
 def under_torchrun() -> bool:
@@ -108,7 +197,17 @@ def init_distributed(backend: str, device: str, timeout_s: float) -> RankInfo:
         backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():
         timeout = _dt.timedelta(seconds=timeout_s)
-        if ws > 1 or "MASTER_ADDR" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
+            # torchrun's agent keeps one store across restarts (--max-restarts): a restarted
+            # attempt must not read the dead attempt's addresses (torch issue 135712), so each
+            # attempt's group lives under its own prefix
+            tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"hpdcp/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{attempt}", tcp)
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=ws,
+                                    timeout=timeout)
+        elif ws > 1 or "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:  # one process: a private store, no ports
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

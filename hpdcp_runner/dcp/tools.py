@@ -5,6 +5,7 @@ the offline transforms. Programs import these from here, never from the layer mo
 layers can change without breaking them (``tests/unit/test_layers.py`` checks the runner)."""
 
 from .async_persist import save_in_flight
+from .comm.broadcast import node_id
 from .comm.collectives import Comm
 from .core.memory import available_bytes, check_allocation, check_together
 from .core.geometry import Box, dtensor_local_box, narrow, split_piece, whole
@@ -24,7 +25,7 @@ from .storage.foreign import FORMATS
 from .storage.retention import (apply_retention, latest_checkpoint, list_checkpoints, series_extra, series_outsiders,
                                 unrecorded_checkpoints)
 
-__all__ = ["save_in_flight", "available_bytes", "check_allocation", "check_together", "Comm", "Box", "dtensor_local_box", "narrow", "split_piece", "whole", "decompose_flat_interval",
+__all__ = ["node_id", "save_in_flight", "available_bytes", "check_allocation", "check_together", "Comm", "Box", "dtensor_local_box", "narrow", "split_piece", "whole", "decompose_flat_interval",
            "TENSOR_LEAVES", "PhaseTimer", "flatten_state_dict", "get_logger", "set_element", "DTYPES",
            "METADATA_FILE", "dtype_from_name", "compile_rules", "rename_key", "transforms", "export_hf", "describe",
            "full_tensor_digests", "verify", "local_pieces", "ReaderOptions",

@@ -195,6 +195,21 @@ def _objective(job: str, result: dict, summary: dict) -> None:
             return
 
 
+def _topology(ctx: JobContext, records: list[dict]) -> dict:
+    """Where the ranks ran (as the engine tells nodes apart: host and launcher node rank) and
+    what that means for replica broadcast under ``dcp.broadcast.mode``."""
+    nodes = list(dict.fromkeys(r.get("node") for r in records))
+    mode = ctx.engine.broadcast.mode
+    if mode != "auto":
+        rule = mode
+    elif len(nodes) > 1:
+        rule = f"auto: on for replica groups that span nodes ({len(nodes)} nodes here)"
+    else:
+        rule = "auto: one node, so only for storage declared shared or slow (object stores, dcp.storage.shared=true)"
+    return {"launcher": runtime.launcher_name(), "nodes": len(nodes),
+            "node_of_rank": [nodes.index(r.get("node")) for r in records], "broadcast": rule}
+
+
 def _report(ctx: JobContext, result: dict, digest: str) -> None:
     records = ctx.comm.all_gather_json(ctx.metrics.rank_record(ctx.info.rank), "metrics")
     if ctx.info.rank != 0:
@@ -208,7 +223,7 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
            "model": None if source else ctx.cfg.model.name, "source": source, "run_dir": ctx.run_dir, "config": ctx.plain,
            "config_digest": digest, "ranks": records,
            "summary": summary, "result": result,
-           "engine": ctx.engine.knobs()}
+           "engine": ctx.engine.knobs(), "topology": _topology(ctx, records)}
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
     # a job that prints machine-readable output keeps stdout for it alone
     machine = ctx.cfg.job.name == "inspect" and getattr(ctx.cfg.job, "format", None) == "json"

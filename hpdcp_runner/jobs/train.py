@@ -150,7 +150,9 @@ def run(ctx: JobContext) -> dict:
         log.info("step %d loss %.6f", tr.step, loss)
         if job.save_every and tr.step % job.save_every == 0:
             pending = _checkpoint(ctx, tr, losses, ckdir, pending)
-        if job.kill_after_step == tr.step and rank == kill_rank:
+        # the drill kills once: a restarted attempt (torchrun --max-restarts, a requeue) runs on
+        if job.kill_after_step == tr.step and rank == kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                                                   "0") == "0":
             log.warning("job.kill_after_step=%d: SIGKILL to rank %d", tr.step, rank)
             os.kill(os.getpid(), signal.SIGKILL)
     if pending is not None:
