@@ -57,6 +57,21 @@ def main() -> None:
         raise SystemExit(getattr(e, "exit_code", 130)) from None
 
 
+def _check_launcher(argv: list[str]) -> None:
+    """A submitit launcher without its plugin: one line saying what to install, not Hydra's
+    "Unknown plugin class" traceback."""
+    import importlib.util
+    import sys
+
+    for arg in argv:
+        name = arg.split("=", 1)[1] if arg.startswith("hydra/launcher=") else ""
+        if "submitit" in name and importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+            if runtime.env_rank() == 0:
+                sys.stderr.write(f"error: ConfigError: hydra/launcher={name} needs the slurm extra: "
+                                 f"pip install -e \".[slurm]\" (hydra-submitit-launcher)\n")
+            raise SystemExit(2)
+
+
 def _worker() -> None:
     import sys
 
@@ -65,6 +80,7 @@ def _worker() -> None:
     code = handle_early_flags(sys.argv[1:], runtime.env_rank())
     if code is not None:
         raise SystemExit(code)
+    _check_launcher(sys.argv[1:])
     runtime.adopt_scheduler_env()  # srun: each task is a rank, as under torchrun
     runtime.remember_launch_dir()
     runtime.agree_run_stamp()
