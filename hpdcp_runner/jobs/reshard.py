@@ -105,6 +105,7 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dic
     ``job.dtype``, the source's floating tensors are cast the same way first."""
     rules = compile_rules(ctx.source_renames()) if foreign else []
     cast = dtype_from_name(ctx.cfg.job.dtype) if ctx.cfg.job.output_format == "hf" and ctx.cfg.job.dtype else None
+
     def bar(it, total, desc):  # the verify reads both checkpoints whole: it can take a while
         return ctx.progress(it, f"verify: {desc}", total=total)
 

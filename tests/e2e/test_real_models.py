@@ -128,6 +128,7 @@ def test_gpt2_conv1d_layout_and_a_torch_dcp_checkpoint_written_by_torch(cli, tmp
     assert torch.equal(_logits(back), _logits(llama))
 
 
+@pytest.mark.slow  # the slow tier: bash .ci/run runs it after the default tier
 def test_a_model_and_optimizer_checkpoint_to_hugging_face_in_one_command(cli, tmp_path):
     """A training script's torch DCP checkpoint of {"model", "optim"} (torch's own state_dict
     helpers, after an AdamW step) -> Hugging Face: the output holds the model's weights only,
