@@ -105,7 +105,16 @@ def _run(cfg: DictConfig, run_dir: str | None = None) -> Any:
         c, options = validate_all(cfg, world_size)
     except ConfigError as e:
         _fail(f"ConfigError: {e}", 2, run_dir=run_dir)
-    info = runtime.init_distributed(c.runtime.backend, c.runtime.device, c.runtime.timeout_s)
+    try:
+        info = runtime.init_distributed(c.runtime.backend, c.runtime.device, c.runtime.timeout_s)
+    except (RuntimeError, OSError) as e:  # torch's store and network errors: a rank that never came
+        first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+        ws = os.environ.get("WORLD_SIZE", "1")
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        _fail(f"DistributedError: the {ws} ranks did not form a process group within runtime.timeout_s="
+              f"{c.runtime.timeout_s:g} s (rank {runtime.env_rank()}, rendezvous at {where}): {first}. Check that "
+              f"every task started (srun --ntasks, tasks_per_node) and can reach {where}", 1,
+              every_rank=True, run_dir=run_dir)
     ctx = JobContext(c, to_plain(cfg), info, run_dir, options)
     detail.info("job %s: world size %d, run dir %s, launched from %s", c.job.name, info.world_size, run_dir,
                 runtime.launch_dir())

@@ -63,6 +63,18 @@ def test_srun_tasks_are_the_ranks_of_one_job(tmp_path):
     assert not (tmp_path / "ck" / "t").exists()
 
 
+def test_a_task_that_never_starts_is_one_line_after_the_timeout(tmp_path):
+    # task 1 of 2 never starts: task 0 waits runtime.timeout_s, then says how many joined
+    out = _srun(tmp_path, ["+job=save", "checkpoint.dir=ck", "runtime.timeout_s=3"], ntasks=1, job="31",
+                SLURM_STEP_NUM_TASKS="2")
+    code, _, err = out[0]
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert code == 1 and len(lines) == 1 and "did not form a process group within runtime.timeout_s=3" in lines[0]
+    assert "1/2 clients joined" in lines[0] and "Traceback" not in err, err[-2000:]
+    assert "did not form" in (tmp_path / "outputs" / "slurm-31.0" / "FAILED").read_text()
+    assert not (tmp_path / "ck").exists()
+
+
 def _sweep(tmp_path, args):
     return subprocess.run([sys.executable, "-m", "hpdcp_runner", "-m", "hydra/launcher=hpdcp_submitit_local", *args],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
