@@ -20,3 +20,20 @@ def test_a_submitit_launcher_without_its_plugin_is_one_line(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and 'pip install -e ".[slurm]"' in err
     entry._check_launcher(["-m", "hydra/launcher=hpdcp_torchrun", "+job=bench"])  # others pass
+
+
+def test_the_launcher_presets_in_conf_compose(tmp_path):
+    """conf/hydra/launcher/*.yaml build on the plugin's schemas (the slurm extra)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the slurm extra")
+    r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=save", "hydra/launcher=slurm_gpu_node",
+                        "hydra.launcher.nodes=2", "--cfg", "hydra"], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    launcher = yaml.safe_load(r.stdout)["hydra"]["launcher"]
+    assert launcher["_target_"].endswith("HpdcpSlurmLauncher") and launcher["tasks_per_node"] == 8
+    assert launcher["nodes"] == 2 and launcher["gpus_per_node"] == 8 and launcher["on_failure"] == "continue"
