@@ -28,7 +28,19 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
-OURS = ("on_failure", "failure_value")  # our keys; the rest go to submitit's executor
+RANK_BYTES = 300 << 20  # a rank's resident memory before any checkpoint (torch + the runner, measured ~300 MiB)
+
+
+def _available_bytes() -> Optional[int]:
+    """MemAvailable of this machine (Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 try:
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
@@ -64,9 +76,28 @@ if BaseSubmititLauncher is not None:
             self.failure_value = params.pop("failure_value", math.inf)
             if self.on_failure not in ("continue", "stop"):
                 raise ValueError(f"hydra.launcher.on_failure must be continue or stop, got {self.on_failure!r}")
-            if int(params.get("tasks_per_node", 1)) < 1 or int(params.get("nodes", 1)) < 1:
-                raise ValueError("hydra.launcher.tasks_per_node and hydra.launcher.nodes must be >= 1")
+            problem = self._problem(int(params.get("tasks_per_node", 1)), int(params.get("nodes", 1)))
+            if problem:  # one line, before anything is submitted (Hydra would print a traceback)
+                import sys
+
+                sys.stderr.write(f"error: ConfigError: {problem}\n")
+                raise SystemExit(2)
             super().__init__(**params)
+
+        def _problem(self, tasks: int, nodes: int) -> Optional[str]:
+            if tasks < 1 or nodes < 1:
+                return f"hydra.launcher.tasks_per_node ({tasks}) and hydra.launcher.nodes ({nodes}) must be >= 1"
+            if self._EXECUTOR != "local":
+                return None
+            if nodes != 1:
+                return (f"hydra.launcher.nodes={nodes}: submitit's local executor runs on this machine only; "
+                        f"use hydra/launcher=hpdcp_submitit_slurm for several nodes")
+            avail = _available_bytes()
+            if avail is not None and tasks * RANK_BYTES > avail:
+                return (f"hydra.launcher.tasks_per_node={tasks}: this machine cannot start that many ranks (each "
+                        f"needs about {RANK_BYTES >> 20} MiB before any checkpoint; {avail >> 20} MiB available); "
+                        f"use at most {max(1, avail // RANK_BYTES)} or hydra/launcher=hpdcp_submitit_slurm")
+            return None
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
             import submitit

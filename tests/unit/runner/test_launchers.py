@@ -37,3 +37,18 @@ def test_the_launcher_presets_in_conf_compose(tmp_path):
     launcher = yaml.safe_load(r.stdout)["hydra"]["launcher"]
     assert launcher["_target_"].endswith("HpdcpSlurmLauncher") and launcher["tasks_per_node"] == 8
     assert launcher["nodes"] == 2 and launcher["gpus_per_node"] == 8 and launcher["on_failure"] == "continue"
+
+
+def test_a_local_launcher_asking_for_more_than_the_machine_is_one_line(capsys):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the slurm extra")
+    from hydra_plugins.hpdcp_launcher.submitit_launchers import HpdcpLocalLauncher, _available_bytes
+
+    for params, words in (({"tasks_per_node": 10**6}, ["tasks_per_node=1000000", "cannot start that many ranks"]),
+                          ({"nodes": 2}, ["hydra.launcher.nodes=2", "hpdcp_submitit_slurm"]),
+                          ({"tasks_per_node": 0}, ["must be >= 1"])):
+        with pytest.raises(SystemExit) as e:
+            HpdcpLocalLauncher(submitit_folder="x", **params)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and all(w in err for w in words), err
+    assert _available_bytes() is None or _available_bytes() > 0
+    HpdcpLocalLauncher(submitit_folder="x", tasks_per_node=2)  # what the tests use: fine
