@@ -92,8 +92,10 @@ def test_submitit_sweep_points_are_distributed_jobs(tmp_path):
         assert read_metadata(tmp_path / "ck" / name).world_size == 2
         assert (tmp_path / "saves" / str(i) / ".hydra").is_dir() and (tmp_path / "saves" / str(i) / "hpdcp_rank1.log").is_file()
     # a failing point: FAILED holds the error, the other point completes, the sweep ends normally
+    # (rank 1 goes on into the bench while rank 0 fails: rank 0 hears of it no later than the
+    # timeouts, kept short here)
     r = _sweep(tmp_path, ["hydra.sweep.dir=bench", "+job=bench", "job.repeats=1", "job.warmup=0",
-                          "job.fail_on_rank=null,0"])
+                          "job.fail_on_rank=null,0", "runtime.timeout_s=20", "dcp.timeout_s=20"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sweep point #1" in r.stderr and "failed" in r.stderr
     assert "injected failure on rank 0" in (tmp_path / "bench" / "1" / "FAILED").read_text()
