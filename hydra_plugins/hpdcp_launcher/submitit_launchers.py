@@ -32,15 +32,11 @@ RANK_BYTES = 300 << 20  # a rank's resident memory before any checkpoint (torch 
 
 
 def _available_bytes() -> Optional[int]:
-    """MemAvailable of this machine (Linux), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """This machine's available memory (the engine's own measure), or None where unknown."""
+    from hpdcp_runner.dcp.tools import available_bytes
+
+    return available_bytes("cpu")
+
 
 try:
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf

@@ -178,23 +178,8 @@ def test_progress_on_a_terminal_only(tmp_path):
     subprocess.run(base + ["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=s", *model], check=True, env=env,
                    cwd=str(tmp_path), capture_output=True, timeout=240)
     load = base + ["+job=load", f"checkpoint.path={ck}/s", "dcp.storage.max_read_bytes_per_s=1MiB", *model]
-    pid, fd = pty.fork()
-    if pid == 0:  # child: stdout/stderr are the terminal, 24 x 100 like a real one
-        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-        os.chdir(tmp_path)
-        os.execvpe(load[0], load, env)
-    chunks = []
-    while True:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    _, status = os.waitpid(pid, 0)
-    shown = b"".join(chunks).decode(errors="replace")
-    assert os.waitstatus_to_exitcode(status) == 0, shown[-2000:]
+    code, shown = _on_a_terminal(load, env, tmp_path, rows=24, cols=100)  # sized like a real one
+    assert code == 0, shown[-2000:]
     assert "load (rank 0)" in shown and "B/s" in shown and "files" in shown, shown[-2000:]
     piped = subprocess.run(load, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=240)
     assert piped.returncode == 0 and "(rank 0)" not in piped.stderr + piped.stdout
