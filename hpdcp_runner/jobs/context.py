@@ -240,10 +240,10 @@ class JobContext:
             yield
         except dcp.CheckpointExistsError as e:
             what = _first_line(e).split(";")[0].rstrip(". ")  # without the engine's keyword hint
-            other = "checkpoint.name / checkpoint.dir" if key == "checkpoint.dir" else key
+            named, other = ("", "checkpoint.name / checkpoint.dir") if key == "checkpoint.dir" else (f" ({key})", key)
             raise dcp.CheckpointExistsError(
-                f"{what}{'' if key == 'checkpoint.dir' else f' ({key})'}. To replace it, add checkpoint.overwrite=true (the old one stays loadable until "
-                f"the new one commits), or pick another {other}.") from None
+                f"{what}{named}. To replace it, add checkpoint.overwrite=true (the old one stays loadable until the "
+                f"new one commits), or pick another {other}.") from None
         except (dcp.CheckpointNotFoundError, dcp.StorageAccessError) as e:
             raise type(e)(f"{_first_line(e)} (check {key})") from None
         except dcp.PickleNotAllowedError as e:
