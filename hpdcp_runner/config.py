@@ -133,8 +133,14 @@ class DcpConf:
 
 @dataclass
 class RuleConf:
-    pattern: str = ".*"
-    placements: list[str] = field(default_factory=lambda: ["R"])
+    pattern: str = ".*"  # re.fullmatch on the tensor's dotted key
+    placements: list[str] = field(default_factory=lambda: ["R"])  # per mesh dim: R | S<dim> | E (experts)
+    # a fused tensor: the sizes of its parts along parts_dim (ints or config.json expressions such
+    # as num_key_value_heads*head_dim); each part is placed as its own tensor, pieces concatenated
+    parts: Optional[list[Any]] = None
+    parts_dim: int = 0
+    unit: Optional[Any] = None  # parts split only on multiples of this (head_dim: whole heads per rank)
+    experts: Optional[Any] = None  # E on one key per expert: how many experts (default: counted from the keys)
 
 
 @dataclass
@@ -145,6 +151,12 @@ class LayoutConf:
     rules: list[RuleConf] = field(default_factory=list)  # first match wins; no match -> replicate
     flat_units: list[int] = field(default_factory=list)  # kind=flat: relative share per rank (empty: even)
     strict: bool = False  # true: a tensor that no rule names is an error (listing all of them), not replicated
+    # the model's config.json (file or directory), for rule sizes named by config fields; null:
+    # the source's own (a Hugging Face directory, or the one our checkpoints record)
+    config: Optional[str] = None
+    # layout=auto: the family's rule table picked from config.json's model_type (or the keys)
+    family: Optional[str] = None  # auto: null = recognise it; or llama | phi3 | gpt2 | moe | titan
+    parallel: Optional[str] = None  # auto: tp | fsdp_tp | ep | ep_tp (null: tp, or ep for moe)
 
 
 @dataclass
@@ -455,6 +467,10 @@ def _train_problems(c: Config) -> list[str]:
     out = []
     if c.layout.kind == "flat":
         out.append("layout.kind: the train job needs a plain or dtensor layout (flat shards are not trainable parameters)")
+    for i, r in enumerate(c.layout.rules):
+        if r.parts or "E" in [str(p) for p in r.placements]:
+            out.append(f"layout.rules[{i}]: the train job's synthetic model has no fused or expert tensors; "
+                       f"fused parts and E place checkpoints (reshard, load, bench), not its parameters")
     if c.model.kind != "transformer":
         out.append(f"model.kind: the train job trains model.kind=transformer (e.g. model=tiny), not {c.model.kind!r}")
     elif c.model.heads < 1 or c.model.hidden % c.model.heads:
@@ -539,6 +555,9 @@ def validate_all(cfg: DictConfig, world_size: int) -> tuple[Config, "EngineOptio
     layout_ws = c.job.ranks if inspect and c.job.ranks else world_size
     hint = " (inspect: add job.ranks=<N> to show the layout at N ranks)" if inspect and not c.job.ranks else ""
     problems += [f"layout.{p}{hint if 'world size' in p else ''}" for p in layouts.problems(c.layout, layout_ws)]
+    if c.layout.kind == "auto" and not (getattr(c.job, "source", None) is not None and c.job.source.path):
+        problems.append("layout: auto picks the rule table of the checkpoint's model family, so it needs "
+                        "job.source.path=<checkpoint> (or pick a layout: layout=<name>)")
     if c.model.dtype not in ("float32", "bfloat16", "float16"):
         problems.append(f"model.dtype: {c.model.dtype!r} is not float32, bfloat16 or float16")
     if c.model.kind not in ("transformer", "peer", "mlp_adamw"):

@@ -35,12 +35,22 @@ def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False,
             more = f" ... ({len(unmatched) - 20} more)" if len(unmatched) > 20 else ""
             raise ConfigError(f"layout.strict: no rule of layout {placer.layout.name!r} names {len(unmatched)} "
                               f"tensor(s): {shown}{more}; add rules for them or set layout.strict=false")
+        for k in sorted(md.tensors):
+            clash = placer.clashing_rules(k)
+            if clash:
+                i, j = clash
+                raise ConfigError(f"layout.strict: {k!r} is matched by rules[{i}] ({placer.layout.rules[i].pattern!r}) "
+                                  f"and by rules[{j}] ({placer.layout.rules[j].pattern!r}), which place it "
+                                  f"differently; the first wins unless strict: narrow one of the patterns")
     root: dict[str, Any] = {}
     for k, t in sorted(md.tensors.items()):
         if only is not None and not only(k):
             continue
+        value = placer.empty(k, t.shape, dtype_from_name(t.dtype))
+        if value is None:  # another expert-parallel group's expert: this rank holds none of it
+            continue
         _ensure_path(root, t.path)
-        set_element(root, t.path, placer.empty(k, t.shape, dtype_from_name(t.dtype)))
+        set_element(root, t.path, value)
     for k, o in sorted(md.objects.items()):
         _ensure_path(root, o.path)
         set_element(root, o.path, None)

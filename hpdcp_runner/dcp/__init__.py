@@ -23,7 +23,7 @@ from .storage.object_checkpoint import ObjectStoreWriter
 from .storage.object_reader import ObjectStoreReader
 from .format.metadata import Metadata
 from .planning.interfaces import LoadPlanner, SavePlanner
-from .core.ragged import FlatShard, LocalShard
+from .core.ragged import FlatShard, FusedShard, LocalShard
 from .format.renames import rename_keys
 from .planning.standard import (MinimumRankLoadPlanner, MinimumRankSavePlanner, StandardLoadPlanner,
                                StandardSavePlanner)
@@ -40,7 +40,7 @@ __all__ = [
     "LOAD_PLANNERS", "LoadResult", "Metadata",
     "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
     "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "HfReader", "TorchDcpReader",
-    "open_reader", "open_writer", "ObjectStoreReader", "ObjectStoreWriter", "rename_keys", "FlatShard", "LocalShard",
+    "open_reader", "open_writer", "ObjectStoreReader", "ObjectStoreWriter", "rename_keys", "FlatShard", "FusedShard", "LocalShard",
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
     "CommitDurabilityError", "CheckpointChangedError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .comm.collectives import gloo_group
 from .core.errors import CollectiveTimeoutError, ConfigError
 from .format.metadata import Metadata
-from .core.ragged import FlatShard, LocalShard
+from .core.ragged import FlatShard, FusedShard, LocalShard
 from .planning.standard import local_pieces
 from .state_dict import stateful_to_state_dict
 from .core.utils import TENSOR_LEAVES, gc_paused, get_logger
@@ -84,6 +84,8 @@ def _stage_leaf(v: Any, key: tuple, bufs: StagingBuffers) -> Any:
     """A host copy of one tensor leaf, in a form the save planner understands without a mesh."""
     if isinstance(v, FlatShard):
         return FlatShard(bufs.copy(key, v.local), v.global_shape, v.start)
+    if isinstance(v, FusedShard):
+        return FusedShard(bufs.copy(key, v.local), v.global_shape, v.boxes, v.dim)
     if isinstance(v, (DTensor, LocalShard)):
         pieces = local_pieces(v)
         shape = tuple(int(d) for d in (v.global_shape if isinstance(v, LocalShard) else v.shape))

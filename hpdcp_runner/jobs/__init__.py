@@ -225,6 +225,7 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
         return
     summary = summarize(records)
     if isinstance(result, dict):
+        result.update(ctx.layout_result)
         _objective(ctx.cfg.job.name, result, summary)
     # a job on a user's checkpoint names it instead of the (unused) synthetic model= preset
     source = getattr(getattr(ctx.cfg.job, "source", None), "path", None)

@@ -4,6 +4,7 @@ with the configured knobs."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sys
@@ -15,10 +16,10 @@ import torch
 from .. import dcp
 from .. import runtime
 from ..config import Config, EngineOptions, checkpoint_series, engine_options
-from ..dcp.tools import (apply_retention, check_together, Comm, configure_object_store, is_uri, join_location, local_pieces,
+from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, configure_object_store, is_uri, join_location, local_pieces,
                          METADATA_FILE, normalize_location, series_extra, series_outsiders)
 from ..dcp import open_reader, open_writer, rename_keys
-from ..layouts import Placer
+from ..layouts import Placer, problems as layout_problems, read_model_config, resolve_auto
 from ..metrics import Metrics
 from ..runtime import RankInfo
 
@@ -33,6 +34,13 @@ class JobContext:
         self.comm = Comm.create(None, self.engine.timeout_s)
         #: checkpoints named like the series that are not its members (name -> why), from retention
         self.outsiders: dict[str, str] = {}
+        #: the model's config.json (raw) and where it came from, once a source is known
+        self.model_config: dict | None = None
+        self.model_config_from: str | None = None
+        #: what layout=auto recognised and picked (for the summary)
+        self.layout_note: str | None = None
+        #: what the job's result says about the layout it placed a source under (see place_facts)
+        self.layout_result: dict = {}
         configure_object_store(self.engine.store)  # s3:// paths anywhere in this job use dcp.storage.*
 
     # -- paths ------------------------------------------------------------------------------
@@ -105,14 +113,45 @@ class JobContext:
             t.join()
             bar.close()
 
-    def placer(self, layout: Any = None) -> Placer:
-        return Placer(layout or self.cfg.layout, self.info.rank, self.info.world_size, self.info.device)
+    def placer(self, layout: Any = None, keys: Any = None) -> Placer:
+        return Placer(layout or self.cfg.layout, self.info.rank, self.info.world_size, self.info.device,
+                      model_config=self.model_config, keys=keys)
+
+    def find_model_config(self, source: str | None, md: dcp.Metadata | None = None) -> None:
+        """The model's ``config.json`` for layout rules sized by it: ``layout.config``, else the
+        source directory's own, else the one our checkpoint recorded, else ``job.hf_files_from``."""
+        lay = self.cfg.layout
+        if lay.config:
+            path = self.abspath(lay.config)
+            raw, where = read_model_config(path)
+            if raw is None:
+                raise dcp.ConfigError(f"layout.config: no config.json at {path}")
+        else:
+            raw, where = read_model_config(source) if source and not is_uri(source) else (None, None)
+            if raw is None and md is not None and isinstance(md.extra.get("model_config"), dict):
+                raw, where = dict(md.extra["model_config"]), f"{source} (recorded at save)"
+            files_from = getattr(self.cfg.job, "hf_files_from", None)
+            if raw is None and files_from:
+                raw, where = read_model_config(self.abspath(files_from))
+        self.model_config, self.model_config_from = raw, where
+
+    def use_source_layout(self, md: dcp.Metadata, source: str | None, ranks: int | None = None) -> None:
+        """Before placing a source's tensors: find its config.json and make ``layout=auto``
+        concrete (the family's preset), checked at ``ranks`` (default this world size)."""
+        self.find_model_config(source, md)
+        if self.cfg.layout.kind != "auto":
+            return
+        self.cfg.layout, self.layout_note = resolve_auto(self.cfg.layout, self.model_config, md.tensors)
+        bad = layout_problems(self.cfg.layout, ranks or self.info.world_size)
+        if bad:
+            raise dcp.ConfigError(f"{self.layout_note}: " + "; ".join(bad))
 
     # -- engine calls with the configured knobs ----------------------------------------------
     def save(self, state: Any, path: str, phase: str = "save", overwrite: bool | None = None,
              series: tuple[str, int | None] | None = None, key: str = "checkpoint.dir") -> dcp.Metadata:
         """``dcp.save`` with the configured knobs; ``series`` = (pattern, step) records the
-        checkpoint as a member of that series (for retention and resume=latest)."""
+        checkpoint as a member of that series (for retention and resume=latest). The model's
+        config.json, when one is known, is recorded too, so later layouts sized by it find it."""
         e = self.engine
         writer = open_writer(path, fsync=e.fsync, store_options=e.store)
         c = writer.counters
@@ -122,8 +161,7 @@ class JobContext:
                           planner=dcp.SAVE_PLANNERS[e.planner](),
                           overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                           allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
-                          cache_plan=e.cache_plan, format_version=e.format_version,
-                          extra=series_extra(*series) if series else None)
+                          cache_plan=e.cache_plan, format_version=e.format_version, extra=self._extra(series))
         self.metrics.add(writer.counters.as_dict(), f"{phase}.")
         return md
 
@@ -146,7 +184,13 @@ class JobContext:
                                   planner=dcp.SAVE_PLANNERS[e.planner](),
                                   overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                                   allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
-                                  cache_plan=e.cache_plan, format_version=e.format_version, callback=done, extra=series_extra(*series) if series else None)
+                                  cache_plan=e.cache_plan, format_version=e.format_version, callback=done, extra=self._extra(series))
+
+    def _extra(self, series: tuple[str, int | None] | None) -> dict | None:
+        extra = dict(series_extra(*series)) if series else {}
+        if self.model_config is not None:
+            extra["model_config"] = self.model_config
+        return extra or None
 
     def reader(self, path: str, foreign: bool = False) -> dcp.StorageReader:
         """A reader of ``path`` with the storage knobs; ``foreign``: in ``job.source.format``
@@ -199,7 +243,8 @@ class JobContext:
         builds more) fit in the memory it has."""
         from ..targets import local_bytes, state_from_metadata
 
-        placer = self.placer()
+        self.use_source_layout(md, path)
+        placer = self.placer(keys=md.tensors)
         keys = None if only is None else {k for k in md.tensors if only(k)}
         need = local_bytes(md, placer, keys) * copies
         with self.user_errors(key):
@@ -207,7 +252,36 @@ class JobContext:
                            f"{self.cfg.layout.name!r} ({len(md.tensors) if keys is None else len(keys)} tensors)",
                            "run on more hosts, pick a layout that shards more (layout=...), or load part of it "
                            "(job.include=<regex>)")
-            return state_from_metadata(md, placer, strict=self.cfg.layout.strict, only=only)
+            state = state_from_metadata(md, placer, strict=self.cfg.layout.strict, only=only)
+        self.layout_result = self.place_facts(md, placer, keys)
+        return state
+
+    def place_facts(self, md: dcp.Metadata, placer: Placer, keys: Any = None) -> dict:
+        """For the summary and metrics.json: the layout as used (recognised by auto, overridden on
+        the command line, sized by which config.json) and what no rule named, replicated on
+        every rank (count, bytes, the first names), so nothing is replicated by surprise."""
+        from ..dcp.tools import dtype_from_name
+
+        out: dict = {}
+        if self.layout_note:
+            out["layout_recognised"] = self.layout_note
+        overridden = layout_overrides()
+        if overridden:
+            out["layout_overridden"] = overridden
+        if self.model_config_from:
+            out["model_config"] = self.model_config_from
+        if self.cfg.layout.kind == "dtensor":
+            names = placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape and (keys is None or k in keys)))
+            if names:
+                nbytes = sum(math.prod(md.tensors[k].shape) * dtype_from_name(md.tensors[k].dtype).itemsize
+                             for k in names)
+                out["unmatched"] = {"tensors": len(names), "bytes": nbytes, "first": names[:5],
+                                    "placed": "replicated on every rank (layout.strict=true refuses them)"}
+                if self.info.rank == 0:
+                    get_logger(__name__).warning(
+                        "layout %s: %d tensor(s), %d bytes, match no rule and are replicated on every rank, e.g. %s",
+                        self.cfg.layout.name, len(names), nbytes, ", ".join(names[:3]))
+        return out
 
     def load(self, state: Any, path: str, phase: str = "load", strict: bool = True,
              key: str = "checkpoint.path", foreign: bool = False) -> dcp.LoadResult:
@@ -248,6 +322,19 @@ class JobContext:
             raise type(e)(f"{_first_line(e)} (check {key})") from None
         except dcp.PickleNotAllowedError as e:
             raise dcp.PickleNotAllowedError(_first_line(e)) from None
+
+
+def layout_overrides() -> list[str]:
+    """The ``layout.*`` overrides given on the command line (rules, mesh...), for the summary:
+    the layout used is then not the preset its name says."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = HydraConfig.get().overrides.task
+    except Exception:  # not under Hydra (jobs called directly)
+        return []
+    return [o for o in task if o.lstrip("+~").startswith("layout.") and
+            o.lstrip("+~").split("=", 1)[0] not in ("layout.strict", "layout.config", "layout.parallel", "layout.family")]
 
 
 def _terminal_size() -> dict:

@@ -48,25 +48,39 @@ def _layout_lines(lay: dict) -> list[str]:
              f"shard per rank as offsets+sizes" + (f" (first {ranks} ranks)" if lay["ranks"] > ranks else "")]
     for k, t in sorted(lay["tensors"].items()):
         rule = f"rules[{t['rule']}]" if t["rule"] is not None else "no rule (R)"
-        shards = " ".join(f"{r}:{_box(o, s)}" for r, (o, s) in enumerate(t["shards"][:ranks]))
-        lines.append(f"  {k:<{kw}}{rule:<14}{','.join(t['placements']):<10}{shards}")
+        shards = " ".join(f"{r}:{_shard(x)}" for r, x in enumerate(t["shards"][:ranks]))
+        extra = "".join(f" {n}={t[n]}" for n in ("parts", "expert") if n in t)
+        lines.append(f"  {k:<{kw}}{rule:<14}{','.join(t['placements']):<10}{shards}{extra}")
     if lay["unmatched"]:
         lines.append(f"  {len(lay['unmatched'])} tensor(s) match no rule and are replicated on every rank "
                      f"(layout.strict=true refuses them)")
+    if lay.get("recognised"):
+        lines.insert(0, lay["recognised"])
     return lines
+
+
+def _shard(x: list) -> str:
+    """One rank's shard: one box ``[offsets, sizes]``, several (fused parts, flat pieces) joined
+    by ``+``, or ``-`` for none (another group's expert)."""
+    if not x:
+        return "-"
+    if len(x) == 2 and all(isinstance(v, int) for v in x[0] + x[1]):
+        return _box(*x)
+    return "+".join(_box(o, s) for o, s in x)
 
 
 def _box(offsets: list[int], sizes: list[int]) -> str:
     return "[" + ",".join(f"{o}+{s}" for o, s in zip(offsets, sizes)) + "]"
 
 
-def layout_report(ctx: JobContext, md: Metadata, ranks: int) -> dict:
+def layout_report(ctx: JobContext, md: Metadata, ranks: int, path: str | None = None) -> dict:
     """Per tensor: the rule it matched, its placements and each rank's box under ``layout=``."""
+    ctx.use_source_layout(md, path, ranks)
     layout = ctx.cfg.layout
     bad = problems(layout, ranks)
     if bad:
         raise ConfigError(f"layout {layout.name!r} at job.ranks={ranks}: " + "; ".join(bad))
-    placer = Placer(layout, 0, ranks)
+    placer = Placer(layout, 0, ranks, model_config=ctx.model_config, keys=md.tensors)
     tensors = {}
     for k, t in sorted(md.tensors.items()):
         boxes = [placer.boxes(k, t.shape, r) for r in range(ranks)]
@@ -74,9 +88,12 @@ def layout_report(ctx: JobContext, md: Metadata, ranks: int) -> dict:
                       "placements": placer.placements_for(k, len(t.shape)) if layout.kind == "dtensor" else
                       [layout.kind],
                       "shards": [[list(b[0].offsets), list(b[0].sizes)] if len(b) == 1 else
-                                 [[list(x.offsets), list(x.sizes)] for x in b] for b in boxes]}
+                                 [[list(x.offsets), list(x.sizes)] for x in b] for b in boxes],
+                      **(placer.describe_rule(k) if layout.kind == "dtensor" else {})}
+    rules = [{k: v for k, v in vars(r).items() if v is not None and not (k == "parts_dim" and not r.parts)}
+             for r in layout.rules]
     return {"name": layout.name, "kind": layout.kind, "ranks": ranks, "mesh": list(mesh_shape(layout, ranks)),
-            "rules": [{"pattern": r.pattern, "placements": list(r.placements)} for r in layout.rules],
+            "rules": rules, "recognised": ctx.layout_note, "model_config": ctx.model_config_from,
             "tensors": tensors, "unmatched": placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape))}
 
 
@@ -108,7 +125,7 @@ def run(ctx: JobContext) -> dict:
         md = rename_keys(md, ctx.source_renames(), source=f"{path} (job.source.rename)")
     d = describe(path, reader, md)
     if _layout_requested(ctx):
-        d["layout"] = layout_report(ctx, md, job.ranks or ctx.info.world_size)
+        d["layout"] = layout_report(ctx, md, job.ranks or ctx.info.world_size, path)
     print(json.dumps(d, indent=2) if job.format == "json" else format_table(d), flush=True)
     return {"tensors": len(d["tensors"]), "objects": len(d["objects"]), "tensor_bytes": d["tensor_bytes"],
             "format": d["format"]}

@@ -94,9 +94,10 @@ def test_gpt2_conv1d_layout_and_a_torch_dcp_checkpoint_written_by_torch(cli, tmp
 
     with safe_open(str(tmp_path / "gpt2_hf" / "model.safetensors"), "pt") as f:
         assert m["verified_tensors"] == len(f.keys()) == len(gpt2.state_dict()) - 1  # lm_head: tied, not stored
-    # Conv1D stores [in, out]: column-parallel c_attn splits dim 1
-    assert _chunks(tmp_path / "gpt2_ours", "transformer.h.0.attn.c_attn.weight") == [([0, 0], [40, 60]),
-                                                                                     ([0, 60], [40, 60])]
+    # Conv1D stores [in, out]: column-parallel c_attn splits dim 1, part by part (q, k, v of
+    # 40 columns each): each tp rank holds 2 of the 4 heads of each
+    assert sorted(_chunks(tmp_path / "gpt2_ours", "transformer.h.0.attn.c_attn.weight")) == [
+        ([0, c], [40, 20]) for c in range(0, 120, 20)]
     m = _reshard(cli, tmp_path, "gpt2_hf", f"job.source.path={tmp_path}/gpt2_ours", "job.output_format=hf",
                  f"job.hf_files_from={tmp_path}/gpt2_hf", f"job.output={tmp_path}/gpt2_out")
     assert torch.equal(_logits(_reopened(tmp_path / "gpt2_out")), _logits(gpt2))

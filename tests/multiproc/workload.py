@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from hpdcp_runner.dcp import FlatShard
+from hpdcp_runner.dcp import FlatShard, FusedShard
+from hpdcp_runner.dcp.tools import Box, split_piece
 
 SPECS = {
     "w": ((7, 5), torch.float32),
@@ -25,8 +26,8 @@ SPECS = {
 }
 LAYOUTS_BY_WS = {
     1: ["plain", "rep", "s0", "s1", "ragged"],
-    2: ["plain", "rep", "s0", "s1", "ragged"],
-    4: ["plain", "rep", "s0", "s1", "ragged", "2d_s0s1", "2d_rs0"],
+    2: ["plain", "rep", "s0", "s1", "ragged", "fused"],
+    4: ["plain", "rep", "s0", "s1", "ragged", "2d_s0s1", "2d_rs0", "fused"],
 }
 
 
@@ -64,9 +65,23 @@ def mesh(kind: str) -> DeviceMesh:
     return _MESHES[kind]
 
 
+def fused_parts(rows: int) -> list[int]:
+    """Dim 0 as two unequal parts (q and kv-like), each split over the ranks on its own."""
+    return [rows - rows // 3, rows // 3]
+
+
 def place(full: torch.Tensor, layout: str):
     if layout == "plain":
         return full.clone()
+    if layout == "fused":  # each rank: its piece of every part, concatenated (may be empty)
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        boxes, start = [], 0
+        for size in fused_parts(full.shape[0]):
+            off, n = split_piece(size, ws, rank)
+            boxes.append(Box((start + off,) + (0,) * (full.dim() - 1), (n,) + tuple(full.shape[1:])))
+            start += size
+        local = torch.cat([full[b.offsets[0]:b.offsets[0] + b.sizes[0]] for b in boxes]).clone()
+        return FusedShard(local, full.shape, boxes, 0)
     if layout == "ragged":
         ws, rank = dist.get_world_size(), dist.get_rank()
         units = ragged_units(full.numel(), ws)
@@ -109,6 +124,14 @@ def full_value(v) -> torch.Tensor:
         for p, g, s in zip(parts, gathered, sizes):
             p.copy_(g[:s])
         return torch.cat(parts).reshape(v.global_shape)
+    if isinstance(v, FusedShard):
+        out = torch.zeros(v.global_shape, dtype=v.local.dtype)
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, [(b, t.clone()) for b, t in v.pieces()])
+        for pieces in held:
+            for b, t in pieces:
+                out[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))] = t
+        return out
     return v
 
 

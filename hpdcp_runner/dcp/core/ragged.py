@@ -3,7 +3,10 @@
 ``FlatShard`` is a rank's contiguous row-major flat interval ``[start, start + numel)`` of a
 global tensor (the layout of flat-parameter FSDP and of ragged sharding). On save it is split
 into regular N-D boxes, so ragged shards reshard like any other chunk. ``LocalShard`` is a plain
-tensor tagged with its offsets inside a global tensor (the "chunk info" case).
+tensor tagged with its offsets inside a global tensor (the "chunk info" case). ``FusedShard``
+is a rank's shard of a fused tensor (q, k and v concatenated, gate and up, stacked experts):
+one local tensor that is the concatenation of several boxes of the global tensor along one
+dimension, e.g. the rank's heads of q, of k and of v, as a tensor-parallel kernel needs them.
 """
 
 from __future__ import annotations
@@ -132,3 +135,50 @@ class LocalShard:
 
     def __repr__(self) -> str:
         return f"LocalShard(offsets={self.box.offsets}, sizes={self.box.sizes}, global_shape={self.global_shape})"
+
+
+class FusedShard:
+    """A local tensor that is the concatenation along ``dim`` of ``boxes`` of a global tensor.
+
+    Why: a fused projection (``qkv_proj``, ``gate_up_proj``) is sharded part by part, so each
+    rank's local tensor holds its rows of every part, which no single box (and no DTensor
+    placement for unequal parts) describes. Saved, each box is an ordinary chunk of the global
+    tensor, so a fused shard reshards to and from any other layout.
+    """
+
+    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], boxes: Sequence[Box], dim: int) -> None:
+        self.local = local
+        self.global_shape = tuple(int(d) for d in global_shape)
+        nd = len(self.global_shape)
+        self.dim = dim + nd if dim < 0 else dim
+        if not 0 <= self.dim < nd or local.dim() != nd:
+            raise StateDictError(f"FusedShard: dim {dim} and a {local.dim()}-D local tensor do not fit global "
+                                 f"shape {self.global_shape}")
+        self.boxes = tuple(boxes)
+        pos = 0
+        for b in self.boxes:
+            if not b.within(self.global_shape):
+                raise StateDictError(f"FusedShard box {b} does not fit global shape {self.global_shape}")
+            if any(b.sizes[i] != local.shape[i] for i in range(nd) if i != self.dim):
+                raise StateDictError(f"FusedShard box {b} does not match the local shape {tuple(local.shape)} "
+                                     f"outside dim {self.dim}")
+            pos += b.sizes[self.dim]
+        if pos != local.shape[self.dim]:
+            raise StateDictError(f"FusedShard boxes hold {pos} along dim {self.dim}, the local tensor "
+                                 f"{local.shape[self.dim]}")
+
+    def pieces(self) -> list[tuple[Box, torch.Tensor]]:
+        """Each box with the view of the local tensor that holds it (loads write into these)."""
+        out, pos = [], 0
+        for b in self.boxes:
+            n = b.sizes[self.dim]
+            out.append((b, self.local.narrow(self.dim, pos, n)))
+            pos += n
+        return out
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def __repr__(self) -> str:
+        return f"FusedShard(global_shape={self.global_shape}, dim={self.dim}, boxes={list(self.boxes)})"

@@ -14,10 +14,10 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .errors import StateDictError
-from .ragged import FlatShard, LocalShard
+from .ragged import FlatShard, FusedShard, LocalShard
 
 Path = tuple[Any, ...]
-TENSOR_LEAVES = (torch.Tensor, FlatShard, LocalShard)
+TENSOR_LEAVES = (torch.Tensor, FlatShard, FusedShard, LocalShard)
 
 
 def _holds_tensor(v: Any) -> bool:

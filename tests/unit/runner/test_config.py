@@ -38,6 +38,8 @@ def test_every_option_composes_and_validates(group):
             overrides.append(f"{group}={opt}")
         if opt in ("inspect", "verify"):
             overrides.append("checkpoint.path=/tmp/x")
+        if group == "layout" and opt == "auto":  # auto reads the source's family
+            overrides = ["+job=reshard", "layout=auto", "job.source.path=/tmp/x"]
         if group == "transform" or opt == "transform":
             overrides += ["transform.src=/tmp/a", "transform.dst=/tmp/b"]
         ws = 4 if opt == "dp_tp" else 1 if group == "transform" or opt == "transform" else 2
@@ -84,7 +86,8 @@ dcp.storage.max_retries dcp.storage.coalesce_bytes dcp.storage.read_buffer_bytes
 job.fail_on_rank job.name job.output job.output_format job.hf_max_shard_size job.hf_files_from job.verify
 job.include job.exclude job.model_only job.dtype
 job.source.layout job.source.path job.source.format job.source.rename
-layout.flat_units layout.kind layout.mesh layout.name layout.rules layout.strict
+layout.config layout.family layout.flat_units layout.kind layout.mesh layout.name layout.parallel layout.rules
+layout.strict
 model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab
 model.dropout model.heads model.seq_len
 transform.allow_pickle transform.dst transform.dtype transform.exclude transform.include transform.kind transform.layout

@@ -24,8 +24,13 @@ def test_include_keeps_the_matching_leaves_of_a_nested_state():
 
 
 class _Ctx:
+    model_config = model_config_from = layout_note = None
+
     class cfg:
         layout = load_preset("titan_tp")
+
+    def use_source_layout(self, md, path, ranks):
+        pass
 
 
 def test_inspect_layout_report_shows_rule_and_shard_per_rank(tmp_path):

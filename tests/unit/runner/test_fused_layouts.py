@@ -1,0 +1,161 @@
+"""Fused tensors split by part, experts placed expert-parallel, config-sized rules, layout=auto:
+the boxes each rank holds, the local tensor it gets, and one-line errors for what does not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hpdcp_runner.config import LayoutConf, load_preset
+from hpdcp_runner.dcp import ConfigError, FusedShard, LocalShard, load, read_metadata, save
+from hpdcp_runner.layouts import Placer, config_values, evaluate, problems, recognise_family, resolve_auto
+from hpdcp_runner.targets import state_from_metadata
+
+PHI3 = {"model_type": "phi3", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 24}
+
+
+def _layout(rules, mesh=(-1,), kind="dtensor", name="t"):
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConf),
+                                               {"name": name, "kind": kind, "mesh": list(mesh), "rules": rules}))
+
+
+def _rows(boxes):
+    return [(b.offsets[0], b.sizes[0]) for b in boxes]
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_phi3_qkv_every_rank_holds_its_heads_of_q_k_and_v(ws):
+    lay = load_preset("phi3_tp")
+    hd, h, kv = 8, 4, 2  # q rows 0..31, k 32..47, v 48..63
+    if kv % ws:
+        with pytest.raises(ConfigError, match=r"rules\[0\].*part 1 of 'm.qkv_proj.weight' is 16 wide, 2 units of 8"):
+            Placer(lay, 0, ws, model_config=PHI3).boxes("m.qkv_proj.weight", (64, 32), 0)
+        return
+    full = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
+    for r in range(ws):
+        p = Placer(lay, r, ws, model_config=PHI3)
+        qn, kn = h * hd // ws, kv * hd // ws
+        assert _rows(p.boxes("m.qkv_proj.weight", (64, 32), r)) == [(r * qn, qn), (32 + r * kn, kn), (48 + r * kn, kn)]
+        shard = p.place("m.qkv_proj.weight", full)
+        assert isinstance(shard, FusedShard)  # one local tensor: q_r, then k_r, then v_r
+        expect = torch.cat([full[r * qn:(r + 1) * qn], full[32 + r * kn:32 + (r + 1) * kn],
+                            full[48 + r * kn:48 + (r + 1) * kn]])
+        assert torch.equal(shard.local, expect)
+        gate_up = _rows(p.boxes("m.gate_up_proj.weight", (48, 32), r))  # gate rows 0..23, up 24..47
+        assert gate_up == [(r * 24 // ws, 24 // ws), (24 + r * 24 // ws, 24 // ws)]
+
+
+def test_fused_shards_save_and_reload_as_the_fused_tensor_bitwise(tmp_path):
+    lay = load_preset("phi3_tp")
+    full = torch.randn(64, 32)
+    shard = Placer(lay, 0, 1, model_config=PHI3).place("m.qkv_proj.weight", full)
+    # one process holds every part: the checkpoint stores the plain fused tensor
+    save({"m": {"qkv_proj": {"weight": shard}}}, checkpoint_id=tmp_path / "c")
+    assert read_metadata(tmp_path / "c").tensors["m.qkv_proj.weight"].shape == (64, 32)
+    plain = {"m": {"qkv_proj": {"weight": torch.zeros(64, 32)}}}
+    load(plain, checkpoint_id=tmp_path / "c")
+    assert torch.equal(plain["m"]["qkv_proj"]["weight"], full)
+    # and back into a fused target whose parts are cut differently (2 parts, not 3)
+    other = FusedShard(torch.zeros(64, 32), (64, 32), [b for b in Placer(_layout(
+        [{"pattern": ".*", "placements": ["S0"], "parts": [40, 24]}]), 0, 1).boxes("x", (64, 32), 0)], 0)
+    load({"m": {"qkv_proj": {"weight": other}}}, checkpoint_id=tmp_path / "c")
+    assert torch.equal(other.local, full)
+
+
+def test_fused_shard_refuses_boxes_that_do_not_fit():
+    from hpdcp_runner.dcp.tools import Box
+
+    with pytest.raises(Exception, match="hold 5 along dim 0, the local tensor 6"):
+        FusedShard(torch.zeros(6, 2), (8, 2), [Box((0, 0), (2, 2)), Box((4, 0), (3, 2))], 0)
+    with pytest.raises(Exception, match="does not fit global shape"):
+        FusedShard(torch.zeros(6, 2), (8, 2), [Box((0, 0), (3, 2)), Box((6, 0), (3, 2))], 0)
+
+
+def test_per_expert_keys_are_held_only_by_their_expert_group():
+    lay = load_preset("moe_ep_tp")  # mesh [ep, tp=2]
+    keys = [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")]
+    held = {r: [k for k in keys if Placer(lay, r, 4, keys=keys).holds(k, (6, 4))] for r in range(4)}
+    # ep coordinate 0 (ranks 0, 1) owns experts 0 and 1; 1 (ranks 2, 3) owns 2 and 3
+    assert {int(k.split(".")[5]) for k in held[0]} == {0, 1} == {int(k.split(".")[5]) for k in held[1]}
+    assert {int(k.split(".")[5]) for k in held[3]} == {2, 3}
+    p = Placer(lay, 3, 4, keys=keys)
+    w1 = p.place(keys[6], torch.arange(24.).view(6, 4))  # expert 2's w1 on rank 3: tp half 1 of its rows
+    assert isinstance(w1, LocalShard) and w1.box.offsets == (3, 0) and torch.equal(w1.local, torch.arange(12., 24.).view(3, 4))
+    assert p.place(keys[0], torch.zeros(6, 4)) is None  # expert 0 lives elsewhere
+    with pytest.raises(ConfigError, match=r"4 experts do not divide by the expert-parallel size 3"):
+        Placer(load_preset("moe_ep"), 0, 3, keys=keys).holds(keys[0], (6, 4))
+
+
+def test_stacked_experts_split_whole_experts_and_refuse_uneven_counts():
+    lay = load_preset("moe_ep")
+    assert _rows(Placer(lay, 1, 2).boxes("layers.0.moe.experts.w1", (8, 6, 4), 1)) == [(4, 4)]
+    with pytest.raises(ConfigError, match=r"stacks 6 experts, which do not divide by the expert-parallel size 4"):
+        Placer(lay, 0, 4).boxes("layers.0.moe.experts.w1", (6, 6, 4), 0)
+
+
+def test_transformers_stacked_gate_up_is_split_by_expert_and_by_part():
+    lay = load_preset("moe_ep_tp")
+    cfg = {"model_type": "qwen3_moe", "moe_intermediate_size": 6, "intermediate_size": 50}
+    p = Placer(lay, 3, 4, model_config=cfg)  # ep 1 (experts 2, 3), tp 1: rows 3..5 of gate and of up
+    assert [(b.offsets, b.sizes) for b in p.boxes("model.layers.0.mlp.experts.gate_up_proj", (4, 12, 8), 3)] == [
+        ((2, 3, 0), (2, 3, 8)), ((2, 9, 0), (2, 3, 8))]
+
+
+@pytest.mark.parametrize("rule, shape, message", [
+    ({"parts": [30, 30]}, (64, 4), r"parts \[30, 30\] add up to 60, but 'x' has 64 along dim 0"),
+    ({"parts": ["num_attention_heads*head_dim", "nope"]}, (64, 4), r"needs 'nope', but the model's config.json has no"),
+    ({"parts": ["__import__('os')"]}, (64, 4), r"may only use config names, integers"),
+    ({"parts": [32, 32], "unit": 24}, (64, 4), r"part 0 of 'x' is 32 wide, 1.33333 units of 24"),
+    ({"parts": [32, 32], "parts_dim": 2}, (64, 4), r"parts_dim 2 does not exist in 'x'"),
+])
+def test_bad_rules_are_one_line_naming_rule_tensor_and_number(rule, shape, message):
+    lay = _layout([{"pattern": "x", "placements": ["S0"], **rule}])
+    with pytest.raises(ConfigError, match=r"layout 't' rules\[0\] \(pattern 'x'\).*" + message):
+        Placer(lay, 0, 2, model_config=PHI3).boxes("x", shape, 0)
+
+
+def test_rule_sizes_without_a_config_ask_for_one():
+    with pytest.raises(ConfigError, match=r"no config.json was found \(set layout.config="):
+        Placer(load_preset("phi3_tp"), 0, 2).boxes("a.qkv_proj.weight", (64, 32), 0)
+
+
+def test_config_values_fill_in_what_families_leave_implicit():
+    v = config_values({"model_type": "gpt2", "n_embd": 48, "n_head": 4, "n_layer": 2, "n_inner": None})
+    assert (v["hidden_size"], v["head_dim"], v["num_key_value_heads"], v["intermediate_size"]) == (48, 12, 4, 192)
+    assert config_values({"hidden_size": 32, "num_attention_heads": 4, "head_dim": 16})["head_dim"] == 16
+    assert evaluate("num_key_value_heads*head_dim + 2", config_values(PHI3), "w") == 18
+
+
+def test_strict_refuses_a_tensor_two_rules_place_differently(tmp_path):
+    save({"a": {"q_proj": {"weight": torch.zeros(4, 2)}}}, checkpoint_id=tmp_path / "c")
+    lay = _layout([{"pattern": r".*q_proj.*", "placements": ["S0"]}, {"pattern": r"a\..*", "placements": ["S1"]}])
+    lay.strict = True
+    with pytest.raises(ConfigError, match=r"'a.q_proj.weight' is matched by rules\[0\].*and by rules\[1\]"):
+        state_from_metadata(read_metadata(tmp_path / "c"), Placer(lay, 0, 1), strict=True)
+
+
+def test_layout_problems_for_the_new_fields():
+    lay = _layout([{"pattern": "x", "placements": ["E", "E"]}], mesh=(2, -1))
+    assert "rules[0].placements: ['E', 'E']: experts (E) go over one mesh dim" in problems(lay, 4)
+    lay = _layout([{"pattern": "x", "placements": ["R"], "parts": [1, 2]}], kind="plain")
+    assert "rules[0]: parts and E need kind: dtensor" in problems(lay, 2)
+
+
+def test_auto_recognises_the_family_and_picks_its_preset():
+    auto = load_preset("auto")
+    lay, note = resolve_auto(auto, PHI3, [])
+    assert lay.name == "phi3_tp" and "config.json model_type 'phi3'" in note
+    lay, note = resolve_auto(auto, None, ["model.layers.0.block_sparse_moe.experts.0.w1.weight"])
+    assert lay.name == "moe_ep" and "key 'model.layers.0" in note
+    assert recognise_family({"model_type": "olmo2"}, [])[0] == "llama"
+    assert recognise_family(None, ["tok_embeddings.weight"])[0] == "titan"
+    auto.parallel = "fsdp_tp"
+    auto.mesh = [-1, 4]
+    lay, _ = resolve_auto(auto, {"model_type": "gemma2"}, [])
+    assert lay.name == "llama_fsdp_tp" and lay.mesh == [-1, 4]
+    with pytest.raises(ConfigError, match=r"'fsdp_tp' is not offered for the moe family .* choose ep or ep_tp"):
+        resolve_auto(auto, {"model_type": "mixtral"}, [])
+    with pytest.raises(ConfigError, match=r"cannot tell the model family .*layout.family="):
+        resolve_auto(load_preset("auto"), {"model_type": "mamba"}, ["backbone.x"])
