@@ -157,6 +157,8 @@ class LayoutConf:
     # layout=auto: the family's rule table picked from config.json's model_type (or the keys)
     family: Optional[str] = None  # auto: null = recognise it; or llama | phi3 | gpt2 | moe | titan
     parallel: Optional[str] = None  # auto: tp | fsdp_tp | ep | ep_tp (null: tp, or ep for moe)
+    # a layout YAML of your own (name, kind, mesh, rules): read over this one at start-up
+    file: Optional[str] = None
 
 
 @dataclass
@@ -521,6 +523,9 @@ def validate_all(cfg: DictConfig, world_size: int) -> tuple[Config, "EngineOptio
     c: Config = OmegaConf.to_object(merged)
     from . import layouts
 
+    if c.layout.file:
+        c.layout = layout_from_file(c.layout)
+
     if c.job is None:
         problems.append(f"job: no job given; pick one with +job=<name>: {', '.join(JOBS)}")
     elif not isinstance(c.job, dict) or c.job.get("name") not in JOB_SCHEMAS:
@@ -673,6 +678,34 @@ def engine_options(c: Config) -> EngineOptions:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
                          d.verify_replicas, d.cache_plan, d.format_version)
+
+
+def layout_from_file(layout: LayoutConf) -> LayoutConf:
+    """``layout.file``: a user's layout YAML (the schema of ``conf/layout/*.yaml``) read over the
+    composed layout; relative paths are from the launch directory. Its name defaults to the
+    file's. A key the schema lacks, or a wrong type, is one error naming the file and the key."""
+    from . import runtime
+
+    path = os.path.normpath(os.path.join(runtime.launch_dir(), os.path.expanduser(layout.file)))
+    try:
+        raw = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"layout.file: no file {path}") from None
+    except Exception as e:  # YAML syntax: the parser's first line names the line and column
+        raise ConfigError(f"layout.file: {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"layout.file: {path} must hold a mapping (name, kind, mesh, rules)")
+    raw.pop("defaults", None)
+    base = OmegaConf.structured(layout)
+    base.name = os.path.splitext(os.path.basename(path))[0]
+    try:
+        out = OmegaConf.to_object(OmegaConf.merge(base, raw))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"layout.file: {path}: {getattr(e, 'full_key', None) or '?'}: "
+                          f"{str(e).splitlines()[0]} (a rule has pattern, placements, parts, parts_dim, unit, "
+                          f"experts)") from None
+    out.file = path
+    return out
 
 
 def load_preset(name: str) -> "LayoutConf":

@@ -265,6 +265,8 @@ class JobContext:
         out: dict = {}
         if self.layout_note:
             out["layout_recognised"] = self.layout_note
+        if self.cfg.layout.file:
+            out["layout_file"] = self.cfg.layout.file
         overridden = layout_overrides()
         if overridden:
             out["layout_overridden"] = overridden
@@ -334,7 +336,8 @@ def layout_overrides() -> list[str]:
     except Exception:  # not under Hydra (jobs called directly)
         return []
     return [o for o in task if o.lstrip("+~").startswith("layout.") and
-            o.lstrip("+~").split("=", 1)[0] not in ("layout.strict", "layout.config", "layout.parallel", "layout.family")]
+            o.lstrip("+~").split("=", 1)[0] not in ("layout.strict", "layout.config", "layout.parallel", "layout.family",
+                                                     "layout.file")]
 
 
 def _terminal_size() -> dict:

@@ -6,6 +6,7 @@ test by exiting non-zero (a command that shows an expected failure says so itsel
 ``|| echo ...``). Left out, and only these: the set-up parts of the quick start (creating a
 virtualenv, ``pip install``: the test runs inside the installed project) and the test-suite
 command (it is what runs this test). ```text blocks are templates with placeholders, not run.
+A ```yaml file=<name> block is a file the reader saves: it is written as <name>.
 The S3 page runs against the loopback S3 server, its bucket ``ckpts`` replaced by a fresh one.
 """
 
@@ -27,8 +28,12 @@ TEST_SUITE = re.compile(r"python -m pytest")
 
 
 def blocks(text: str) -> list[tuple[str, str]]:
-    """(language, body) of every fenced block."""
-    return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.S | re.M)]
+    """(language, body) of every fenced block; a ``yaml file=<name>`` block is ("file:<name>", body)."""
+    out = []
+    for m in re.finditer(r"^```(\w*)([^\n]*)\n(.*?)^```$", text, re.S | re.M):
+        f = re.search(r"\bfile=(\S+)", m.group(2))
+        out.append((f"file:{f.group(1)}" if f else m.group(1), m.group(3)))
+    return out
 
 
 def commands(body: str) -> list[str]:
@@ -50,6 +55,7 @@ def test_the_extraction_keeps_what_a_reader_runs():
            "python -m pytest -q\n"
     assert [c.split() for c in commands(body)] == [["torchrun", "-m", "x", "+job=a"]]
     assert [b[0] for b in blocks("```bash\na\n```\ntext\n```text\nb\n```\n")] == ["bash", "text"]
+    assert blocks("```yaml file=a.yaml\nk: 1\n```\n") == [("file:a.yaml", "k: 1\n")]
     assert len(DOCS) > 5 and all(os.path.isfile(os.path.join(ROOT, d)) for d in DOCS)
 
 
@@ -61,6 +67,8 @@ def _steps(doc: str) -> list[tuple[str, str]]:
             steps += [("bash", c) for c in commands(body)]
         elif lang == "python":
             steps.append(("python", body))
+        elif lang.startswith("file:"):
+            steps.append(("python", f"open({lang[5:]!r}, 'w').write({body!r})"))
     return steps
 
 

@@ -80,6 +80,23 @@ def test_layout_rules_are_checked_against_the_checkpoint(cli, tmp_path):
              f"hydra.run.dir={tmp_path}/b"])
     assert r.returncode != 0 and "rules[0]" in r.stderr and "norm.weight" in r.stderr and "S1" in r.stderr, _tail(r)
     assert not (tmp_path / "o").exists()
+    # without strict the unmatched tensor is replicated, and the summary and metrics.json say so;
+    # rules given on the command line are named, the layout is not passed off as the preset
+    r = cli(["+job=reshard", f"job.source.path={src}", "layout=llama_tp", "layout.mesh=[1]",
+             f"job.output={tmp_path}/o", f"hydra.run.dir={tmp_path}/c"])
+    assert r.returncode == 0, _tail(r)
+    m = metrics(tmp_path / "c")["result"]
+    assert m["unmatched"] == {"tensors": 1, "bytes": 64, "first": ["model.model.layers.0.mystery.weight"],
+                              "placed": "replicated on every rank (layout.strict=true refuses them)"}
+    assert m["layout_overridden"] == ["layout.mesh=[1]"]
+    assert 'unmatched: {"tensors": 1' in r.stdout and "layout_overridden" in r.stdout
+    # a layout file of one's own: a key the schema lacks is one line naming the file and the key
+    (tmp_path / "mine.yaml").write_text("kind: dtensor\nmesh: [-1]\nrules:\n  - {pattern: x, placement: [S0]}\n")
+    r = cli(["+job=reshard", f"job.source.path={src}", "layout.file=mine.yaml", f"job.output={tmp_path}/o2",
+             f"hydra.run.dir={tmp_path}/d"])
+    assert r.returncode != 0 and "layout.file" in r.stderr and "mine.yaml" in r.stderr and "placement" in r.stderr, \
+        _tail(r)
+    assert not (tmp_path / "o2").exists()
 
 
 def test_foreign_checkpoints_bad_input_is_one_line_and_writes_nothing(cli, tmp_path):
