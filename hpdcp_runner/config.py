@@ -257,6 +257,9 @@ class ReshardJob(ReadingJob):
     # output_format=hf: directory whose config.json / tokenizer files travel with the output
     # (default: the source, when it is a Hugging Face directory)
     hf_files_from: Optional[str] = None
+    # stack: one key per expert (...experts.<e>.w1.weight) read into stacked [experts, ...]
+    # tensors (...experts.w1.weight); unstack: the reverse (back to the family's own names)
+    experts: Optional[str] = None
 
 
 @dataclass
@@ -432,6 +435,11 @@ def _source_problems(c: Config) -> list[str]:
         if j.output_format not in ("hpdcp", "hf"):
             out.append(f"job.output_format: {j.output_format!r} is not hpdcp or hf")
         out += _positive_size(j.hf_max_shard_size, "job.hf_max_shard_size")
+        if j.experts not in (None, "stack", "unstack"):
+            out.append(f"job.experts: {j.experts!r} is not stack or unstack")
+        elif j.experts and (not j.source.path or j.output_format != "hpdcp"):
+            out.append("job.experts: stacks or unstacks the experts of job.source.path into hpdcp output; for "
+                       "Hugging Face, unstack into hpdcp first, then export that (job.output_format=hf)")
         from . import layouts
 
         if not j.source.path and j.source.layout not in layouts.preset_names():

@@ -23,7 +23,7 @@ from .storage.object_checkpoint import ObjectStoreWriter
 from .storage.object_reader import ObjectStoreReader
 from .format.metadata import Metadata
 from .planning.interfaces import LoadPlanner, SavePlanner
-from .core.ragged import FlatShard, FusedShard, LocalShard
+from .core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 from .format.renames import rename_keys
 from .planning.standard import (MinimumRankLoadPlanner, MinimumRankSavePlanner, StandardLoadPlanner,
                                StandardSavePlanner)
@@ -41,6 +41,7 @@ __all__ = [
     "SavePlanner", "LoadPlanner", "StandardSavePlanner", "MinimumRankSavePlanner", "StandardLoadPlanner",
     "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader", "HfReader", "TorchDcpReader",
     "open_reader", "open_writer", "ObjectStoreReader", "ObjectStoreWriter", "rename_keys", "FlatShard", "FusedShard", "LocalShard",
+           "ShardPieces",
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
     "CommitDurabilityError", "CheckpointChangedError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",

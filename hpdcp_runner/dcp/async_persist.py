@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .comm.collectives import gloo_group
 from .core.errors import CollectiveTimeoutError, ConfigError
 from .format.metadata import Metadata
-from .core.ragged import FlatShard, FusedShard, LocalShard
+from .core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 from .planning.standard import local_pieces
 from .state_dict import stateful_to_state_dict
 from .core.utils import TENSOR_LEAVES, gc_paused, get_logger
@@ -86,6 +86,8 @@ def _stage_leaf(v: Any, key: tuple, bufs: StagingBuffers) -> Any:
         return FlatShard(bufs.copy(key, v.local), v.global_shape, v.start)
     if isinstance(v, FusedShard):
         return FusedShard(bufs.copy(key, v.local), v.global_shape, v.boxes, v.dim)
+    if isinstance(v, ShardPieces):
+        return ShardPieces(v.global_shape, [(b, bufs.copy(key + (i,), t)) for i, (b, t) in enumerate(v.pieces)])
     if isinstance(v, (DTensor, LocalShard)):
         pieces = local_pieces(v)
         shape = tuple(int(d) for d in (v.global_shape if isinstance(v, LocalShard) else v.shape))

@@ -21,6 +21,7 @@ from ..layouts import place_state
 from ..workloads import reference_state, zeros_like_state
 from .context import JobContext
 from .load import select
+from ..experts import copy_objects, load_state_for, restacked_metadata, stack_plan, unstack_plan
 
 
 def run(ctx: JobContext) -> dict:
@@ -42,21 +43,33 @@ def run(ctx: JobContext) -> dict:
         result = _to_hf(ctx, source, output, foreign, out_key)
         names = result.pop("names")
     else:
+        split = None
         if foreign:
             # the target is whatever the checkpoint holds (keys, shapes, dtypes, objects), placed
             # by layout=; each rank allocates only its own shards; model= plays no part
             md = ctx.source_metadata(source)
+            if job.experts:
+                split = stack_plan(md.tensors) if job.experts == "stack" else unstack_plan(md.tensors)
+                md_out = restacked_metadata(md, split, job.experts)
             with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-                target = select(ctx.target_from_metadata(md, source, only), only, ctx.filter_keys_named())
+                target = select(ctx.target_from_metadata(md_out if split else md, source, only), only,
+                                ctx.filter_keys_named())
+            reading = load_state_for(target, split, job.experts, md_out) if split else target
         else:
             with ctx.metrics.phase("build"):
                 target = place_state(zeros_like_state(ref), ctx.placer())
-        ctx.load(target, source, phase="reshard.load", key="job.source.path" if foreign else "checkpoint.dir",
+            reading = target
+        ctx.load(reading, source, phase="reshard.load", key="job.source.path" if foreign else "checkpoint.dir",
                  foreign=foreign, strict=only is None)
+        if reading is not target:
+            copy_objects(reading, target)
         ctx.save(target, output, phase="reshard.save", key=out_key)
         del target
         result = {"source": source, "output": output, "output_format": "hpdcp"}
         names = None if only is None else {k: k for k in _tensor_keys(ctx, output)}
+        if split:
+            result["experts"] = f"{job.experts}: {len(split)} {'stacked' if job.experts == 'stack' else 'per-expert'} " \
+                                f"group(s) of {len(next(iter(split.values())))} experts, e.g. {next(iter(split))!r}"
     # what each side's layout really is: a user's checkpoint is read as it was saved, and Hugging
     # Face output holds whole tensors whatever layout= says (layout= places hpdcp output only)
     result.update(source_layout="as saved" if foreign else job.source.layout,
@@ -67,7 +80,7 @@ def run(ctx: JobContext) -> dict:
             if ctx.info.rank != 0:
                 return None
             with ctx.metrics.phase("verify"):
-                return _verify(ctx, source, output, foreign, names)
+                return _verify(ctx, source, output, foreign, names, split if job.output_format == "hpdcp" else None)
 
         # rank 0 reads both; a difference is every rank's error and exit code
         result["verified_tensors"] = ctx.comm.agree("reshard: verify", check)[0]
@@ -98,11 +111,15 @@ def _tensor_keys(ctx: JobContext, path: str) -> list[str]:
     return sorted(read_metadata(path).tensors)
 
 
-def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dict[str, str] | None) -> int:
+def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dict[str, str] | None,
+            split: dict[str, list[str]] | None = None) -> int:
     """Every tensor of the output equals the source's, bit for bit (full-tensor digests, one
     tensor in memory at a time); renamed keys are compared under their new names. ``names``: the
     source keys written and their names in the output (default: all, unchanged); with
-    ``job.dtype``, the source's floating tensors are cast the same way first."""
+    ``job.dtype``, the source's floating tensors are cast the same way first. ``split``: stacked
+    expert tensors (of the output after stack, of the source before unstack) are compared
+    expert by expert under the per-expert names."""
+    stacking = ctx.cfg.job.experts
     rules = compile_rules(ctx.source_renames()) if foreign else []
     cast = dtype_from_name(ctx.cfg.job.dtype) if ctx.cfg.job.output_format == "hf" and ctx.cfg.job.dtype else None
 
@@ -110,13 +127,15 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dic
         return ctx.progress(it, f"verify: {desc}", total=total)
 
     a = {rename_key(k, rules): v for k, v in full_tensor_digests(source, ctx.reader(source, foreign), cast=cast,
-                                                                 keep=_keep_renamed(rules, names), progress=bar).items()}
+                                                                 keep=_keep_renamed(rules, names), progress=bar,
+                                                                 split=split if stacking == "unstack" else None).items()}
     if names is not None:
         a = {names[k]: v for k, v in a.items() if k in names}
     out_format = "hf" if ctx.cfg.job.output_format == "hf" else "hpdcp"
     from ..dcp import open_reader
 
-    b = full_tensor_digests(output, open_reader(output, out_format), progress=bar)
+    b = full_tensor_digests(output, open_reader(output, out_format), progress=bar,
+                            split=split if stacking == "stack" else None)
     bad = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if bad:
         raise HpdcpError(f"resharded checkpoint {output} differs from {source} in {len(bad)} tensors: {bad[:10]}")

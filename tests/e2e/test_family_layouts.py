@@ -124,3 +124,31 @@ def test_other_families_round_trip_under_auto(cli, tmp_path, family, preset):
     a, b = _round_trip(cli, tmp_path, model, ["layout=auto"], second)
     assert a["target_layout"] == preset and f"model_type '{family}'" in a["layout_recognised"]
     assert "unmatched" not in a and "unmatched" not in b
+
+
+def test_mixtral_per_expert_keys_stacked_and_back_to_hugging_face(cli, tmp_path):
+    """job.experts=stack reads Mixtral's one-key-per-expert checkpoint into stacked [experts, ...]
+    tensors (expert x tensor parallel), unstack brings the family's own names back, and the
+    Hugging Face export of that reopens with bitwise logits."""
+    model = _model(tmp_path, "mixtral")
+    a = _reshard(cli, tmp_path, "stack", 4, f"job.source.path={tmp_path}/hf", "layout=moe_ep_tp", "layout.strict=true",
+                 "job.experts=stack", f"job.output={tmp_path}/stacked")
+    md = read_metadata(tmp_path / "stacked")
+    w1 = "model.layers.1.block_sparse_moe.experts.w1.weight"
+    assert md.tensors[w1].shape == (4, 48, 64) and not any(".experts.0." in k for k in md.tensors)
+    # rank (ep, tp): experts 2ep..2ep+1 whole, rows 24tp..24tp+23 of each
+    assert _written_by(tmp_path / "stacked", w1) == {
+        r: [([2 * (r // 2), 24 * (r % 2), 0], [2, 24, 64])] for r in range(4)}
+    # verified expert by expert against the 41 tensors of the Hugging Face file
+    assert a["verified_tensors"] == 41 and a["experts"].startswith("stack: 6 stacked group(s) of 4 experts")
+    _reshard(cli, tmp_path, "unstack", 2, f"job.source.path={tmp_path}/stacked", "layout=moe_ep", "layout.strict=true",
+             "job.experts=unstack", f"job.output={tmp_path}/per_expert")
+    assert _written_by(tmp_path / "per_expert", "model.layers.0.block_sparse_moe.experts.3.w2.weight") == {
+        1: [([0, 0], [64, 48])]}
+    _reshard(cli, tmp_path, "hf_out", 2, f"job.source.path={tmp_path}/per_expert", "job.output_format=hf",
+             f"job.hf_files_from={tmp_path}/hf", f"job.output={tmp_path}/out")
+    from transformers import AutoModelForCausalLM
+
+    back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    assert torch.equal(_logits(back.eval()), _logits(model))

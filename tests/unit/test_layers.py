@@ -123,7 +123,7 @@ def test_public_surface_is_the_documented_one():
         "LOAD_PLANNERS", "LoadResult", "Metadata", "SavePlanner", "LoadPlanner", "StandardSavePlanner",
         "MinimumRankSavePlanner", "StandardLoadPlanner", "StorageWriter", "StorageReader", "FileSystemWriter",
         "FileSystemReader", "HfReader", "TorchDcpReader", "open_reader", "open_writer", "ObjectStoreReader",
-        "ObjectStoreWriter", "rename_keys", "FlatShard", "FusedShard", "LocalShard",
+        "ObjectStoreWriter", "rename_keys", "FlatShard", "FusedShard", "LocalShard", "ShardPieces",
         "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
         "CommitDurabilityError", "CheckpointChangedError", "MetadataError", "CorruptCheckpointError",
         "StateDictError", "InsufficientMemoryError", "KeyMismatchError", "ShapeMismatchError", "CoverageError", "PickleNotAllowedError",

@@ -182,3 +182,32 @@ class FusedShard:
 
     def __repr__(self) -> str:
         return f"FusedShard(global_shape={self.global_shape}, dim={self.dim}, boxes={list(self.boxes)})"
+
+
+class ShardPieces:
+    """Several boxes of one global tensor, each in a tensor of its own (``pieces``: (box, tensor)).
+
+    Why: a rank may hold parts of a tensor that live apart in its memory, e.g. the experts it owns
+    of a stacked ``[experts, ...]`` checkpoint tensor, held as separate per-expert tensors. Each
+    piece is read into (and saved from) its own tensor; nothing is copied into one buffer.
+    """
+
+    def __init__(self, global_shape: Sequence[int], pieces: Sequence[tuple[Box, torch.Tensor]]) -> None:
+        self.global_shape = tuple(int(d) for d in global_shape)
+        self.pieces = tuple(pieces)
+        if not self.pieces:
+            raise StateDictError("ShardPieces needs at least one piece (leave the key out instead)")
+        dtypes = {t.dtype for _, t in self.pieces}
+        if len(dtypes) != 1:
+            raise StateDictError(f"ShardPieces pieces have several dtypes: {sorted(map(str, dtypes))}")
+        for b, t in self.pieces:
+            if not b.within(self.global_shape) or tuple(t.shape) != b.sizes:
+                raise StateDictError(f"ShardPieces piece {b} (tensor {tuple(t.shape)}) does not fit global shape "
+                                     f"{self.global_shape}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pieces[0][1].dtype
+
+    def __repr__(self) -> str:
+        return f"ShardPieces(global_shape={self.global_shape}, boxes={[b for b, _ in self.pieces]})"

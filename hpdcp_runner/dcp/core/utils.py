@@ -14,10 +14,10 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .errors import StateDictError
-from .ragged import FlatShard, FusedShard, LocalShard
+from .ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 
 Path = tuple[Any, ...]
-TENSOR_LEAVES = (torch.Tensor, FlatShard, FusedShard, LocalShard)
+TENSOR_LEAVES = (torch.Tensor, FlatShard, FusedShard, LocalShard, ShardPieces)
 
 
 def _holds_tensor(v: Any) -> bool:

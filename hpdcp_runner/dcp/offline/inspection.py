@@ -11,7 +11,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from ..format.safetensors_io import parse_header
 from ..core.rafile import open_regular_file
 from ..format import jsondoc
 from ..format import objects as objcodec
-from ..core.errors import HpdcpError, PickleNotAllowedError
+from ..core.errors import HpdcpError, MetadataError, PickleNotAllowedError
 from ..storage.commit import STAGING_MARK, TRASH_MARK
 from ..storage.filesystem import FileSystemReader
 from ..core.geometry import Box, narrow
@@ -118,15 +118,25 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 def full_tensor_digests(path: str | os.PathLike, reader: StorageReader | None = None, *,
                         keep: Callable[[str], bool] | None = None, cast: torch.dtype | None = None,
-                        progress: Callable[[Iterable, int | None, str], Iterable] | None = None) -> dict[str, str]:
+                        progress: Callable[[Iterable, int | None, str], Iterable] | None = None,
+                        split: Mapping[str, Sequence[str]] | None = None) -> dict[str, str]:
     """{key: digest of the full tensor}, one tensor in memory at a time (``reader``: a foreign
     one). ``keep``: only the keys it admits (the others are never read); ``cast``: floating
     tensors digested as cast to it (what an export with that dtype wrote); ``progress(it, total,
-    desc)`` wraps the tensors as they are read (a progress bar)."""
+    desc)`` wraps the tensors as they are read (a progress bar); ``split``: a key stacked along
+    dim 0 digested slice by slice under the names given (to compare with unstacked tensors)."""
     out = {}
     tensors = iter_full_tensors(path, reader=reader, reuse_buffer=True, keep=keep)
     for k, t in (progress(tensors, None, f"digest {os.path.basename(os.fspath(path))}") if progress else tensors):
-        out[k] = tensor_digest(t.to(cast) if cast is not None and t.is_floating_point() else t)
+        t = t.to(cast) if cast is not None and t.is_floating_point() else t
+        names = (split or {}).get(k)
+        if names is None:
+            out[k] = tensor_digest(t)
+            continue
+        if t.dim() == 0 or t.shape[0] != len(names):
+            raise MetadataError(f"{path}: {k!r} has shape {list(t.shape)}, not {len(names)} stacked tensors")
+        for name, piece in zip(names, t.unbind(0)):
+            out[name] = tensor_digest(piece)
     return out
 
 

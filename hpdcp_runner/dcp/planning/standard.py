@@ -18,7 +18,7 @@ from ..format.checksums import BLOCK_BYTES
 from ..format.metadata import (IndexedChunks, Metadata, ObjectMeta, TensorMeta, WrittenChunks, dtype_name,
                                overlapping_chunks)
 from .interfaces import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
-from ..core.ragged import FlatShard, FusedShard, LocalShard
+from ..core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 from .load_replicas import BroadcastOp, CompactShards, ShardSummary, plan_replica_reads
 from ..core.utils import TENSOR_LEAVES, flatten_state_dict, set_element
 
@@ -33,7 +33,7 @@ def is_tensor_leaf(v: Any) -> bool:
 
 
 def leaf_shape_dtype(v: Any) -> tuple[tuple[int, ...], torch.dtype]:
-    if isinstance(v, (FlatShard, FusedShard, LocalShard)):
+    if isinstance(v, (FlatShard, FusedShard, LocalShard, ShardPieces)):
         return v.global_shape, v.dtype
     return tuple(int(d) for d in v.shape), v.dtype
 
@@ -49,6 +49,8 @@ def local_pieces(v: Any) -> list[tuple[Box, torch.Tensor]]:
         return [(v.box, v.local.detach())]
     if isinstance(v, FusedShard):
         return [(b, t.detach()) for b, t in v.pieces()]
+    if isinstance(v, ShardPieces):
+        return [(b, t.detach()) for b, t in v.pieces]
     return [(whole(v.shape), v.detach())]
 
 
