@@ -266,6 +266,7 @@ class ReshardJob(ReadingJob):
 class InspectJob(ReadingJob):
     format: str = "table"  # table | json
     ranks: Optional[int] = None  # show the layout= shards for this many ranks
+    picture: Optional[str] = None  # also draw the layout to this PNG (each rank's boxes by colour)
 
 
 @dataclass

@@ -9,6 +9,7 @@ layout can be checked against a real checkpoint before any rank is started.
 from __future__ import annotations
 
 import json
+import os
 
 from ..dcp import ConfigError, Metadata, rename_keys
 from ..dcp.tools import METADATA_FILE, describe, join_location
@@ -54,6 +55,8 @@ def _layout_lines(lay: dict) -> list[str]:
     if lay["unmatched"]:
         lines.append(f"  {len(lay['unmatched'])} tensor(s) match no rule and are replicated on every rank "
                      f"(layout.strict=true refuses them)")
+    if lay.get("picture"):
+        lines.append(f"picture: {lay['picture']}")
     if lay.get("recognised"):
         lines.insert(0, lay["recognised"])
     return lines
@@ -124,8 +127,18 @@ def run(ctx: JobContext) -> dict:
             reader.close()
         md = rename_keys(md, ctx.source_renames(), source=f"{path} (job.source.rename)")
     d = describe(path, reader, md)
-    if _layout_requested(ctx):
+    if _layout_requested(ctx) or job.picture:
+        if job.picture:
+            from ..layout_picture import check_available
+
+            check_available()
         d["layout"] = layout_report(ctx, md, job.ranks or ctx.info.world_size, path)
+        if job.picture:
+            from ..layout_picture import draw
+
+            for k, t in d["layout"]["tensors"].items():
+                t["shape"] = list(md.tensors[k].shape)
+            d["layout"]["picture"] = draw(d["layout"], ctx.abspath(job.picture), os.path.basename(path))
     print(json.dumps(d, indent=2) if job.format == "json" else format_table(d), flush=True)
     return {"tensors": len(d["tensors"]), "objects": len(d["objects"]), "tensor_bytes": d["tensor_bytes"],
             "format": d["format"]}

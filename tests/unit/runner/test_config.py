@@ -84,9 +84,9 @@ dcp.cache_plan dcp.format_version
 dcp.storage.endpoint dcp.storage.region dcp.storage.allow_http dcp.storage.part_size dcp.storage.concurrency
 dcp.storage.max_retries dcp.storage.coalesce_bytes dcp.storage.read_buffer_bytes dcp.storage.orphan_grace_s
 job.fail_on_rank job.name job.output job.output_format job.hf_max_shard_size job.hf_files_from job.verify
-job.include job.exclude job.model_only job.dtype
+job.include job.exclude job.model_only job.dtype job.experts
 job.source.layout job.source.path job.source.format job.source.rename
-layout.config layout.family layout.flat_units layout.kind layout.mesh layout.name layout.parallel layout.rules
+layout.config layout.family layout.file layout.flat_units layout.kind layout.mesh layout.name layout.parallel layout.rules
 layout.strict
 model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab
 model.dropout model.heads model.seq_len

@@ -159,3 +159,17 @@ def test_auto_recognises_the_family_and_picks_its_preset():
         resolve_auto(auto, {"model_type": "mixtral"}, [])
     with pytest.raises(ConfigError, match=r"cannot tell the model family .*layout.family="):
         resolve_auto(load_preset("auto"), {"model_type": "mamba"}, ["backbone.x"])
+
+
+def test_layout_picture_folds_leading_dims_into_bands_and_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from hpdcp_runner.layout_picture import _rects, draw
+
+    # experts 0..1 of [4, 48, 32], rows 0..23 of each: one rectangle per expert
+    assert _rects([0, 0, 0], [2, 24, 32], [4, 48, 32]) == [(0, 0, 32, 24), (0, 48, 32, 24)]
+    assert _rects([3, 4], [2, 5], [8, 9]) == [(4, 3, 5, 2)] and _rects([2], [3], [9]) == [(2, 0, 3, 1)]
+    report = {"name": "t", "ranks": 2, "mesh": [2], "tensors": {
+        "w": {"rule": 0, "placements": ["S0"], "shape": [4, 2], "shards": [[[0, 0], [2, 2]], [[2, 0], [2, 2]]]},
+        "n": {"rule": None, "placements": ["R"], "shape": [2], "shards": [[[0], [2]], [[0], [2]]]}}}
+    out = draw(report, str(tmp_path / "p" / "l.png"), "ck")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
