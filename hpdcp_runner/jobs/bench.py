@@ -65,19 +65,22 @@ def _copy_objects(src: dict, dst: dict) -> None:
 
 
 def run(ctx: JobContext) -> dict:
-    job, placer = ctx.cfg.job, ctx.placer()
+    job = ctx.cfg.job
     if job.source.path:  # a user's checkpoint, loaded once under layout=, is the state timed
         path = ctx.abspath(job.source.path)
         md = ctx.source_metadata(path)
         only = ctx.key_filter()  # job.include / job.exclude: time part of it
         with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
             state = select(ctx.target_from_metadata(md, path, only, copies=2), only, ctx.filter_keys_named())
-            target = select(state_from_metadata(md, placer, only=only), only, ctx.filter_keys_named())
+            # placed as the first (target_from_metadata found the config and made layout=auto concrete)
+            target = select(state_from_metadata(md, ctx.placer(keys=md.tensors), only=only), only,
+                            ctx.filter_keys_named())
         ctx.load(state, path, phase="source_load", key="job.source.path", foreign=True, strict=only is None)
         _copy_objects(state, target)
     else:
         with ctx.metrics.phase("build"):
             ref = reference_state(ctx.cfg.model)
+            placer = ctx.placer()
             state = place_state(ref, placer)
             target = place_state(zeros_like_state(ref), placer)
     times = {"save": [], "load": [], "peer_save": [], "peer_load": []}

@@ -33,9 +33,10 @@ def select(state: dict, keep: Callable[[str], bool] | None, named: str = "job.in
 
 
 def run(ctx: JobContext) -> dict:
-    placer, job = ctx.placer(), ctx.cfg.job
+    job = ctx.cfg.job
     if job.source.path:
         return _load_source(ctx)
+    placer = ctx.placer()
     with ctx.metrics.phase("build"):
         ref = select(reference_state(ctx.cfg.model), ctx.key_filter(), ctx.filter_keys_named())
         target = place_state(zeros_like_state(ref), placer)
