@@ -12,7 +12,6 @@ import importlib.util
 import itertools
 import math
 import os
-from typing import Any
 
 from .dcp import ConfigError
 

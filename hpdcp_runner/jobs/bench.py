@@ -7,7 +7,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from ..dcp import ConfigError, HpdcpError
 from ..dcp.tools import is_uri, remove_checkpoint
@@ -18,17 +17,24 @@ from .context import JobContext, compare_state
 from .load import select
 
 
-def _max_over_ranks(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _timed(fn) -> float:
-    dist.barrier()
+def _timed(comm, fn) -> float:
+    """The slowest rank's seconds for ``fn``, started together. Over the control (gloo) group
+    with its timeouts: the job's own group may be NCCL, which carries no CPU tensors."""
+    comm.all_gather_json(0, "bench: start together")
     t0 = time.perf_counter()
     fn()
-    return _max_over_ranks(time.perf_counter() - t0)
+    return max(comm.all_gather_json(time.perf_counter() - t0, "bench: times"))
+
+
+def _check_peer_can_read(state: dict, layout: str) -> None:
+    """torch DCP knows DTensors and plain tensors; our explicit shards (flat, fused, per-expert)
+    it would pickle as opaque objects, timing nothing comparable: refuse, naming the key."""
+    from ..dcp.tools import TENSOR_LEAVES, flatten_state_dict
+
+    for k, v in flatten_state_dict(state)[0].items():
+        if isinstance(v, TENSOR_LEAVES) and not isinstance(v, torch.Tensor):
+            raise ConfigError(f"job.peer: torch DCP cannot hold {k!r} as layout {layout!r} places it "
+                              f"({type(v).__name__}); compare under a layout of DTensors or plain tensors")
 
 
 def _stats(xs: list[float]) -> dict:
@@ -49,8 +55,8 @@ def _peer(ctx: JobContext, state, target, path: str) -> tuple[float, float]:
         writer, reader = (lambda: FsspecWriter(path, thread_count=2)), (lambda: FsspecReader(path))
     else:
         writer, reader = (lambda: tdcp.FileSystemWriter(path)), (lambda: tdcp.FileSystemReader(path))
-    s = _timed(lambda: tdcp.save(state, storage_writer=writer()))
-    l_ = _timed(lambda: tdcp.load(target, storage_reader=reader()))
+    s = _timed(ctx.comm, lambda: tdcp.save(state, storage_writer=writer()))
+    l_ = _timed(ctx.comm, lambda: tdcp.load(target, storage_reader=reader()))
     return s, l_
 
 
@@ -83,13 +89,15 @@ def run(ctx: JobContext) -> dict:
             placer = ctx.placer()
             state = place_state(ref, placer)
             target = place_state(zeros_like_state(ref), placer)
+    if job.peer:
+        _check_peer_can_read(state, ctx.cfg.layout.name)
     times = {"save": [], "load": [], "peer_save": [], "peer_load": []}
     for i in ctx.progress(range(job.warmup + job.repeats), "bench"):
         path = ctx.checkpoint_path(f"bench_{i}")
         # warm-up runs are timed under their own phases, which the summary table leaves out
         tag = "warmup." if i < job.warmup else ""
-        s = _timed(lambda: ctx.save(state, path, phase=f"{tag}save", overwrite=True))
-        l_ = _timed(lambda: ctx.load(target, path, phase=f"{tag}load"))
+        s = _timed(ctx.comm, lambda: ctx.save(state, path, phase=f"{tag}save", overwrite=True))
+        l_ = _timed(ctx.comm, lambda: ctx.load(target, path, phase=f"{tag}load"))
         if job.verify and i == 0:
             problems = compare_state(target, state)
             if problems:
@@ -97,7 +105,7 @@ def run(ctx: JobContext) -> dict:
         ps = pl = None
         if job.peer:
             ps, pl = _peer(ctx, state, target, ctx.checkpoint_path(f"peer_{i}"))
-        dist.barrier()
+        ctx.comm.all_gather_json(0, "bench: repeat done")
         if ctx.info.rank == 0:
             remove_checkpoint(path)
             remove_checkpoint(ctx.checkpoint_path(f"peer_{i}"))

@@ -77,6 +77,10 @@ def test_bench_side_by_side_with_torch_dcp(cli, tmp_path):
     res = metrics(tmp_path / "p")["result"]
     assert res["peer_save"]["n"] == 1 and res["peer_load"]["n"] == 1
     assert res["speedup_load_vs_torch_dcp"] == round(res["peer_load"]["median_s"] / res["load"]["median_s"], 3)
+    # torch DCP would pickle our explicit shards as opaque objects: no comparison, one line
+    r = cli(["+job=bench", "job.peer=true", "layout=uneven", "job.repeats=1", "job.warmup=0",
+             f"hydra.run.dir={tmp_path}/u"], nproc=2)
+    assert r.returncode != 0 and "job.peer: torch DCP cannot hold" in r.stderr and "FlatShard" in r.stderr, _tail(r)
 
 
 def test_config_errors_name_the_key_and_exit_nonzero(cli, tmp_path):

@@ -94,6 +94,11 @@ def test_phi3_qkv_and_gate_up_split_by_head_at_2_and_4_ranks(cli, tmp_path):
     for rank, (dp, tp) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
         assert got[rank] == sorted([([tp * 32, dp * 32], [32, 32]), ([q + tp * 16, dp * 32], [16, 32]),
                                     ([q + kv + tp * 16, dp * 32], [16, 32])])
+    # bench times the fused layout on it (its second target is placed like the first)
+    r = cli(["+job=bench", f"job.source.path={tmp_path}/a", "layout=auto", "job.repeats=1", "job.warmup=0",
+             f"hydra.run.dir={tmp_path}/run_bench"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    assert metrics(tmp_path / "run_bench")["layout"] == "phi3_tp"
     # straight to phi3_tp at 4 ranks too: 2 q heads, 1 kv head each
     _reshard(cli, tmp_path, "tp4", 4, f"job.source.path={tmp_path}/hf", "layout=phi3_tp", f"job.output={tmp_path}/tp4")
     assert _written_by(tmp_path / "tp4", "model.layers.0.self_attn.qkv_proj.weight")[3] == sorted(
