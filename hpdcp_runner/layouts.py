@@ -193,7 +193,8 @@ def evaluate(expr: Any, values: Mapping[str, int], what: str) -> int:
     try:
         tree = ast.parse(text, mode="eval").body
     except SyntaxError:
-        raise ConfigError(f"{what}: {text!r} is not a number or an expression like num_key_value_heads*head_dim") from None
+        raise ConfigError(f"{what}: {text!r} is not a number or an expression like "
+                          f"num_key_value_heads*head_dim") from None
 
     def walk(n: ast.AST) -> int:
         if isinstance(n, ast.Constant) and isinstance(n.value, int) and not isinstance(n.value, bool):

@@ -16,7 +16,8 @@ import torch
 from .. import dcp
 from .. import runtime
 from ..config import Config, EngineOptions, checkpoint_series, engine_options
-from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, configure_object_store, is_uri, join_location, local_pieces,
+from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, configure_object_store, is_uri,
+                         join_location, local_pieces,
                          METADATA_FILE, normalize_location, series_extra, series_outsiders)
 from ..dcp import open_reader, open_writer, rename_keys
 from ..layouts import Placer, problems as layout_problems, read_model_config, resolve_auto
@@ -184,7 +185,8 @@ class JobContext:
                                   planner=dcp.SAVE_PLANNERS[e.planner](),
                                   overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                                   allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
-                                  cache_plan=e.cache_plan, format_version=e.format_version, callback=done, extra=self._extra(series))
+                                  cache_plan=e.cache_plan, format_version=e.format_version, callback=done,
+                                  extra=self._extra(series))
 
     def _extra(self, series: tuple[str, int | None] | None) -> dict | None:
         extra = dict(series_extra(*series)) if series else {}

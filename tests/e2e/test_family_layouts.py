@@ -68,8 +68,10 @@ def _round_trip(cli, tmp_path, model, first, second, n_first=2, n_second=4):
                  f"job.output={tmp_path}/a")
     b = _reshard(cli, tmp_path, "b", n_second, f"job.source.path={tmp_path}/a", *second, "layout.strict=true",
                  f"job.output={tmp_path}/b")
+    # no job.hf_files_from: the config.json recorded since the first reshard travels to the output
     c = _reshard(cli, tmp_path, "c", 2, f"job.source.path={tmp_path}/b", "job.output_format=hf",
-                 f"job.hf_files_from={tmp_path}/hf", f"job.output={tmp_path}/out")
+                 f"job.output={tmp_path}/out")
+    assert c["copied"] == ["config.json"]
     from transformers import AutoModelForCausalLM
 
     back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
@@ -82,7 +84,8 @@ def _round_trip(cli, tmp_path, model, first, second, n_first=2, n_second=4):
 def test_phi3_qkv_and_gate_up_split_by_head_at_2_and_4_ranks(cli, tmp_path):
     model = _model(tmp_path, "phi3")
     a, b = _round_trip(cli, tmp_path, model, ["layout=auto"], ["layout=phi3_fsdp_tp"])
-    assert a["target_layout"] == "phi3_tp" and "phi3 family (from config.json model_type 'phi3')" in a["layout_recognised"]
+    assert a["target_layout"] == "phi3_tp"
+    assert "phi3 family (from config.json model_type 'phi3')" in a["layout_recognised"]
     # rank r of 2 holds heads 4r..4r+3 of q (8 heads of 8) and heads 2r..2r+1 of k and of v (4 kv heads)
     q, kv = 64, 32
     assert _written_by(tmp_path / "a", "model.layers.1.self_attn.qkv_proj.weight") == {

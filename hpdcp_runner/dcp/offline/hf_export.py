@@ -137,7 +137,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
         if store_out is None:
             return StagedDir(dst, overwrite).tmp
         before = store_out.begin()
-        side = read_side_files(side_dir) if side_dir else {}
+        side = _with_recorded_config(read_side_files(side_dir) if side_dir else {}, md)
         for name, data in side.items():  # first: the weights' arrival makes the directory usable
             store_out.put(name, data)
         return {"before": before, "copied": sorted(side)}
@@ -183,7 +183,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             if store_out is not None:
                 store_out.finish(began["before"], weights + began["copied"])
                 return began["copied"]
-            side = read_side_files(side_dir) if side_dir else {}
+            side = _with_recorded_config(read_side_files(side_dir) if side_dir else {}, md)
             for name, data in side.items():  # the bytes read from the checked descriptor
                 with open(os.path.join(staging, name), "xb") as f:
                     f.write(data)
@@ -204,6 +204,16 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     return {"output": dst, "files": files, "tensors": len(names), "total_size": sum(s for _, s in sizes),
             "files_written_here": [files[i] for i in mine], "copied": copied, "skipped_objects": sorted(md.objects),
             "left_out": left_out, "names": out_name, "counters": counters}
+
+
+def _with_recorded_config(side: dict[str, bytes], md: Any) -> dict[str, bytes]:
+    """The side files plus ``config.json`` from the checkpoint's ``extra.model_config`` (what a
+    writer that knew the model recorded, e.g. a reshard of a Hugging Face directory) when no
+    side directory gave one: a round trip through our format stays ``from_pretrained``-ready."""
+    recorded = getattr(md, "extra", {}).get("model_config")
+    if "config.json" in side or not isinstance(recorded, dict):
+        return side
+    return {**side, "config.json": (json.dumps(recorded, indent=2, sort_keys=True) + "\n").encode()}
 
 
 def _output_names(names: dict[str, str], src: str) -> dict[str, str]:

@@ -14,7 +14,8 @@ def _state():
     # parts [0:5) and [5:8) held whole, in one local tensor, second part first
     fused = FusedShard(torch.cat([full[5:], full[:5]]), (8, 3), [Box((5, 0), (3, 3)), Box((0, 0), (5, 3))], 0)
     stacked = torch.arange(2 * 4, dtype=torch.int64).view(2, 4)
-    pieces = ShardPieces((2, 4), [(Box((1, 0), (1, 4)), stacked[1:].clone()), (Box((0, 0), (1, 4)), stacked[:1].clone())])
+    pieces = ShardPieces((2, 4), [(Box((1, 0), (1, 4)), stacked[1:].clone()),
+                                  (Box((0, 0), (1, 4)), stacked[:1].clone())])
     return full, stacked, {"f": fused, "p": pieces}
 
 

@@ -82,7 +82,8 @@ def test_per_expert_keys_are_held_only_by_their_expert_group():
     assert {int(k.split(".")[5]) for k in held[3]} == {2, 3}
     p = Placer(lay, 3, 4, keys=keys)
     w1 = p.place(keys[6], torch.arange(24.).view(6, 4))  # expert 2's w1 on rank 3: tp half 1 of its rows
-    assert isinstance(w1, LocalShard) and w1.box.offsets == (3, 0) and torch.equal(w1.local, torch.arange(12., 24.).view(3, 4))
+    assert isinstance(w1, LocalShard) and w1.box.offsets == (3, 0)
+    assert torch.equal(w1.local, torch.arange(12., 24.).view(3, 4))
     assert p.place(keys[0], torch.zeros(6, 4)) is None  # expert 0 lives elsewhere
     with pytest.raises(ConfigError, match=r"4 experts do not divide by the expert-parallel size 3"):
         Placer(load_preset("moe_ep"), 0, 3, keys=keys).holds(keys[0], (6, 4))
