@@ -7,6 +7,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..dcp import ConfigError, HpdcpError
 from ..dcp.tools import is_uri, remove_checkpoint
@@ -17,13 +18,16 @@ from .context import JobContext, compare_state
 from .load import select
 
 
-def _timed(comm, fn) -> float:
-    """The slowest rank's seconds for ``fn``, started together. Over the control (gloo) group
-    with its timeouts: the job's own group may be NCCL, which carries no CPU tensors."""
-    comm.all_gather_json(0, "bench: start together")
+def _timed(ctx: JobContext, fn) -> float:
+    """The slowest rank's seconds for ``fn``, started together, on the job's own group (whose
+    collectives a failing rank never joins: it reports through the control group), with the
+    tensor on the job's device (NCCL carries no CPU tensors)."""
+    dist.barrier()
     t0 = time.perf_counter()
     fn()
-    return max(comm.all_gather_json(time.perf_counter() - t0, "bench: times"))
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=ctx.info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def _check_peer_can_read(state: dict, layout: str) -> None:
@@ -55,8 +59,8 @@ def _peer(ctx: JobContext, state, target, path: str) -> tuple[float, float]:
         writer, reader = (lambda: FsspecWriter(path, thread_count=2)), (lambda: FsspecReader(path))
     else:
         writer, reader = (lambda: tdcp.FileSystemWriter(path)), (lambda: tdcp.FileSystemReader(path))
-    s = _timed(ctx.comm, lambda: tdcp.save(state, storage_writer=writer()))
-    l_ = _timed(ctx.comm, lambda: tdcp.load(target, storage_reader=reader()))
+    s = _timed(ctx, lambda: tdcp.save(state, storage_writer=writer()))
+    l_ = _timed(ctx, lambda: tdcp.load(target, storage_reader=reader()))
     return s, l_
 
 
@@ -96,8 +100,8 @@ def run(ctx: JobContext) -> dict:
         path = ctx.checkpoint_path(f"bench_{i}")
         # warm-up runs are timed under their own phases, which the summary table leaves out
         tag = "warmup." if i < job.warmup else ""
-        s = _timed(ctx.comm, lambda: ctx.save(state, path, phase=f"{tag}save", overwrite=True))
-        l_ = _timed(ctx.comm, lambda: ctx.load(target, path, phase=f"{tag}load"))
+        s = _timed(ctx, lambda: ctx.save(state, path, phase=f"{tag}save", overwrite=True))
+        l_ = _timed(ctx, lambda: ctx.load(target, path, phase=f"{tag}load"))
         if job.verify and i == 0:
             problems = compare_state(target, state)
             if problems:
@@ -105,7 +109,7 @@ def run(ctx: JobContext) -> dict:
         ps = pl = None
         if job.peer:
             ps, pl = _peer(ctx, state, target, ctx.checkpoint_path(f"peer_{i}"))
-        ctx.comm.all_gather_json(0, "bench: repeat done")
+        dist.barrier()
         if ctx.info.rank == 0:
             remove_checkpoint(path)
             remove_checkpoint(ctx.checkpoint_path(f"peer_{i}"))
