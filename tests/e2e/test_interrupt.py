@@ -40,6 +40,7 @@ def _interrupt(tmp_path, args, sig, faults, *, torchrun=False, nproc=2):
     return p.returncode, [ln for ln in err.splitlines() if ln.strip()], failed
 
 
+@pytest.mark.slow  # the slow tier: keeps the default run near 10 minutes on 2 cores
 def test_ctrl_c_during_a_save_is_one_line_and_leaves_nothing(tmp_path):
     # each tensor write sleeps: the signal lands while rank files are half written
     code, lines, failed = _interrupt(tmp_path, ["+job=save", "checkpoint.dir=ck", "checkpoint.name=s"],

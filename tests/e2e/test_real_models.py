@@ -83,6 +83,7 @@ def test_llama_from_hugging_face_through_tp_and_fsdp_tp_back_to_hugging_face(cli
     assert torch.equal(_logits(_reopened(tmp_path / "out")), _logits(model))
 
 
+@pytest.mark.slow  # the slow tier: keeps the default run near 10 minutes on 2 cores
 def test_gpt2_conv1d_layout_and_a_torch_dcp_checkpoint_written_by_torch(cli, tmp_path):
     import torch.distributed.checkpoint as tdcp
 

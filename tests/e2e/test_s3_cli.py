@@ -67,6 +67,7 @@ def test_save_load_verify_inspect_reshard_on_s3(cli, tmp_path, s3_endpoint, s3_b
     assert r.returncode != 0 and "checksum" in (r.stdout + r.stderr), _tail(r)
 
 
+@pytest.mark.slow  # the slow tier: keeps the default run near 10 minutes on 2 cores
 def test_hf_directory_in_bucket_resharded_in_place(cli, tmp_path, s3_endpoint, s3_bucket):
     from safetensors.torch import save_file
 

@@ -51,6 +51,7 @@ def _save_then_loads(tmp_path, loads: int) -> None:
     assert torch_aborts <= max(1, loads // 4), f"{torch_aborts} of {loads} loads aborted at exit"
 
 
+@pytest.mark.slow  # the slow tier: keeps the default run near 10 minutes on 2 cores
 def test_a_load_at_3_ranks_of_a_4_rank_checkpoint_exits_0(tmp_path):
     _save_then_loads(tmp_path, 2)
 
