@@ -165,17 +165,26 @@ def config_values(raw: Mapping[str, Any] | None) -> dict[str, int]:
 
 
 def read_model_config(path: str | None) -> tuple[dict | None, str | None]:
-    """``config.json`` at ``path`` (a file or a directory holding one), or (None, None)."""
+    """``config.json`` at ``path`` (a file, or a directory holding one; local or ``s3://``), or
+    (None, None) when there is none."""
     if not path:
         return None, None
-    f = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(f):
+    from .dcp.tools import is_uri, read_side_file
+
+    if path.endswith(".json") or (not is_uri(path) and os.path.isfile(path)):
+        where, name = (path.rsplit("/", 1) if is_uri(path) else os.path.split(path))
+    else:
+        where, name = path, "config.json"
+    if not is_uri(where) and not os.path.isdir(where):
         return None, None
+    f = f"{where.rstrip('/')}/{name}"
     try:
-        with open(f, encoding="utf-8") as fh:
-            raw = json.load(fh)
+        data = read_side_file(where, name)
+        raw = None if data is None else json.loads(data)
     except (OSError, ValueError) as e:
         raise ConfigError(f"layout.config: cannot read {f}: {e}") from None
+    if data is None:
+        return None, None
     if not isinstance(raw, dict):
         raise ConfigError(f"layout.config: {f} is not a JSON object")
     return raw, f

@@ -16,6 +16,7 @@ from .format.renames import compile_rules, rename_key
 from .offline import transforms
 from .offline.hf_export import export_hf
 from .offline.inspection import describe, full_tensor_digests, verify
+from .offline.side_files import read_side_file
 from .planning.standard import local_pieces
 from .storage.filesystem import ReaderOptions
 from .storage.object_store import ObjectStoreOptions, configure as configure_object_store
@@ -28,7 +29,7 @@ from .storage.retention import (apply_retention, latest_checkpoint, list_checkpo
 __all__ = ["node_id", "save_in_flight", "available_bytes", "check_allocation", "check_together", "Comm", "Box", "dtensor_local_box", "narrow", "split_piece", "whole", "decompose_flat_interval",
            "TENSOR_LEAVES", "PhaseTimer", "flatten_state_dict", "get_logger", "set_element", "DTYPES",
            "METADATA_FILE", "dtype_from_name", "compile_rules", "rename_key", "transforms", "export_hf", "describe",
-           "full_tensor_digests", "verify", "local_pieces", "ReaderOptions",
+           "full_tensor_digests", "verify", "read_side_file", "local_pieces", "ReaderOptions",
            "ObjectStoreOptions", "configure_object_store", "is_uri", "join_location", "location_dirname",
            "normalize_location", "remove_checkpoint", "FORMATS", "apply_retention",
            "latest_checkpoint", "list_checkpoints", "series_extra", "series_outsiders", "unrecorded_checkpoints"]

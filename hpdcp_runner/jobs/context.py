@@ -123,12 +123,12 @@ class JobContext:
         source directory's own, else the one our checkpoint recorded, else ``job.hf_files_from``."""
         lay = self.cfg.layout
         if lay.config:
-            path = self.abspath(lay.config)
+            path = self.abspath(lay.config)  # a local path or an s3:// one
             raw, where = read_model_config(path)
             if raw is None:
                 raise dcp.ConfigError(f"layout.config: no config.json at {path}")
         else:
-            raw, where = read_model_config(source) if source and not is_uri(source) else (None, None)
+            raw, where = read_model_config(source)
             if raw is None and md is not None and isinstance(md.extra.get("model_config"), dict):
                 raw, where = dict(md.extra["model_config"]), f"{source} (recorded at save)"
             files_from = getattr(self.cfg.job, "hf_files_from", None)

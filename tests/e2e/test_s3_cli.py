@@ -81,20 +81,22 @@ def test_hf_directory_in_bucket_resharded_in_place(cli, tmp_path, s3_endpoint, s
     c.upload_file(str(tmp_path / "model.safetensors"), bucket, "models/tiny/model.safetensors")
     c.put_object(Bucket=bucket, Key="models/tiny/config.json", Body=json.dumps({"model_type": "llama"}).encode())
     r = cli(["+job=reshard", f"job.source.path={s3_bucket}/models/tiny", f"job.output={s3_bucket}/out/tiny_tp",
-             "layout=tp", f"hydra.run.dir={tmp_path}/r"], nproc=2)
+             "layout=auto", f"hydra.run.dir={tmp_path}/r"], nproc=2)
     assert r.returncode == 0, _tail(r)
     res = metrics(tmp_path / "r")["result"]
     assert res["verified_tensors"] == 3
+    # the family is recognised from the config.json in the bucket, which the output records
+    assert "config.json model_type 'llama'" in res["layout_recognised"] and res["target_layout"] == "llama_tp"
+    assert res["model_config"] == f"{s3_bucket}/models/tiny/config.json"
     from hpdcp_runner.dcp import load
 
     got = {k: torch.zeros_like(v) for k, v in tensors.items()}
     load(got, checkpoint_id=f"{s3_bucket}/out/tiny_tp")
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)
 
-    # and back to Hugging Face, in the bucket: sharded (index written last), config copied
+    # and back to Hugging Face, in the bucket: sharded (index written last), the recorded config written
     r = cli(["+job=reshard", f"job.source.path={s3_bucket}/out/tiny_tp", f"job.output={s3_bucket}/out/hf",
-             "job.output_format=hf", "job.hf_max_shard_size=2KB", f"job.hf_files_from={s3_bucket}/models/tiny",
-             f"hydra.run.dir={tmp_path}/h"], nproc=2)
+             "job.output_format=hf", "job.hf_max_shard_size=2KB", f"hydra.run.dir={tmp_path}/h"], nproc=2)
     assert r.returncode == 0, _tail(r)
     keys = _keys(s3_endpoint, bucket, "out/hf/")
     assert "out/hf/config.json" in keys and "out/hf/model.safetensors.index.json" in keys, keys

@@ -81,3 +81,19 @@ def read_side_files(where: str, names_only: bool = False) -> dict[str, bytes]:
         if got is not None:
             out[name] = got[0]
     return out
+
+
+def read_side_file(where: str, name: str) -> bytes | None:
+    """One side file (``config.json``) of a local directory or of a directory in a store, or None
+    when there is none: what a layout sized by the model's config reads, without the tokenizer."""
+    if not is_uri(where):
+        path = os.path.join(where, name)
+        if not os.path.isfile(path):
+            return None
+        with open_regular_file(path, what="side file") as f:
+            return f.read(MAX_SIDE_FILE_BYTES + 1)[:MAX_SIDE_FILE_BYTES]
+    from ..storage.object_store import Bucket
+
+    bucket = Bucket(normalize(where))
+    got = bucket.get(bucket.key(name), max_bytes=MAX_SIDE_FILE_BYTES)
+    return None if got is None else got[0]
