@@ -317,12 +317,12 @@ class Placer:
         return out
 
     # -- geometry -------------------------------------------------------------------------------
-    def holds(self, fqn: str, shape: tuple[int, ...], rank: int | None = None) -> bool:
+    def holds(self, fqn: str, rank: int | None = None) -> bool:
         """False when ``rank`` (default this one) holds nothing of ``fqn``: a per-expert key
         whose expert another expert-parallel group owns."""
-        return self._owner_ok(fqn, tuple(int(d) for d in shape), self.rank if rank is None else rank)
+        return self._owner_ok(fqn, self.rank if rank is None else rank)
 
-    def _owner_ok(self, fqn: str, shape: tuple[int, ...], rank: int) -> bool:
+    def _owner_ok(self, fqn: str, rank: int) -> bool:
         if self.layout.kind != "dtensor":
             return True
         i = self.rule_for(fqn)
@@ -383,15 +383,14 @@ class Placer:
     def _wrap(self, fqn: str, shape: tuple[int, ...], local_of: Any) -> Any:
         """This rank's shard of ``fqn`` with its data from ``local_of(box)``, in the form the
         rule needs: a DTensor when one placement per mesh dim describes it, else explicit."""
-        if not self._owner_ok(fqn, shape, self.rank):
+        if not self._owner_ok(fqn, self.rank):
             return None
         boxes = self.boxes(fqn, shape, self.rank)
         i = self.rule_for(fqn)
         rule = self._rules[i] if i is not None else None
-        if rule is not None and rule.parts:
-            d = rule.parts_dim + len(shape) if rule.parts_dim < 0 else rule.parts_dim
-            local = torch.cat([local_of(b) for b in boxes], dim=d) if boxes else local_of(whole(shape))
-            return FusedShard(local, shape, boxes, d)
+        if rule is not None and rule.parts:  # one box per part (boxes checked parts_dim)
+            local = torch.cat([local_of(b) for b in boxes], dim=rule.parts_dim)
+            return FusedShard(local, shape, boxes, rule.parts_dim)
         (box,) = boxes
         if rule is not None and rule.per_expert:  # held by this expert group only: no mesh to name
             return LocalShard(local_of(box), box.offsets, shape)
@@ -421,7 +420,7 @@ class Placer:
         if self.layout.kind == "flat":
             a, b = self._flat_cuts(math.prod(shape), rank)
             return decompose_flat_interval(shape, a, b)
-        if not self._owner_ok(fqn, shape, rank):
+        if not self._owner_ok(fqn, rank):
             return []
         i = self.rule_for(fqn)
         rule = self._rules[i] if i is not None else None

@@ -76,7 +76,7 @@ def test_fused_shard_refuses_boxes_that_do_not_fit():
 def test_per_expert_keys_are_held_only_by_their_expert_group():
     lay = load_preset("moe_ep_tp")  # mesh [ep, tp=2]
     keys = [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")]
-    held = {r: [k for k in keys if Placer(lay, r, 4, keys=keys).holds(k, (6, 4))] for r in range(4)}
+    held = {r: [k for k in keys if Placer(lay, r, 4, keys=keys).holds(k)] for r in range(4)}
     # ep coordinate 0 (ranks 0, 1) owns experts 0 and 1; 1 (ranks 2, 3) owns 2 and 3
     assert {int(k.split(".")[5]) for k in held[0]} == {0, 1} == {int(k.split(".")[5]) for k in held[1]}
     assert {int(k.split(".")[5]) for k in held[3]} == {2, 3}
@@ -86,7 +86,7 @@ def test_per_expert_keys_are_held_only_by_their_expert_group():
     assert torch.equal(w1.local, torch.arange(12., 24.).view(3, 4))
     assert p.place(keys[0], torch.zeros(6, 4)) is None  # expert 0 lives elsewhere
     with pytest.raises(ConfigError, match=r"4 experts do not divide by the expert-parallel size 3"):
-        Placer(load_preset("moe_ep"), 0, 3, keys=keys).holds(keys[0], (6, 4))
+        Placer(load_preset("moe_ep"), 0, 3, keys=keys).holds(keys[0])
 
 
 def test_stacked_experts_split_whole_experts_and_refuse_uneven_counts():
