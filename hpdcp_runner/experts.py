@@ -15,7 +15,8 @@ from typing import Any, Mapping
 import torch
 
 from .dcp import ConfigError, FusedShard, LocalShard, Metadata, ShardPieces
-from .dcp.tools import TENSOR_LEAVES, Box, flatten_state_dict, local_pieces, set_element
+from .dcp.tools import (TENSOR_LEAVES, Box, flatten_state_dict, leaf_shape_dtype, local_pieces, new_key_path,
+                        set_element)
 
 PER_EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<suf>.+)$")
 STACKED = re.compile(r"^(?P<pre>(?:.*\.)?experts\.)(?P<suf>(?!\d+\.).+)$")
@@ -100,15 +101,6 @@ def stacked_carrier(per_expert: list[Any], shape: tuple[int, ...]) -> ShardPiece
     return ShardPieces(shape, pieces) if pieces else None
 
 
-def _path(old_path: tuple, new_key: str) -> tuple:
-    """A new key's place in the nested state: under the same top-level container when it still
-    starts with it (``model``, ``optim``), else one flat name."""
-    top = old_path[0] if len(old_path) > 1 else None
-    if isinstance(top, str) and new_key.startswith(top + "."):
-        return (top, new_key[len(top) + 1:])
-    return (new_key,)
-
-
 def restacked_metadata(md: Metadata, plan: Mapping[str, list[str]], mode: str) -> Metadata:
     """``md`` as the output will hold it (to build and place the target from): per-expert
     tensors replaced by their stacked ones (stack), or the reverse (unstack)."""
@@ -119,16 +111,12 @@ def restacked_metadata(md: Metadata, plan: Mapping[str, list[str]], mode: str) -
             for k in keys:
                 del tensors[k]
             tensors[stacked] = dataclasses.replace(first, shape=(len(keys),) + tuple(first.shape), chunks=(),
-                                                   path=_path(first.path, stacked))
+                                                   path=new_key_path(first.path, stacked))
         else:
             t = tensors.pop(stacked)
             for k in keys:
-                tensors[k] = dataclasses.replace(t, shape=tuple(t.shape[1:]), chunks=(), path=_path(t.path, k))
+                tensors[k] = dataclasses.replace(t, shape=tuple(t.shape[1:]), chunks=(), path=new_key_path(t.path, k))
     return dataclasses.replace(md, tensors=tensors)
-
-
-def _shape(leaf: Any) -> tuple[int, ...]:
-    return tuple(getattr(leaf, "global_shape", None) or leaf.shape)
 
 
 def load_state_for(target: Any, plan: Mapping[str, list[str]], mode: str, md_out: Metadata) -> dict[str, Any]:
@@ -142,7 +130,7 @@ def load_state_for(target: Any, plan: Mapping[str, list[str]], mode: str, md_out
             leaf = flat.pop(stacked, None)
             if leaf is None:
                 continue
-            for k, v in zip(keys, expert_views(leaf, _shape(leaf), len(keys))):
+            for k, v in zip(keys, expert_views(leaf, leaf_shape_dtype(leaf)[0], len(keys))):
                 if v is not None:
                     out[k] = v
         else:

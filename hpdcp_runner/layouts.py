@@ -251,7 +251,9 @@ class Placer:
         self.values = config_values(model_config)
         self._rules = [_Rule(i, r, layout.name) for i, r in enumerate(layout.rules)]
         self._keys = list(keys) if keys is not None else None
-        self._expert_counts: dict[int, int] = {}
+        self._expert_counts: dict[int, int] = {}  # per rule, evaluated once:
+        self._sizes: dict[int, list[int]] = {}
+        self._units: dict[int, int] = {}
         self._match_cache: dict[str, int | None] = {}
 
     @property
@@ -310,7 +312,7 @@ class Placer:
             return {}
         r, out = self._rules[i], {}
         if r.parts:
-            out["parts"] = [evaluate(p, self.values, f"{r.where}: parts") for p in r.parts]
+            out["parts"] = self._part_sizes(r)
             out["parts_dim"] = r.parts_dim
         if r.per_expert:
             out["expert"] = int(r.regex.fullmatch(fqn).group("expert"))
@@ -344,6 +346,17 @@ class Placer:
             if expert // (count // n) != coord[mesh_dim]:
                 return False
         return True
+
+    def _part_sizes(self, rule: _Rule) -> list[int]:
+        """A rule's part sizes, evaluated once (they do not depend on the tensor)."""
+        if rule.i not in self._sizes:
+            self._sizes[rule.i] = [evaluate(p, self.values, f"{rule.where}: parts") for p in rule.parts]
+        return self._sizes[rule.i]
+
+    def _unit(self, rule: _Rule) -> int:
+        if rule.i not in self._units:
+            self._units[rule.i] = evaluate(rule.unit, self.values, f"{rule.where}: unit")
+        return self._units[rule.i]
 
     def _expert_count(self, rule: _Rule) -> int:
         if rule.i not in self._expert_counts:
@@ -432,7 +445,7 @@ class Placer:
         if not 0 <= d < len(shape):
             raise ConfigError(f"{rule.where}: parts_dim {rule.parts_dim} does not exist in {fqn!r} "
                               f"({len(shape)} dimension(s))")
-        sizes = [evaluate(p, self.values, f"{rule.where}: parts") for p in rule.parts]
+        sizes = self._part_sizes(rule)
         if sum(sizes) != shape[d] or any(n < 0 for n in sizes):
             raise ConfigError(f"{rule.where}: parts {sizes} add up to {sum(sizes)}, but {fqn!r} has {shape[d]} "
                               f"along dim {d} (shape {list(shape)})")
@@ -458,7 +471,7 @@ class Placer:
                 raise ConfigError(f"{rule.where}: {fqn!r} stacks {sizes[0]} experts, which do not divide by the "
                                   f"expert-parallel size {n} (mesh dim {mesh_dim} of {list(self.shape)})")
             if d == parts_dim and rule.unit is not None:
-                unit = evaluate(rule.unit, self.values, f"{rule.where}: unit")
+                unit = self._unit(rule)
                 if unit <= 0 or sizes[d] % unit or (sizes[d] // unit) % n:
                     raise ConfigError(
                         f"{rule.where}: part {part} of {fqn!r} is {sizes[d]} wide, {sizes[d] / unit:g} units of "

@@ -118,9 +118,19 @@ class JobContext:
         return Placer(layout or self.cfg.layout, self.info.rank, self.info.world_size, self.info.device,
                       model_config=self.model_config, keys=keys)
 
-    def find_model_config(self, source: str | None, md: dcp.Metadata | None = None) -> None:
+    def find_model_config(self, source: str | None, md: dcp.Metadata | None = None, *,
+                          every_rank: bool = True) -> None:
         """The model's ``config.json`` for layout rules sized by it: ``layout.config``, else the
-        source directory's own, else the one our checkpoint recorded, else ``job.hf_files_from``."""
+        source directory's own, else the one our checkpoint recorded, else ``job.hf_files_from``.
+        With ``every_rank`` (all ranks call it) rank 0 reads it and the others are given it: one
+        request to a store, not one per rank."""
+        if every_rank and self.info.world_size > 1:
+            got = self.comm.agree_root("read the model's config.json", lambda: list(self._model_config(source, md)))
+        else:
+            got = self._model_config(source, md)
+        self.model_config, self.model_config_from = got
+
+    def _model_config(self, source: str | None, md: dcp.Metadata | None) -> tuple[dict | None, str | None]:
         lay = self.cfg.layout
         if lay.config:
             path = self.abspath(lay.config)  # a local path or an s3:// one
@@ -134,12 +144,14 @@ class JobContext:
             files_from = getattr(self.cfg.job, "hf_files_from", None)
             if raw is None and files_from:
                 raw, where = read_model_config(self.abspath(files_from))
-        self.model_config, self.model_config_from = raw, where
+        return raw, where
 
-    def use_source_layout(self, md: dcp.Metadata, source: str | None, ranks: int | None = None) -> None:
+    def use_source_layout(self, md: dcp.Metadata, source: str | None, ranks: int | None = None,
+                          every_rank: bool = True) -> None:
         """Before placing a source's tensors: find its config.json and make ``layout=auto``
-        concrete (the family's preset), checked at ``ranks`` (default this world size)."""
-        self.find_model_config(source, md)
+        concrete (the family's preset), checked at ``ranks`` (default this world size).
+        ``every_rank``: false where only rank 0 runs it (inspect)."""
+        self.find_model_config(source, md, every_rank=every_rank)
         if self.cfg.layout.kind != "auto":
             return
         self.cfg.layout, self.layout_note = resolve_auto(self.cfg.layout, self.model_config, md.tensors)

@@ -78,7 +78,7 @@ def _box(offsets: list[int], sizes: list[int]) -> str:
 
 def layout_report(ctx: JobContext, md: Metadata, ranks: int, path: str | None = None) -> dict:
     """Per tensor: the rule it matched, its placements and each rank's box under ``layout=``."""
-    ctx.use_source_layout(md, path, ranks)
+    ctx.use_source_layout(md, path, ranks, every_rank=False)  # inspect runs on rank 0 alone
     layout = ctx.cfg.layout
     bad = problems(layout, ranks)
     if bad:

@@ -45,7 +45,7 @@ def rename_key(key: str, rules: Sequence[tuple[re.Pattern, str]]) -> str:
     return key
 
 
-def _new_path(old_key: str, old_path: tuple, new_key: str) -> tuple:
+def new_key_path(old_path: tuple, new_key: str) -> tuple:
     """Keep the top-level container (``model``, ``optim``) when the new key still starts with it;
     otherwise the key becomes one flat top-level name."""
     if len(old_path) > 1 and isinstance(old_path[0], str) and new_key.startswith(old_path[0] + "."):
@@ -71,6 +71,6 @@ def rename_keys(md: Metadata, rules: Sequence[Rule | dict], *, source: str = "ch
                             f"{shown}{more}")
     if any(not n for n in names.values()):
         raise MetadataError(f"{source}: rename rules turn {[o for o, n in names.items() if not n][:5]} into empty keys")
-    tensors = {names[k]: dataclasses.replace(t, path=_new_path(k, t.path, names[k])) for k, t in md.tensors.items()}
-    objects = {names[k]: dataclasses.replace(o, path=_new_path(k, o.path, names[k])) for k, o in md.objects.items()}
+    tensors = {names[k]: dataclasses.replace(t, path=new_key_path(t.path, names[k])) for k, t in md.tensors.items()}
+    objects = {names[k]: dataclasses.replace(o, path=new_key_path(o.path, names[k])) for k, o in md.objects.items()}
     return dataclasses.replace(md, tensors=tensors, objects=objects)

@@ -29,7 +29,7 @@ class _Ctx:
     class cfg:
         layout = load_preset("titan_tp")
 
-    def use_source_layout(self, md, path, ranks):
+    def use_source_layout(self, md, path, ranks, every_rank=True):
         pass
 
 
