@@ -3,25 +3,31 @@
     python scripts/sim_planning_scale.py --ranks 8 64 256 1024 --tensors 2000
     python scripts/sim_planning_scale.py --ranks --hostile 4000 30000   # adversarial tiling only
 
-A save or load gathers every rank's plan on the coordinator (rank 0), which plans once and sends
-each rank its own part (``Comm.coordinate``). One process replays both roles on synthetic plans:
-``--tensors`` tensors of max(1024, ranks) x 1024 fp32 (so every rank holds rows of each), 9 of
-every 10 sharded Shard(0) over all ranks (FSDP), every 10th replicated on every rank (norms).
+A save or load gathers what needs deciding on the coordinator (rank 0), which plans once and sends
+each rank its own part (``Comm.coordinate``). One process replays the roles with the engine's own
+functions on synthetic plans: ``--tensors`` tensors of max(1024, ranks) x 1024 fp32 (so every rank
+holds rows of each), 9 of every 10 sharded Shard(0) over all ranks (FSDP: a DTensor on a mesh as
+large as the group, so ``unique``), every 10th replicated on every rank (norms).
 
-* save, any rank: its local plan in compact wire form (``CompactPlan.to_wire`` + JSON);
-* save, coordinator: parse N wires, ``assign_owners`` (vectorised dedup + tiling check), then
-  ``build_metadata`` and ``Metadata.to_json`` (the committed file);
-* metadata parse (``Metadata.from_json``): every rank on load; on save, the other ranks get the
-  committed text back and parse it only on first use (``DeferredMetadata``);
+* save, any rank (first save): its plan, its ``SaveSummary`` (57 bytes, all-gathered), the
+  payload it sends if it is the lowest rank of its table/layout (rank 0 here), and after writing
+  its ``WrittenRows`` report;
+* save, coordinator, plan: ``layouts_from`` (N summaries + the one distinct table and layout) and
+  ``create_global_plan``, and the N replies encoded for the scatter;
+* save, coordinator, metadata: ``build_metadata`` over the rows every rank reported (received in
+  place by ``Comm.gather_rows``: generated here straight into that matrix, untimed), the chunk
+  index written, ``Metadata.to_json``;
+* verify of the checkpoint's index (``Metadata.from_json`` + ``validate_all``: every row checked,
+  tiling, shared bytes) and the describe that ``inspect`` prints;
+* metadata parse (``Metadata.from_json``): every rank on load;
 * load, one rank: ``StandardLoadPlanner.create_local_plan`` against that metadata;
 * load, coordinator: parse N ranks' columnar shard summaries and ``plan_replica_reads``
   (mode always: every replicated shard gets a reader and a broadcast).
 
 ``--cached``: a repeated save with a cached plan (``save(cache_plan=True)``) instead: a rank's
-plan to its structure digest (``CompactPlan.from_plan`` + ``plan_digest``, what every rank
-computes per save) and what every rank (the coordinator included) does with the all-gathered
-digests (N rows of 17 bytes: compare with the cached ones). The all-gather itself (N x 17 bytes
-over gloo) and the staging token's broadcast are collectives a one-process simulation cannot time.
+plan to its digest and the compare of N all-gathered summaries. The collectives themselves
+(all-gathers, gathers, point-to-point rows) are what a one-process simulation cannot time; the
+bytes each moves are printed (``scripts/real_scale_save.py`` runs them for real on gloo ranks).
 
 Memory: peak RSS growth while the step runs (``/proc/self/clear_refs`` resets the peak), which
 also counts torch allocations; tracemalloc's peak where the reset is not permitted.
@@ -41,17 +47,22 @@ import tracemalloc
 
 import torch
 
-from hpdcp_runner.dcp.planning.save_dedup import CompactPlan, KeyInfo, assign_owners
+from hpdcp_runner.dcp.comm.collectives import encode_each
+from hpdcp_runner.dcp.core.columns import decode_frame, encode_frame
 from hpdcp_runner.dcp.core.geometry import Box, split_piece, whole
 from hpdcp_runner.dcp.format.chunk_index import INDEX_FILE
-from hpdcp_runner.dcp.format.metadata import METADATA_FILE, FileMeta, Metadata, WrittenChunks
+from hpdcp_runner.dcp.format.metadata import (METADATA_FILE, FileMeta, Metadata, ReportedRows, WriteResult,
+                                              WrittenRows, chunk_key)
 from hpdcp_runner.dcp.format.safetensors_io import write_index
 from hpdcp_runner.dcp.planning.interfaces import TENSOR, SavePlan, WriteItem
+from hpdcp_runner.dcp.planning.plans import CompactPlan
 from hpdcp_runner.dcp.core.ragged import LocalShard
 from hpdcp_runner.dcp.planning.load_replicas import CompactShards, plan_replica_reads
-from hpdcp_runner.dcp.planning.standard import StandardLoadPlanner, build_metadata
+from hpdcp_runner.dcp.planning.standard import StandardLoadPlanner, StandardSavePlanner, build_metadata
+from hpdcp_runner.dcp.protocol import SaveReply, SaveSummary, layouts_from, plan_digest
 
 ROWS, COLS = 1024, 1024  # ROWS becomes max(1024, ranks) per row: every rank holds a non-empty shard
+MIB = 1 << 20
 
 
 def set_rows(n: int) -> None:
@@ -67,24 +78,102 @@ def _box(i: int, n: int, rank: int) -> Box:
 
 
 def rank_plan(n: int, t: int, r: int) -> SavePlan:
-    items = tuple(WriteItem(f"t{i}", TENSOR, _box(i, n, r), "float32", (ROWS, COLS), _box(i, n, r).numel * 4)
-                  for i in range(t))
+    """Rank r's plan as ``StandardSavePlanner`` makes it: the FSDP shards ``unique``."""
+    items = tuple(WriteItem(f"t{i}", TENSOR, _box(i, n, r), "float32", (ROWS, COLS), _box(i, n, r).numel * 4, 0, None,
+                            i % 10 != 9) for i in range(t))
     return SavePlan(r, items, {f"t{i}": (f"t{i}",) for i in range(t)})
 
 
-def wires(n: int, t: int) -> list[str]:
-    """Every rank's gathered payload; built from tensors directly (a SavePlan per rank is slow)."""
-    keys = tuple(KeyInfo(f"t{i}", TENSOR, "float32", (ROWS, COLS), (f"t{i}",)) for i in range(t))
-    rep = torch.tensor([i % 10 == 9 for i in range(t)])
-    out = []
+def rank_first_save(n: int, t: int, r: int) -> tuple[bytes, bytes, int]:
+    """What one rank computes in a first save, the protocol's own steps: its plan in compact form,
+    its digests and summary, its payload if it is the lowest of its layout (rank 0 is; the
+    others send an empty one), and after writing its rows report (the writer's own bookkeeping,
+    chunk key -> location, is made untimed). Returns (summary, payload, report bytes)."""
+    plan = rank_plan(n, t, r)
+    compact = CompactPlan.from_plan(plan)
+    shared, idx = compact.shared()
+    unique = torch.nonzero(compact.unique).flatten()
+    summary = SaveSummary(True, plan_digest(compact), compact.table_digest(), shared.columns_digest(),
+                          int(compact.nbytes[unique].sum())).encode()
+    payload = encode_frame({"ok": {"token": None, "table": compact.table_text() if r == 0 else None,
+                                   "shared": shared.to_frame() if r == 0 else None}})
+    items = [(i, plan.items[i].box, chunk_key(plan.items[i].fqn, plan.items[i].box.offsets)) for i in unique.tolist()]
+    return summary, payload, items
+
+
+def rank_report(r: int, items: list) -> int:
+    res = WriteResult(r, (FileMeta(f"rank{r:05d}.safetensors", 1 << 40, "0", r),),
+                      {k: (f"rank{r:05d}.safetensors", 64 + 4096 * j, f"{j:016x}", "") for j, (_, _, k) in enumerate(items)},
+                      {})
+    t0 = time.perf_counter()
+    w = WrittenRows.from_result(res, items, 2)
+    env = encode_frame({"ok": w.envelope()})
+    return time.perf_counter() - t0, w.rows.numel() * 8 + len(env)
+
+
+def coordinator_plan(n: int, summary: bytes, payload0: bytes):
+    """The coordinator's plan round: N summaries (as all-gathered), N payloads decoded (one
+    carries the table and the layout), the layouts, the global plan, the N replies encoded."""
+    summaries = torch.frombuffer(bytearray(summary), dtype=torch.uint8).repeat(n, 1)
+    empty = encode_frame({"ok": {"token": None, "table": None, "shared": None}})
+    payloads = [payload0] + [empty] * (n - 1)
+    bufs = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads]
+
+    def run():
+        gathered = [decode_frame(b)["ok"] for b in bufs]
+        layouts = layouts_from(summaries, gathered, n)
+        gplan = StandardSavePlanner().create_global_plan(layouts)
+        replies: dict = {}
+        out = []
+        for w in gplan.write_idx:
+            k = id(w) if w.numel() else -1
+            if k not in replies:
+                replies[k] = {"ok": SaveReply(w, "token", gplan.ndim).to_wire()}
+            out.append(replies[k])
+        sent = encode_each(out)
+        return gplan, sum(len(x) for x in {id(x): x for x in sent}.values())
+    return run, sum(map(len, payloads))
+
+
+def reported_rows(n: int, t: int, gplan) -> ReportedRows:
+    """Every rank's rows as they land in the coordinator's matrix (``Comm.gather_rows``), in rank
+    order and each rank's write order: its FSDP shards, and the replicated tensors it was given
+    (4 MiB and more: block digests)."""
+    d = 2
+    width = 6 + 2 * d
+    rep = [i for i in range(t) if i % 10 == 9]
+    uniq = torch.tensor([i for i in range(t) if i % 10 != 9], dtype=torch.int64)
+    shared_of = [gplan.write_idx[r] for r in range(n)]  # positions in the shared items = index into rep
+    counts = [len(uniq) + len(w) for w in shared_of]
+    rows = torch.empty((sum(counts), width), dtype=torch.int64)
+    rep_bytes = ROWS * COLS * 4
+    nblk = -(-rep_bytes // MIB) if rep_bytes > MIB else 0
+    block_counts = []
+    at = 0
+    rep_t = torch.tensor(rep, dtype=torch.int64)
     for r in range(n):
         start, size = split_piece(ROWS, n, r)
-        off0 = torch.where(rep, 0, start)
-        size0 = torch.where(rep, ROWS, size)
-        boxes = torch.stack([off0, torch.zeros(t, dtype=torch.int64), size0, torch.full((t,), COLS)], 1).flatten()
-        cp = CompactPlan(r, keys, torch.arange(t), boxes, size0 * COLS * 4)
-        out.append(json.dumps({"ok": {"plan": cp.to_wire(), "token": None}}, separators=(",", ":")))
-    return out
+        tids = torch.sort(torch.cat([uniq, rep_t[shared_of[r]]])).values
+        k = len(tids)
+        part = rows[at:at + k]
+        is_rep = tids % 10 == 9
+        nbytes = torch.where(is_rep, rep_bytes, size * COLS * 4)
+        part[:, 0] = tids
+        part[:, 1] = 0
+        part[:, 2] = torch.cumsum(nbytes, 0) - nbytes + 64
+        part[:, 3] = torch.arange(k) + r * 7919
+        bc = torch.where(is_rep, nblk, 0)
+        part[:, 5] = bc
+        part[:, 4] = torch.cumsum(bc, 0) - bc
+        part[:, 6] = torch.where(is_rep, 0, start)
+        part[:, 7] = 0
+        part[:, 8] = torch.where(is_rep, ROWS, size)
+        part[:, 9] = COLS
+        block_counts.append(int(bc.sum()))
+        at += k
+    blocks = torch.arange(sum(block_counts), dtype=torch.int64)
+    files = tuple((FileMeta(f"rank{r:05d}.safetensors", 1 << 40, "0", r),) for r in range(n))
+    return ReportedRows(n, rows, tuple(counts), blocks, tuple(block_counts), files, tuple({} for _ in range(n)))
 
 
 def shard_wires(n: int, t: int, all_shards: bool = False) -> list[str]:
@@ -142,50 +231,27 @@ def measure(fn):
     return secs, max(peak, 0.0), out
 
 
-def coordinator_plan(texts: list[str]):
-    tables: dict = {}
-    plans = [CompactPlan.from_wire(json.loads(x)["ok"]["plan"], tables) for x in texts]
-    return assign_owners(plans, "balanced")
-
-
-def results_for(n: int, gplan) -> list[WrittenChunks]:
-    """What every rank reports after writing, in the save's wire form (columns in write order;
-    1 MiB blocks as a real writer records them), built vectorised."""
-    d = (gplan.owned.shape[1] - 2) // 2
-    nbytes = gplan.owned[:, 2 + d:].prod(1) * 4
-    keep = nbytes > 0  # empty chunks are not written
-    items = torch.cat(list(gplan.write_idx))[keep]
-    nbytes = nbytes[keep]
-    counts = torch.bincount(gplan.owned[keep, 1], minlength=n).tolist()  # owned rows are in rank order
-    blocks = torch.where(nbytes > (1 << 20), (nbytes + (1 << 20) - 1) // (1 << 20), 0)
-    out = []
-    for r, (it, nb, bl) in enumerate(zip(items.split(counts), nbytes.split(counts), blocks.split(counts))):
-        k = len(it)
-        out.append(WrittenChunks(r, (FileMeta(f"rank{r:05d}.safetensors", 1 << 40, "0", r),), it,
-                                 torch.zeros(k, dtype=torch.int64), torch.cumsum(nb, 0) - nb,
-                                 torch.arange(k, dtype=torch.int64), bl, torch.arange(int(bl.sum()), dtype=torch.int64),
-                                 {}))
-    return out
-
-
 def row(n: int, t: int, skip_metadata: bool, v1: bool = False) -> str:
     cols = []
-    plan = rank_plan(n, t, n // 2)
-    s, m, _ = measure(lambda: json.dumps(CompactPlan.from_plan(plan).to_wire()))
-    cols.append(f"{s:.3f} ({m:.0f})")
-    texts = wires(n, t)
-    mib = sum(map(len, texts)) / 2**20
-    s, m, gplan = measure(lambda: coordinator_plan(texts))
-    del texts
-    cols.append(f"{s:.2f} ({m:.0f}); {mib:.0f} MiB in")
-    per_item = 1e6 * s / (n * t)
+    r = n // 2
+    s_rank, m_rank, (summary, _, items) = measure(lambda: rank_first_save(n, t, r))
+    s_rep, report_bytes = rank_report(r, items)
+    _, _, (_, payload0, _) = measure(lambda: rank_first_save(n, t, 0))
+    cols.append(f"{s_rank + s_rep:.3f} ({m_rank:.0f}); {report_bytes / 1024:.0f} KiB report")
+    run, inbox = coordinator_plan(n, summary, payload0)
+    s, m, (gplan, sent) = measure(run)
+    cols.append(f"{s:.2f} ({m:.0f}); {(n * len(summary) + inbox) / MIB:.1f} MiB in, {sent / 1024:.0f} KiB out")
     text = md = None
     if not skip_metadata:
-        results = results_for(n, gplan)
+        reported = reported_rows(n, t, gplan)
+        rows_mib = reported.rows.numel() * 8 / MIB
         tmp = tempfile.mkdtemp(prefix="sim_md_")
 
         def commit() -> str:  # what the coordinator does after the writes: metadata, index file, JSON
-            built = build_metadata(gplan, results, n)
+            nonlocal reported
+            rep, reported = reported, None
+            built = build_metadata(gplan, rep, n)
+            del rep
             if v1:  # the format before the chunk index: every chunk inline in metadata.json
                 built = dataclasses.replace(built, index=None, tensors={
                     k: dataclasses.replace(tm, chunks=tuple(tm.chunks)) for k, tm in built.tensors.items()})
@@ -194,14 +260,21 @@ def row(n: int, t: int, skip_metadata: bool, v1: bool = False) -> str:
             return built.to_json()
 
         s, m, text = measure(commit)
-        del results
         with open(os.path.join(tmp, METADATA_FILE), "w") as f:
             f.write(text)
-        cols.append(f"{s:.2f} ({m:.0f}); {len(text) / 2**20:.1f} MiB")
+        cols.append(f"{s:.2f} ({m:.0f}); {rows_mib:.0f} MiB of rows in")
 
         def opener(name: str) -> int:
             return os.open(os.path.join(tmp, name), os.O_RDONLY)
 
+        def verify_index() -> int:
+            v = Metadata.from_json(text, source=os.path.join(tmp, METADATA_FILE), open_file=opener)
+            v.validate_all()
+            describe_tensors(v)
+            return len(v.tensors)
+
+        s, m, _ = measure(verify_index)
+        cols.append(f"{s:.2f} ({m:.0f})")
         s, m, md = measure(lambda: Metadata.from_json(text, source=os.path.join(tmp, METADATA_FILE), open_file=opener))
         cols.append(f"{s:.3f} ({m:.0f})")
         target = {}
@@ -215,13 +288,20 @@ def row(n: int, t: int, skip_metadata: bool, v1: bool = False) -> str:
         cols.append(f"{s:.3f} ({m:.0f}); {index_kib:.0f} KiB of index")
         shutil.rmtree(tmp, ignore_errors=True)
     else:
-        cols += ["-", "-", "-"]
+        cols += ["-", "-", "-", "-"]
     del gplan, text, md
     texts = shard_wires(n, t)
     s, m, _ = measure(lambda: coordinator_replicas(texts, n))
     del texts
     cols.append(f"{s:.2f} ({m:.0f})")
-    return f"| {n} | {t} | " + " | ".join(cols) + f" | {per_item:.2f} |"
+    return f"| {n} | {t} | " + " | ".join(cols) + " |"
+
+
+def describe_tensors(md: Metadata) -> None:
+    """What ``inspect`` prints per tensor (chunk count, files), for the whole checkpoint."""
+    from hpdcp_runner.dcp.offline.inspection import tensor_files
+
+    tensor_files(md)
 
 
 def hostile_strips(n: int) -> str:
@@ -285,9 +365,11 @@ def main() -> None:
         print("| hostile tiling | parse + validate |\n|---|---|")
         for n in args.hostile:
             print(hostile_strips(n), flush=True)
-    rows = ["| ranks | tensors | save, any rank: plan to wire s (MiB) | save, coordinator: gather parse + dedup s (MiB) "
-            "| save, coordinator: metadata build + index + JSON s (MiB) | load, every rank: metadata parse s (MiB) "
-            "| load, one rank: local plan s (MiB) | load, coordinator: replica plan s (MiB) | coordinator dedup us/item |",
+    rows = ["| ranks | tensors | save, any rank: first save (plan, summary, rows report) s (MiB) "
+            "| save, coordinator: plan (layouts, dedup, replies) s (MiB) "
+            "| save, coordinator: metadata build + index + JSON s (MiB) | verify + describe of the index s (MiB) "
+            "| load, every rank: metadata parse s (MiB) | load, one rank: local plan s (MiB) "
+            "| load, coordinator: replica plan s (MiB) |",
             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for n in args.ranks:

@@ -101,11 +101,12 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
                       format_version=format_version)
     try:
         with timer.phase("plan"):
-            if not steps.try_cached():  # a repeated structure: digests only
+            if not steps.summarize():  # a repeated structure: digests only
                 steps.accept(comm.coordinate("save: plan", steps.local_plan, steps.global_plan))
         with timer.phase("write"):
-            comm.coordinate("save: write", steps.write, steps.build_metadata)
-        with timer.phase("commit"):
+            comm.coordinate("save: write", steps.write, steps.keep_envelopes)
+            steps.report()  # the chunk index's rows, to the coordinator as ranks report them
+        with timer.phase("commit"):  # the coordinator builds the metadata, checks it and commits
             # every rank returns the committed metadata, as torch DCP does; parsed on first use
             text = comm.agree_root("save: commit", steps.commit)
     except BaseException:

@@ -1,13 +1,16 @@
 """The save and load protocols: typed messages and the steps that exchange them.
 
-Every message is a frozen dataclass with its own JSON wire form (no pickle crosses ranks). A step
+Every message is a frozen dataclass with its own wire form: JSON with integer columns as raw bytes
+beside it (``core.columns.encode_frame``); no pickle crosses ranks. A step
 runs on every rank (``local``) or on the coordinator only (``coordinate``); ``Comm`` carries the
 wire forms and turns a failure anywhere into the same error everywhere. Call sequence::
 
-    save:  SaveSteps.try_cached: all-gather of 17-byte plan digests; all as cached -> cached write lists
-           else SaveSteps.local_plan  --SavePlanMsg-->  SaveSteps.global_plan  --SaveReply-->  every rank
-           SaveSteps.write       --WrittenChunks-->  SaveSteps.build_metadata (coordinator)
-           SaveSteps.commit (coordinator)  --metadata text-->  every rank
+    save:  SaveSteps.summarize: all-gather of 57-byte SaveSummary; all as cached -> cached write lists
+           else SaveSteps.local_plan  --table + shared items, from the lowest rank of each digest-->
+                SaveSteps.global_plan  --SaveReply-->  every rank
+           SaveSteps.write  --envelope (files, objects, counts)-->  coordinator
+           SaveSteps.report  --WrittenRows, point to point, into the index's rows-->  coordinator
+           SaveSteps.commit (coordinator: build_metadata, write)  --metadata text-->  every rank
     load:  LoadSteps.read_metadata (coordinator)  --MetadataMsg-->  every rank parses + checks
            LoadSteps.local_plan  --LoadPlanMsg-->  LoadSteps.global_plan  --LoadReply-->  every rank
            LoadSteps.transfer (reads + replica broadcasts, agreed)
@@ -18,8 +21,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-import json
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -29,14 +32,14 @@ from .storage.uri import join
 from .comm.broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers, sendable_devices
 from .comm.collectives import Comm
 from .core import faults
-from .core.columns import pack_ints, unpack_ints
-from .core.errors import KeyMismatchError
+from .core.errors import KeyMismatchError, MetadataError
 from .core.geometry import Box, relative
-from .format.metadata import METADATA_FILE, Metadata, WrittenChunks, chunk_key
+from .format.metadata import METADATA_FILE, Metadata, ReportedRows, WrittenRows, chunk_key
 from .format.renames import rename_keys
 from .planning.interfaces import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .planning.load_replicas import Batch, CompactShards, batch_ops
-from .planning.plans import CompactPlan, GlobalSavePlan
+from .planning.plans import CompactPlan, GlobalSavePlan, parse_table
+from .planning.save_dedup import SaveLayouts
 from .planning.standard import build_metadata
 from .storage.filesystem import FileSystemReader
 from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
@@ -44,42 +47,61 @@ from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
 
 # -- messages -------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class SavePlanMsg:
-    """Rank -> coordinator: the rank's save plan (columnar) and, from rank 0, the staging token."""
-
-    plan: CompactPlan
-    token: str | None
-
-    def to_wire(self) -> dict:
-        return {"plan": self.plan.to_wire(), "token": self.token}
-
-    @classmethod
-    def from_wire(cls, w: Mapping, tables: dict | None = None) -> "SavePlanMsg":
-        return cls(CompactPlan.from_wire(w["plan"], tables), w["token"])
-
-
-@dataclass(frozen=True, eq=False)
-class SaveReply:
-    """Coordinator -> one rank: the indices of its plan items it writes, and the staging token."""
-
-    writes: torch.Tensor
-    token: str
-
-    def to_wire(self) -> dict:
-        return {"writes": pack_ints(self.writes), "token": self.token}
-
-    @classmethod
-    def from_wire(cls, w: Mapping) -> "SaveReply":
-        return cls(unpack_ints(w["writes"]), w["token"])
+SUMMARY_BYTES = 1 + 16 * 3 + 8  # flag, plan digest, table digest, shared-items digest, unique bytes
 
 
 def plan_digest(plan: CompactPlan) -> str:
     """The structure of a rank's save plan: keys, kinds, dtypes, shapes, paths, boxes, sizes (not
     the data): equal digests mean the same write lists apply."""
-    w = plan.to_wire()
-    text = json.dumps([w["keys"], w["k"], w["b"], w["n"]], separators=(",", ":"))
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b((plan.table_digest() + plan.columns_digest()).encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class SaveSummary:
+    """Rank -> every rank, fixed size (one all-gather of ``SUMMARY_BYTES`` per rank): what a rank
+    must say before anything else travels. Its key table and shared items are sent only by the
+    lowest rank with the same digest, so the coordinator reads each distinct layout once; its
+    unique chunks are summed into ``unique_bytes`` (the balanced choice counts them) and never
+    sent."""
+
+    ok: bool
+    plan: str
+    table: str
+    shared: str
+    unique_bytes: int
+
+    def encode(self) -> bytes:
+        if not self.ok:
+            return bytes(SUMMARY_BYTES)
+        return (b"\x01" + bytes.fromhex(self.plan) + bytes.fromhex(self.table) + bytes.fromhex(self.shared)
+                + struct.pack("<q", self.unique_bytes))
+
+
+def first_with(summaries: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Per rank, the lowest rank whose summary bytes [lo, hi) equal its own (itself if none lower):
+    the rank that sends what they share."""
+    col = summaries[:, lo:hi]
+    _, inverse = torch.unique(col, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1 if len(inverse) else 0,), len(inverse), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(len(inverse)), "amin")
+    return first[inverse]
+
+
+@dataclass(frozen=True, eq=False)
+class SaveReply:
+    """Coordinator -> one rank: its shared items it writes (indices into its shared items), the
+    staging token and the chunk index's D (the width of the rows it reports)."""
+
+    writes: torch.Tensor
+    token: str
+    ndim: int
+
+    def to_wire(self) -> dict:
+        return {"writes": self.writes, "token": self.token, "ndim": self.ndim}
+
+    @classmethod
+    def from_wire(cls, w: Mapping) -> "SaveReply":
+        return cls(w["writes"].clone(), w["token"], int(w["ndim"]))
 
 
 # Cached save plans (``save(cache_plan=True)``): per (process group, planner), every rank's plan
@@ -196,104 +218,184 @@ class SaveSteps:
     token: str | None = None
     own: SavePlan | None = None
     compact: CompactPlan | None = None
+    shared: CompactPlan | None = None
+    shared_idx: torch.Tensor | None = None
     digest: str = ""
     gplan: GlobalSavePlan | None = None
     reply: SaveReply | None = None
+    writes: torch.Tensor | None = None  # plan items this rank writes (unique and assigned), in order
+    written: WrittenRows | None = None
+    envelopes: list | None = None  # coordinator: every rank's write report (files, objects, counts)
+    reported: ReportedRows | None = None
     committed: Metadata | None = None
-    digests: torch.Tensor | None = None  # every rank's plan digest, from try_cached
+    digests: torch.Tensor | None = None  # every rank's SaveSummary, from summarize
 
     @property
     def _cache(self) -> dict | None:
         return _PLAN_CACHE.get(_cache_key(self.comm, self.planner)) if self.cache_plan else None
 
     def _prepare(self) -> None:
-        """This rank's plan, in compact form, and its structure digest (once per save)."""
+        """This rank's plan, in compact form, its shared part and its digests (once per save)."""
         if self.own is None:
             faults.point("save.plan", rank=self.comm.rank, path=self.path)
             self.planner.configure(self.state_dict, rank=self.comm.rank, world_size=self.comm.world_size,
                                    allow_pickle=self.allow_pickle, verify_replicas=self.verify_replicas)
             self.own = self.planner.create_local_plan()
             self.compact = CompactPlan.from_plan(self.own)
+            self.shared, self.shared_idx = self.compact.shared()
             self.digest = plan_digest(self.compact)
 
-    def try_cached(self) -> bool:
-        """A repeated save of one structure: one fixed-size all-gather of every rank's plan digest
-        (17 bytes each: no plan travels, nothing is decoded; a compare of N x 17 bytes on every
-        rank). When every digest equals the cached save's, each rank reuses its cached write list
-        and rank 0 opens the staging area; any difference, or a failure while planning on any
-        rank, goes to the full plan round, which plans it (or reports the failure) on every rank.
-        Every rank sees the same digests, so every rank decides the same way."""
-        if not self.cache_plan:
-            return False
+    def _summary(self) -> SaveSummary:
+        c = self.compact
+        unique = torch.nonzero(c.unique).flatten() if c.unique is not None else torch.empty(0, dtype=torch.int64)
+        shared = self.shared.columns_digest() if self.shared_idx.numel() else "00" * 16
+        return SaveSummary(True, self.digest, c.table_digest(), shared, int(c.nbytes[unique].clamp(min=1).sum()))
+
+    def summarize(self) -> bool:
+        """Every rank's fixed-size ``SaveSummary``, all-gathered (N x 57 bytes, nothing decoded).
+        With ``cache_plan``, a repeated structure stops here: when every plan digest equals the
+        cached save's, each rank reuses its cached write list and rank 0 opens the staging area
+        (returns True). Any difference, or a failure while planning on any rank, goes to the
+        full plan round, which plans it (or reports the failure) on every rank. Every rank sees
+        the same summaries, so every rank decides the same way."""
         try:
             self._prepare()
-            row = b"\x01" + bytes.fromhex(self.digest)
+            row = self._summary().encode()
         except Exception:  # raised again, and agreed, by the full round's local_plan
-            row = bytes(17)
+            row = bytes(SUMMARY_BYTES)
         self.digests = self.comm.all_gather_bytes(row, "save: plan digests")
+        if not self.cache_plan:
+            return False
         cached = self._cache
-        if cached is None or not torch.equal(self.digests, cached["digests"]):
+        if cached is None or not torch.equal(self.digests[:, :17], cached["digests"]):
             return False
         self.token = self.comm.agree_root("save: begin", lambda: self.writer.begin(overwrite=self.overwrite))
         if self.comm.rank == 0:
             self.gplan = cached["gplan"]
-        self.reply = SaveReply(cached["writes"], self.token)
+        self.reply = SaveReply(cached["writes"], self.token, cached["ndim"])
+        self.writes = cached["items"]
         PLAN_CACHE_STATS["hits"] += 1
         return True
 
     def local_plan(self) -> dict:
+        """What this rank sends the coordinator: its key table and shared items only if it is the
+        lowest rank with them (the others' are equal), as raw columns."""
         if self.comm.rank == 0:
             self.token = self.writer.begin(overwrite=self.overwrite)
         self._prepare()
-        return SavePlanMsg(self.compact, self.token).to_wire()
+        me = self.comm.rank
+        send_table = int(first_with(self.digests, 17, 33)[me]) == me
+        send_shared = bool(self.shared_idx.numel()) and int(first_with(self.digests, 17, 49)[me]) == me
+        return {"token": self.token, "table": self.compact.table_text() if send_table else None,
+                "shared": self.shared.to_frame() if send_shared else None}
 
     def global_plan(self, gathered: list) -> list:
-        """Coordinator: every rank's plan in compact form -> each rank's write list."""
-        tables: dict = {}
-        msgs = [SavePlanMsg.from_wire(g, tables) for g in gathered]
-        self.gplan = self.planner.create_global_plan([m.plan for m in msgs])
-        return [SaveReply(w, msgs[0].token).to_wire() for w in self.gplan.write_idx]
+        """Coordinator: the distinct tables and shared layouts -> each rank's write list."""
+        layouts = layouts_from(self.digests, gathered, self.comm.world_size)
+        self.gplan = self.planner.create_global_plan(layouts)
+        token = gathered[0]["token"]
+        replies: dict[int, dict] = {}
+        out = []
+        for w in self.gplan.write_idx:  # ranks writing nothing shared share one reply
+            key = id(w) if w.numel() else -1
+            if key not in replies:
+                replies[key] = SaveReply(w, token, self.gplan.ndim).to_wire()
+            out.append(replies[key])
+        return out
 
     def accept(self, wire: dict) -> None:
         """Take the coordinator's reply; with cached plans, remember it for the next save of this
         structure (every rank: the digests and its write list; rank 0: the global plan)."""
         self.reply = reply = SaveReply.from_wire(wire)
         self.token = reply.token
+        c = self.compact
+        unique = torch.nonzero(c.unique).flatten() if c.unique is not None else torch.empty(0, dtype=torch.int64)
+        self.writes = torch.sort(torch.cat([self.shared_idx[reply.writes], unique])).values
         PLAN_CACHE_STATS["misses"] += 1
         if self.cache_plan and not self.verify_replicas:
-            entry = {"digests": self.digests, "writes": reply.writes}
+            entry = {"digests": self.digests[:, :17].clone(), "writes": reply.writes, "ndim": reply.ndim,
+                     "items": self.writes}
             if self.comm.rank == 0:
                 entry["gplan"] = self.gplan
             _PLAN_CACHE[_cache_key(self.comm, self.planner)] = entry
 
     def write(self) -> dict:
+        """Write this rank's chunks; report the small part (files, objects, counts) here and keep
+        the rows for ``report``."""
         self.writer.attach(self.token, rank=self.comm.rank, world_size=self.comm.world_size)
         faults.point("save.write", rank=self.comm.rank, path=self.path)
         tensors, objs, items = [], {}, []
-        for i in self.reply.writes.tolist():
+        for i in self.writes.tolist():
             it = self.own.items[i]
             if it.kind == "object":
                 objs[it.fqn] = self.planner.resolve_data(it)
             elif it.box.numel:
                 key = chunk_key(it.fqn, it.box.offsets)
                 tensors.append((key, self.planner.resolve_data(it)))
-                items.append((i, key))
+                items.append((int(self.compact.item_key[i]), it.box, key))
         result = self.writer.write(tensors, objs)
         faults.point("save.written", rank=self.comm.rank, path=self.path)
-        return WrittenChunks.from_result(result, items).to_wire()  # columns, in write order
+        self.written = WrittenRows.from_result(result, items, self.reply.ndim)
+        return self.written.envelope()
 
-    def build_metadata(self, results: list) -> list:
-        """Coordinator: the checkpoint's metadata from the global plan and what every rank wrote."""
-        self.committed = build_metadata(self.gplan, [WrittenChunks.from_wire(w) for w in results],
-                                        self.comm.world_size, self.extra)
-        if self.format_version == 1:
-            self.committed = self.committed.as_v1()
+    def keep_envelopes(self, envs: list) -> list:
+        """Coordinator: every rank wrote; its counts say how many rows will arrive from each."""
+        self.envelopes = envs
         return [None] * self.comm.world_size
 
+    def report(self) -> None:
+        """Every rank's rows to the coordinator, received in place (point to point, no padding):
+        the chunk index's rows as ranks report them."""
+        counts = blocks = None
+        if self.comm.rank == 0:
+            counts, blocks = ReportedRows.envelopes(self.envelopes)
+        rows = self.comm.gather_rows(self.written.rows, counts, "save: report rows")
+        digests = self.comm.gather_rows(self.written.blocks.view(-1, 1), blocks, "save: report blocks")
+        if self.comm.rank == 0:
+            self.reported = ReportedRows.from_envelopes(self.envelopes, rows, digests)
+            self.envelopes = None
+
+    def build_metadata(self) -> None:
+        """Coordinator: the checkpoint's metadata from the global plan and the rows ranks wrote."""
+        reported, self.reported = self.reported, None  # its rows are consumed (sorted into the index)
+        self.committed = build_metadata(self.gplan, reported, self.comm.world_size, self.extra)
+        if self.format_version == 1:
+            self.committed = self.committed.as_v1()
+
     def commit(self) -> str:
+        self.build_metadata()
         faults.point("save.commit", rank=self.comm.rank, path=self.path)
         self.writer.commit(self.committed)
         return self.committed.to_json() if self.comm.world_size > 1 else ""
+
+
+def layouts_from(summaries: torch.Tensor, gathered: Sequence[Mapping], world_size: int) -> SaveLayouts:
+    """The coordinator's ``SaveLayouts`` from every rank's summary and the payloads of the ranks
+    that sent a table or shared items (the lowest of each digest)."""
+    table_first = first_with(summaries, 17, 33)
+    shared_first = first_with(summaries, 17, 49)
+    has_shared = (summaries[:, 33:49] != 0).any(1)
+    tables: list = []
+    table_id: dict[int, int] = {}
+    for r in torch.unique(table_first).tolist():
+        text = gathered[r]["table"]
+        if text is None:
+            raise MetadataError(f"save: rank {r} was to send its key table and did not")
+        table_id[r] = len(tables)
+        tables.append(parse_table(text))
+    table_of = torch.tensor([table_id[f] for f in table_first.tolist()], dtype=torch.int64)
+    plans: list[CompactPlan] = []
+    layout_id: dict[int, int] = {}
+    for r in torch.unique(shared_first[has_shared]).tolist():
+        w = gathered[r]["shared"]
+        if w is None:
+            raise MetadataError(f"save: rank {r} was to send its shared items and did not")
+        layout_id[r] = len(plans)
+        plans.append(CompactPlan.from_frame(w, tables[int(table_of[r])]))
+    layout_of = torch.tensor([layout_id[f] if h else -1 for f, h in zip(shared_first.tolist(), has_shared.tolist())],
+                             dtype=torch.int64)
+    unique_bytes = summaries[:, 49:57].flatten().clone().view(torch.int64)  # a fresh buffer: aligned
+    return SaveLayouts(world_size, tuple(tables), table_of, tuple(plans), layout_of, unique_bytes)
 
 
 # -- load -----------------------------------------------------------------------------------------

@@ -175,10 +175,10 @@ def _coordinator(rank: int, ws: int, root: str) -> dict:
     calls = {"save": 0, "load": 0}
 
     class CountingSave(StandardSavePlanner):
-        def create_global_plan(self, plans):
+        def create_global_plan(self, layouts):
             calls["save"] += 1
-            calls["save_plans"] = len(plans)
-            return super().create_global_plan(plans)
+            calls["save_plans"] = len(layouts.plans)  # every rank's table differs here: three layouts
+            return super().create_global_plan(layouts)
 
     class CountingLoad(StandardLoadPlanner):
         def create_global_plan(self, shards, **kw):
@@ -201,6 +201,54 @@ def _coordinator(rank: int, ws: int, root: str) -> dict:
     ok = all(torch.equal(target[k], state[k]) for k in state)
     return {"calls": calls, "ok": ok, "keys": sorted(md.tensors), "broadcasts": res.counters.get("broadcasts", 0),
             "received": res.counters.get("bytes_received", 0)}
+
+
+def _layouts_sent_once(rank: int, ws: int, root: str) -> dict:
+    """FSDP shards (a DTensor over the whole group) never reach the coordinator; ranks with equal
+    shared items (TP positions across data-parallel replicas, replicated norms) send them once."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hpdcp_runner.dcp import StandardSavePlanner, load, read_metadata
+
+    seen = {}
+
+    class Recording(StandardSavePlanner):
+        def create_global_plan(self, layouts):
+            seen["tables"], seen["layouts"] = len(layouts.tables), len(layouts.plans)
+            seen["rows"] = [int(p.item_key.numel()) for p in layouts.plans]
+            seen["holders"] = layouts.layout_of.tolist()
+            seen["unique_bytes"] = layouts.unique_bytes.tolist()
+            return super().create_global_plan(layouts)
+
+    flat = DeviceMesh("cpu", list(range(ws)))
+    grid = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    full = {"fsdp": torch.randn(8, 5), "tp": torch.randn(6, 3), "norm": torch.randn(7)}
+    state = {"fsdp": distribute_tensor(full["fsdp"], flat, [Shard(0)]),
+             "tp": distribute_tensor(full["tp"], grid, [Replicate(), Shard(0)]),
+             "norm": full["norm"].clone(), "step": 4}
+    save(state, checkpoint_id=f"{root}/c", planner=Recording(), timeout=30)
+    back = {"fsdp": distribute_tensor(torch.zeros(8, 5), flat, [Shard(0)]),
+            "tp": distribute_tensor(torch.zeros(6, 3), grid, [Replicate(), Shard(0)]), "norm": torch.zeros(7), "step": 0}
+    load(back, checkpoint_id=f"{root}/c", timeout=30)
+    md = read_metadata(f"{root}/c")
+    owners = {k: sorted({c.file for c in t.chunks}) for k, t in md.tensors.items()}
+    return {"seen": seen, "bitwise": all(torch.equal(back[k].full_tensor() if k != "norm" else back[k], full[k])
+                                         for k in full) and back["step"] == 4, "owners": owners}
+
+
+def test_the_coordinator_sees_each_distinct_layout_once(tmp_path):
+    res = run_ranks(4, _layouts_sent_once, str(tmp_path))
+    seen = res[0]["seen"]
+    assert all(not r["seen"] for r in res[1:])
+    # one key table; two layouts (tp positions 0 and 1, each held by two data-parallel ranks);
+    # each layout carries tp, norm and step, never the fsdp shard (written by its holder)
+    assert seen["tables"] == 1 and seen["layouts"] == 2 and seen["rows"] == [3, 3]
+    assert seen["holders"] == [0, 1, 0, 1] and seen["unique_bytes"] == [2 * 5 * 4] * 4
+    assert all(r["bitwise"] for r in res)
+    assert res[0]["owners"]["fsdp"] == [f"rank{r:05d}.safetensors" for r in range(4)]
+    assert len(res[0]["owners"]["norm"]) == 1 and len(res[0]["owners"]["tp"]) == 2
 
 
 def test_global_plans_run_on_the_coordinator_only(tmp_path):

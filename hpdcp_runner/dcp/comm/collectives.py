@@ -1,6 +1,7 @@
 """Control-plane collectives: JSON all-gather/gather/scatter/broadcast over gloo, with agreed failures.
 
-Plans and outcomes travel as JSON bytes in uint8 tensors (no pickle), always over a gloo group
+Plans and outcomes travel as JSON bytes in uint8 tensors (no pickle; a plan's integer columns as
+raw bytes beside the JSON: ``core.columns.encode_frame``), always over a gloo group
 (a dedicated one when the caller's group is NCCL or a per-call ``timeout`` is asked for), so a
 dead or hung rank becomes a ``CollectiveTimeoutError`` instead of a hang. ``agree`` runs a
 local step on every rank and makes any rank's failure the same error on all ranks.
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from ..core import errors as errmod
 from ..core.errors import CollectiveTimeoutError, DistributedError, HpdcpError
 from ..core.utils import get_logger
+from ..core.columns import decode_frame, encode_frame
 from .groups import WeakGroups
 
 log = get_logger(__name__)
@@ -160,12 +162,14 @@ class Comm:
     def _root(self) -> int:
         return dist.get_global_rank(self.control, 0) if self.control is not dist.group.WORLD else 0
 
-    def gather_json(self, obj: Any, phase: str = "gather") -> list[Any] | None:
-        """Every rank's ``obj`` on rank 0 (None elsewhere): the coordinator's inbox. Only rank 0
-        holds all N payloads; the others exchange N sizes."""
-        payload = json.dumps(obj, separators=(",", ":")).encode()
+    def gather_frames(self, obj: Any, phase: str = "gather") -> list[Any] | None:
+        """Every rank's ``obj`` (JSON values and int/bool tensors: ``encode_frame``) on rank 0,
+        None elsewhere: the coordinator's inbox. Columns arrive as raw bytes and are viewed in
+        place, never base64-decoded. Only rank 0 holds all N payloads; the others exchange N
+        sizes."""
+        payload = encode_frame(obj)
         if self.world_size == 1:
-            return [json.loads(payload)]
+            return [decode_frame(payload)]
 
         def go() -> list[Any] | None:
             size = torch.tensor([len(payload)], dtype=torch.int64)
@@ -178,18 +182,15 @@ class Comm:
                 return None
             bufs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
             dist.gather(buf, bufs, dst=self._root(), group=self.control)
-            out = []
-            for i, s in enumerate(sizes):  # parse and drop one buffer at a time
-                out.append(json.loads(_tensor_bytes(bufs[i], int(s.item()))))
-                bufs[i] = None  # type: ignore[call-overload]
-            return out
+            return [decode_frame(b[:int(s.item())]) for b, s in zip(bufs, sizes)]
 
         return self._run(phase, go)
 
-    def scatter_json(self, objs: list[Any] | None, phase: str = "scatter") -> Any:
-        """Rank 0's ``objs[r]`` on rank r: each rank receives only its own part."""
+    def scatter_frames(self, objs: list[Any] | None, phase: str = "scatter") -> Any:
+        """Rank 0's ``objs[r]`` on rank r (frames, as ``gather_frames``): each rank receives only
+        its own part; an object repeated in the list is encoded once."""
         if self.world_size == 1:
-            return objs[0]
+            return decode_frame(encode_frame(objs[0]))
 
         def go() -> Any:
             sizes = torch.empty(2, dtype=torch.int64)
@@ -198,14 +199,52 @@ class Comm:
                 payloads = encode_each(objs)
                 n = max(len(p) for p in payloads)
                 meta = [torch.tensor([len(p), n], dtype=torch.int64) for p in payloads]
-                bufs = [_padded(p, n) for p in payloads]
+                padded: dict[int, torch.Tensor] = {}
+                for p in payloads:  # a reply shared by many ranks is padded once
+                    if id(p) not in padded:
+                        padded[id(p)] = _padded(p, n)
+                bufs = [padded[id(p)] for p in payloads]
                 dist.scatter(sizes, meta, src=self._root(), group=self.control)
             else:
                 dist.scatter(sizes, None, src=self._root(), group=self.control)
             own, n = (int(v) for v in sizes.tolist())
             buf = torch.empty(n, dtype=torch.uint8)
             dist.scatter(buf, bufs, src=self._root(), group=self.control)
-            return json.loads(_tensor_bytes(buf, own))
+            return decode_frame(buf[:own])
+
+        return self._run(phase, go)
+
+    def gather_rows(self, mine: torch.Tensor, counts: list[int] | None, phase: str = "gather rows") -> torch.Tensor | None:
+        """Every rank's int64 rows (``[n_r, W]``, the same W everywhere) on rank 0, received in
+        place into one ``[sum n_r, W]`` tensor in rank order (None elsewhere). ``counts`` (rank 0
+        only): each rank's n_r, known from an earlier message. Point-to-point, so no rank's rows
+        are padded to the largest and nothing is copied after it arrives: the coordinator's
+        chunk index is filled as ranks report."""
+        mine = mine.contiguous()
+        if self.world_size == 1:
+            return mine
+        width = mine.shape[1] if mine.dim() == 2 else 1
+
+        def go() -> torch.Tensor | None:
+            if self.rank != 0:
+                if mine.numel():
+                    dist.send(mine, dst=self._root(), group=self.control)
+                return None
+            assert counts is not None and len(counts) == self.world_size
+            out = torch.empty((sum(counts), width), dtype=mine.dtype)
+            starts = [0]
+            for c in counts:
+                starts.append(starts[-1] + c)
+            works = []
+            for r in range(1, self.world_size):
+                if counts[r]:
+                    src = dist.get_global_rank(self.control, r) if self.control is not dist.group.WORLD else r
+                    works.append(dist.irecv(out[starts[r]:starts[r + 1]], src=src, group=self.control))
+            if counts[0]:
+                out[:counts[0]] = mine.view(counts[0], width)
+            for w in works:
+                w.wait()
+            return out
 
         return self._run(phase, go)
 
@@ -236,7 +275,7 @@ class Comm:
         ``root`` is raised as the same error on every rank. The coordinator pattern: per-rank
         cost stays with the rank's own share, the global work happens once."""
         payload, local_exc = _attempt(phase, fn)
-        gathered = self.gather_json(payload, phase)
+        gathered = self.gather_frames(payload, phase)
         replies = None
         if self.rank == 0:
             failures = [[r, *g["err"]] for r, g in enumerate(gathered) if "err" in g]
@@ -251,7 +290,7 @@ class Comm:
             del gathered
             if failures:
                 replies = [{"err": failures}] * self.world_size
-        reply = self.scatter_json(replies, phase)
+        reply = self.scatter_frames(replies, phase)
         if "err" in reply:
             raise agreed_error(phase, {r: rest for r, *rest in reply["err"]}) from local_exc
         return reply["ok"]
@@ -266,14 +305,14 @@ class Comm:
 
 
 def encode_each(objs: list[Any]) -> list[bytes]:
-    """Each object as compact JSON bytes; an object repeated in the list (the same reply for
-    every rank, e.g. a cached save plan's "use your list") is encoded once."""
+    """Each object as a frame; an object repeated in the list (the same reply for every rank,
+    e.g. a cached save plan's "use your list") is encoded once and returned as the same bytes."""
     done: dict[int, bytes] = {}
     out = []
     for o in objs:
         b = done.get(id(o))
         if b is None:
-            b = done[id(o)] = json.dumps(o, separators=(",", ":")).encode()
+            b = done[id(o)] = encode_frame(o)
         out.append(b)
     return out
 

@@ -15,6 +15,14 @@ def digest(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def digest_pieces(pieces: Iterable[bytes]) -> str:
+    """``digest`` of the concatenation of ``pieces``, streamed (a multi-GiB index entry)."""
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        h.update(p)
+    return h.hexdigest()
+
+
 BLOCK_BYTES = 1 << 20  # chunks larger than this also get one checksum per block (verified partial reads)
 
 

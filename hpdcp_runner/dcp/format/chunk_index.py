@@ -27,7 +27,7 @@ import bisect
 import json
 import struct
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -45,6 +45,7 @@ _PAGE = 128  # keys per read while bisecting (1 KiB)
 _PAGES_KEPT = 64
 _WHOLE_BELOW = 1 << 20  # an index this small is read whole on open (~13k chunks of 2-D tensors)
 _U64 = (1 << 64) - 1
+WALK_ROWS = 1 << 20  # rows a whole-index walk holds at a time (~80 MiB of 2-D rows)
 
 
 def hex_to_i64(hexes: str) -> int:
@@ -109,30 +110,51 @@ class ChunkIndex:
         dimension: the one with the most distinct offsets (estimated as the fewest chunks at
         offset 0), so a bisection finds a rank's chunks among few candidates. Vectorised: no
         Python object per chunk."""
-        r, d = offsets.shape
         tensor = tensor.to(torch.int64)
+        rows = torch.cat([torch.stack([tensor, file, byte_offset, checksum, block_start, block_count], 1),
+                          offsets, sizes], 1)
+        return cls.from_rows(ntensors, ndims, rows, blocks, name)
+
+    @classmethod
+    def from_rows(cls, ntensors: int, ndims: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor,
+                  name: str = INDEX_FILE) -> "ChunkIndex":
+        """From rows already in the file's layout (``[R, 6 + 2D]``, any order): they are sorted by
+        tensor and by the offset along each tensor's sort dimension, the one with the most
+        distinct offsets (estimated as the fewest chunks at offset 0), so a bisection finds a
+        rank's chunks among few candidates. One sorted copy of the rows and a few [R] columns:
+        no Python object per chunk, no temporary as wide as the rows."""
+        r, width = rows.shape
+        d = (width - len(ROW_FIELDS)) // 2
+        tensor = rows[:, TENSOR]
         if r:
-            at_zero = torch.zeros((ntensors, d), dtype=torch.int64).index_add_(0, tensor, (offsets == 0).to(torch.int64))
+            at_zero = torch.stack([torch.bincount(tensor[rows[:, 6 + k] == 0], minlength=ntensors)
+                                   for k in range(d)], 1)
             dims = torch.arange(d)[None, :]
             at_zero[dims >= ndims.clamp(min=1)[:, None]] = r + 1  # dimensions a tensor lacks are never chosen
             sort_dim = at_zero.argmin(1)
+            del at_zero
         else:
             sort_dim = torch.zeros(ntensors, dtype=torch.int64)
-        row_dim = sort_dim[tensor][:, None]
-        keys = offsets.gather(1, row_dim).flatten()
-        order = torch.argsort(keys, stable=True)
-        order = order[torch.argsort(tensor[order], stable=True)]
-        span = torch.zeros(ntensors, dtype=torch.int64).scatter_reduce(0, tensor, sizes.gather(1, row_dim).flatten(),
-                                                                       "amax")
+        row_dim = sort_dim[tensor]
+        keys = rows.gather(1, (6 + row_dim)[:, None]).flatten()
+        span = torch.zeros(ntensors, dtype=torch.int64).scatter_reduce(
+            0, tensor, rows.gather(1, (6 + d + row_dim)[:, None]).flatten(), "amax")
+        del row_dim
+        top = int(keys.max()) if r else 0
+        if r and top < (1 << 62) // max(ntensors, 1) and int(keys.min()) >= 0:
+            order = torch.sort(tensor * (top + 1) + keys, stable=True).indices  # one sort: (tensor, key)
+        else:
+            order = torch.argsort(keys, stable=True)
+            order = order[torch.argsort(tensor[order], stable=True)]
         counts = torch.bincount(tensor, minlength=ntensors) if r else torch.zeros(ntensors, dtype=torch.int64)
         cols = {
-            "rows": torch.cat([torch.stack([tensor, file, byte_offset, checksum, block_start, block_count], 1),
-                               offsets, sizes], 1)[order].contiguous(),
-            "keys": keys[order].contiguous(),
+            "rows": rows[order],
+            "keys": keys[order],
             "tensor_rows": torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]),
             "tensor_sort": torch.stack([sort_dim, span], 1).contiguous(),
             "blocks": blocks.to(torch.int64).contiguous(),
         }
+        del order, keys
         counts4 = (ntensors, r, d, len(blocks))
 
         def read(entry: str, start: int, count: int) -> memoryview:
@@ -140,6 +162,12 @@ class ChunkIndex:
             return byte_view(col[start:start + count]).cast("q") if count else memoryview(b"").cast("q")
 
         return cls(name, counts4, read, columns=cols)
+
+    def sorted_rows(self) -> torch.Tensor:
+        """The rows in file order (an index held in memory: the coordinator's)."""
+        if self._columns is None:
+            raise ValueError("sorted_rows() needs an index held in memory")
+        return self._columns["rows"]
 
     def encode(self) -> tuple[bytes, list[torch.Tensor]]:
         """The file's header and its entries' data, in file order (held in memory only)."""
@@ -280,6 +308,72 @@ class ChunkIndex:
 
     def blocks(self, start: int, count: int) -> list[int]:
         return self._read("blocks", start, count).tolist()
+
+    # -- walking all of it in bounded memory (verify, inspect) ----------------------------------
+    def rows_tensor(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) as an int64 ``[hi - lo, width]`` tensor (a copy)."""
+        mv = self._read("rows", lo * self.width, (hi - lo) * self.width)
+        out = torch.empty((hi - lo, self.width), dtype=torch.int64)
+        if hi > lo:
+            byte_view(out)[:] = mv.cast("B")
+        return out
+
+    def keys_tensor(self, lo: int, hi: int) -> torch.Tensor:
+        mv = self._read("keys", lo, hi - lo)
+        out = torch.empty(hi - lo, dtype=torch.int64)
+        if hi > lo:
+            byte_view(out)[:] = mv.cast("B")
+        return out
+
+    def tensor_blocks(self, budget: int = WALK_ROWS) -> Iterator[tuple[int, int, int, int]]:
+        """(first tensor, end tensor, first row, end row) of consecutive tensors holding about
+        ``budget`` rows together (one tensor at least): how a whole-index check holds a bounded
+        part of the index at a time."""
+        tr = self.tensor_rows
+        t0 = 0
+        while t0 < self.tensors:
+            t1 = t0 + 1
+            while t1 < self.tensors and tr[t1 + 1] - tr[t0] <= budget:
+                t1 += 1
+            yield t0, t1, tr[t0], tr[t1]
+            t0 = t1
+
+    def rows_by_file(self, nfiles: int, budget: int = WALK_ROWS
+                     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """For every file id in order: (file id, its rows sorted by byte offset, their row
+        numbers). Files are taken in groups of about ``budget`` rows, each group one pass over
+        the index, so memory stays at a group's rows however large the checkpoint (a file's
+        rows are one rank's chunks: a group holds one file at least)."""
+        counts = torch.zeros(max(nfiles, 1), dtype=torch.int64)
+        for _, _, lo, hi in self.tensor_blocks(budget):
+            f = self.rows_tensor(lo, hi)[:, FILE]
+            ok = (f >= 0) & (f < nfiles)
+            counts += torch.bincount(f[ok], minlength=max(nfiles, 1))
+        f0 = 0
+        cum = counts.tolist()
+        empty = torch.empty((0, self.width), dtype=torch.int64)
+        while f0 < nfiles:
+            f1, total = f0 + 1, cum[f0]
+            while f1 < nfiles and total + cum[f1] <= budget:
+                total += cum[f1]
+                f1 += 1
+            parts, where = [], []
+            if total:
+                for _, _, lo, hi in self.tensor_blocks(budget):
+                    rows = self.rows_tensor(lo, hi)
+                    sel = torch.nonzero((rows[:, FILE] >= f0) & (rows[:, FILE] < f1)).flatten()
+                    if len(sel):
+                        parts.append(rows[sel])
+                        where.append(sel + lo)
+            rows = torch.cat(parts) if parts else empty
+            at = torch.cat(where) if where else torch.empty(0, dtype=torch.int64)
+            o = torch.argsort(rows[:, BYTE_OFFSET], stable=True)
+            o = o[torch.argsort(rows[o, FILE], stable=True)]
+            rows, at = rows[o], at[o]
+            bounds = torch.searchsorted(rows[:, FILE].contiguous(), torch.arange(f0, f1 + 1)).tolist()
+            for f in range(f0, f1):
+                yield f, rows[bounds[f - f0]:bounds[f - f0 + 1]], at[bounds[f - f0]:bounds[f - f0 + 1]]
+            f0 = f1
 
 
 class _Keys:

@@ -7,6 +7,7 @@ malformed or hostile file is an error naming the problem, never a crash or a pat
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -19,9 +20,9 @@ import torch
 
 from ..core.errors import MetadataError
 from ..core.geometry import Box, boxes_tile, intersect, relative, tiling_problem
-from ..core.columns import pack_ints, unpack_ints
 from . import jsondoc
-from .chunk_index import BLOCK_COUNT, BLOCK_START, BYTE_OFFSET, CHECKSUM, FILE, TENSOR, ChunkIndex, hex_to_i64, i64_to_hex
+from .chunk_index import (BLOCK_COUNT, BLOCK_START, BYTE_OFFSET, CHECKSUM, FILE, TENSOR, WALK_ROWS, ChunkIndex,
+                          hex_to_i64, i64_to_hex)
 
 FORMAT_NAME = "hpdcp"
 FORMAT_VERSION = 2  # what saves write: metadata.json + the chunk index (chunk_index.py)
@@ -144,54 +145,88 @@ class WriteResult:
         return sum(f.size for f in self.files)
 
 
-@dataclass(frozen=True)
-class WrittenChunks:
-    """What one rank wrote, as int64 columns in its write order: the save protocol's form of a
-    ``WriteResult``. The coordinator lines them up with the global plan's owned rows (also in
-    write order) and builds the chunk index without a Python object per chunk."""
+@dataclass(frozen=True, eq=False)
+class WrittenRows:
+    """What one rank wrote, as rows of the chunk index in its write order (``ROW_FIELDS`` then
+    offsets and sizes, D of each, padded with 0 and 1), with the rank's own numbering: the
+    ``tensor`` column is the index in its key table, ``file`` in ``files``, ``block_start`` in
+    ``blocks``. The coordinator receives these rows in place (``Comm.gather_rows``) and renumbers
+    them with a few column operations: no Python object per chunk."""
 
     rank: int
     files: tuple[FileMeta, ...]
-    items: torch.Tensor  # the plan item each chunk was written for
-    file: torch.Tensor  # index into ``files``
-    byte_offset: torch.Tensor
-    checksum: torch.Tensor  # XXH3-64 bits as int64
-    block_count: torch.Tensor
-    blocks: torch.Tensor  # the chunks' block digests, concatenated in chunk order
+    rows: torch.Tensor  # [n, 6 + 2D] int64
+    blocks: torch.Tensor  # the chunks' block digests, concatenated in row order
     objects: Mapping[str, tuple[str, str]]
 
     @classmethod
-    def from_result(cls, res: WriteResult, items: Sequence[tuple[int, str]]) -> "WrittenChunks":
-        """``items``: (plan item index, chunk key) of every tensor chunk written, in write order;
-        ``res.chunks`` says where each key's bytes are (any order)."""
+    def from_result(cls, res: WriteResult, items: Sequence[tuple[int, Box, str]], ndim: int) -> "WrittenRows":
+        """``items``: (key index in the rank's table, box, chunk key) of every tensor chunk
+        written, in write order; ``res.chunks`` says where each key's bytes are (any order)."""
         fidx = {f.name: i for i, f in enumerate(res.files)}
-        cols: list[int] = []
+        width = 6 + 2 * ndim
+        flat: list[int] = []
         blocks: list[int] = []
-        for item, key in items:
+        for key_id, box, key in items:
             entry = res.chunks.get(key)
             if entry is None or entry[0] not in fidx:
                 raise MetadataError(f"rank {res.rank}: the storage writer reported no location (or an unlisted file) "
                                     f"for chunk {key!r}")
             file, off, csum, *more = entry
             hexes = more[0] if more else ""
-            cols += (item, fidx[file], off, hex_to_i64(csum), len(hexes) // 16)
+            nd = len(box.offsets)
+            flat += (key_id, fidx[file], off, hex_to_i64(csum), len(blocks), len(hexes) // 16)
+            flat += box.offsets
+            flat += (0,) * (ndim - nd)
+            flat += box.sizes
+            flat += (1,) * (ndim - nd)
             blocks += [hex_to_i64(hexes[i:i + 16]) for i in range(0, len(hexes), 16)]
-        c = torch.tensor(cols, dtype=torch.int64).view(-1, 5)
-        return cls(res.rank, tuple(res.files), *(c[:, j].contiguous() for j in range(5)),
-                   torch.tensor(blocks, dtype=torch.int64), dict(res.objects))
+        rows = torch.tensor(flat, dtype=torch.int64).view(-1, width)
+        return cls(res.rank, tuple(res.files), rows, torch.tensor(blocks, dtype=torch.int64), dict(res.objects))
 
-    def to_wire(self) -> dict:
-        return {"rank": self.rank, "files": [[f.name, f.size, f.checksum] for f in self.files],
-                "items": pack_ints(self.items), "file": pack_ints(self.file), "offset": pack_ints(self.byte_offset),
-                "checksum": pack_ints(self.checksum), "block_count": pack_ints(self.block_count),
-                "blocks": pack_ints(self.blocks), "objects": {k: list(v) for k, v in self.objects.items()}}
+    def envelope(self) -> dict:
+        """The small part of the report (files, objects, counts); the rows follow apart."""
+        return {"files": [[f.name, f.size, f.checksum] for f in self.files], "rows": int(self.rows.shape[0]),
+                "blocks": int(self.blocks.numel()), "objects": {k: list(v) for k, v in self.objects.items()}}
+
+
+@dataclass(frozen=True, eq=False)
+class ReportedRows:
+    """Every rank's ``WrittenRows`` on the coordinator: one rows matrix and one blocks column in
+    rank order (filled in place as ranks report), and per rank its files, objects and counts."""
+
+    world_size: int
+    rows: torch.Tensor
+    row_counts: tuple[int, ...]
+    blocks: torch.Tensor
+    block_counts: tuple[int, ...]
+    files: tuple[tuple[FileMeta, ...], ...]
+    objects: tuple[Mapping[str, tuple[str, str]], ...]
 
     @classmethod
-    def from_wire(cls, w: dict) -> "WrittenChunks":
-        return cls(w["rank"], tuple(FileMeta(n, s, c, w["rank"]) for n, s, c in w["files"]), unpack_ints(w["items"]),
-                   unpack_ints(w["file"]), unpack_ints(w["offset"]), unpack_ints(w["checksum"]),
-                   unpack_ints(w["block_count"]), unpack_ints(w["blocks"]),
-                   {k: tuple(v) for k, v in w["objects"].items()})
+    def envelopes(cls, envs: Sequence[Mapping]) -> tuple[list[int], list[int]]:
+        """Each rank's row and block counts from its envelope."""
+        return [int(e["rows"]) for e in envs], [int(e["blocks"]) for e in envs]
+
+    @classmethod
+    def from_envelopes(cls, envs: Sequence[Mapping], rows: torch.Tensor, blocks: torch.Tensor) -> "ReportedRows":
+        rc, bc = cls.envelopes(envs)
+        files = tuple(tuple(FileMeta(n, sz, c, r) for n, sz, c in e["files"]) for r, e in enumerate(envs))
+        objects = tuple({k: tuple(v) for k, v in e["objects"].items()} for e in envs)
+        return cls(len(envs), rows, tuple(rc), blocks.view(-1), tuple(bc), files, objects)
+
+    @classmethod
+    def from_written(cls, written: Sequence[WrittenRows], world_size: int, ndim: int) -> "ReportedRows":
+        """Concatenated in one process (offline tools, tests)."""
+        by_rank = {w.rank: w for w in written}
+        ws = [by_rank.get(r) for r in range(world_size)]
+        empty = torch.empty((0, 6 + 2 * ndim), dtype=torch.int64)
+        rows = torch.cat([w.rows if w is not None and w.rows.numel() else empty for w in ws])
+        blocks = torch.cat([w.blocks if w is not None else torch.empty(0, dtype=torch.int64) for w in ws])
+        return cls(world_size, rows, tuple(len(w.rows) if w is not None else 0 for w in ws), blocks,
+                   tuple(w.blocks.numel() if w is not None else 0 for w in ws),
+                   tuple(w.files if w is not None else () for w in ws),
+                   tuple(w.objects if w is not None else {} for w in ws))
 
 
 def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
@@ -387,12 +422,9 @@ class Metadata:
 
     def validate_all(self) -> None:
         """Everything a load checks only in part: every row of the index (``verify``), and that
-        no two chunks share bytes."""
-        for t in self.tensors.values():
-            if isinstance(t.chunks, IndexedChunks):
-                t.chunks.check_all()
+        no two chunks share bytes. Format v2 is walked in bounded memory (``validate_index``)."""
         if self.index is not None:
-            _check_disjoint(self.tensors, self.index.name)
+            validate_index(self)
 
     # -- JSON -------------------------------------------------------------------------------
     def _common_doc(self, version: int) -> dict:
@@ -723,6 +755,89 @@ def _parse_tensor(key: str, t: Any, files: Mapping[str, FileMeta], source: str) 
                                 f"{fname} ({f.size} bytes)")
         chunks.append(ChunkMeta(tuple(offs), tuple(sizes), fname, skey, boff, csum))
     return TensorMeta(dtype, shape, tuple(chunks), _path(t.get("path"), source, key))
+
+
+def validate_index(md: "Metadata", budget: int = WALK_ROWS) -> None:
+    """Every row of a v2 checkpoint's chunk index checked as a load checks the rows it reads
+    (tensor, bounds, sort key, file, bytes inside the file, block digests), every tensor tiled,
+    and no two chunks sharing bytes of a file: vectorised over a bounded block of rows at a time
+    (whole tensors, about ``budget`` rows; files in groups for the shared bytes), so a checkpoint
+    of tens of millions of chunks is checked without holding its chunk table. A row that fails
+    is explained by the per-row check of its tensor (``IndexedChunks.check_all``)."""
+    index = md.index
+    specs = sorted(((t.chunks.tid, k, t) for k, t in md.tensors.items() if isinstance(t.chunks, IndexedChunks)),
+                   key=lambda x: x[0])
+    if not specs:
+        return
+    d = index.ndim
+    files = specs[0][2].chunks.files
+    fsize = torch.tensor([f.size for f in files] or [0], dtype=torch.int64)
+    shape = torch.ones((index.tensors, d), dtype=torch.int64)
+    nd = torch.zeros(index.tensors, dtype=torch.int64)
+    esize = torch.zeros(index.tensors, dtype=torch.int64)
+    for tid, _, t in specs:
+        if t.shape:
+            shape[tid, :len(t.shape)] = torch.tensor(t.shape, dtype=torch.int64)
+        nd[tid] = len(t.shape)
+        esize[tid] = element_size(t.dtype)
+    sort = torch.tensor(index.tensor_sort or [(0, 0)], dtype=torch.int64).view(-1, 2)
+    bb = specs[0][2].chunks.block_bytes
+    by_tid = {tid: t for tid, _, t in specs}
+    for t0, t1, lo, hi in index.tensor_blocks(budget):
+        rows = index.rows_tensor(lo, hi)
+        keys = index.keys_tensor(lo, hi)
+        counts = torch.tensor([index.tensor_rows[t + 1] - index.tensor_rows[t] for t in range(t0, t1)],
+                              dtype=torch.int64)
+        tid = torch.repeat_interleave(torch.arange(t0, t1), counts)
+        off, size = rows[:, 6:6 + d], rows[:, 6 + d:6 + 2 * d]
+        shp = shape[tid]
+        inside = torch.arange(d)[None, :] < nd[tid][:, None]
+        bad = rows[:, TENSOR] != tid
+        bad |= ((off < 0) | (size < 0) | torch.where(inside, off + size > shp, (off != 0) | (size != 1))).any(1)
+        dim = sort[tid, 0].clamp(0, max(d - 1, 0))
+        bad |= (size.gather(1, dim[:, None]).flatten() > sort[tid, 1]) | (keys != off.gather(1, dim[:, None]).flatten())
+        same = tid[1:] == tid[:-1]
+        bad[1:] |= same & (keys[1:] < keys[:-1])
+        fid = rows[:, FILE]
+        bad |= (fid < 0) | (fid >= len(files))
+        n = torch.where(inside, size, 1).prod(1) * esize[tid]
+        boff = rows[:, BYTE_OFFSET]
+        bad |= (boff < 0) | (boff + n > fsize[fid.clamp(0, max(len(files) - 1, 0))])
+        want = torch.where((n > bb) if bb else torch.zeros_like(n, dtype=torch.bool), -(-n // max(bb, 1)), 0)
+        bc, bs = rows[:, BLOCK_COUNT], rows[:, BLOCK_START]
+        bad |= ((bc != 0) & (bc != want)) | (bs < 0) | (bs + bc > index.nblocks)
+        first = torch.nonzero(bad).flatten()
+        if len(first):
+            t = int(tid[int(first[0])])
+            by_tid[t].chunks.check_all()  # words it
+            raise MetadataError(f"{index.name}: row {lo + int(first[0])} (tensor id {t}) fails its checks")
+        local = torch.cat([(tid - t0)[:, None], off, size], 1)
+        found = tiling_problem([tuple(by_tid[t].shape) for t in range(t0, t1)], local)
+        if found is not None:
+            key = by_tid[t0 + found[0]].chunks.key
+            raise MetadataError(f"{index.name}: tensor {key!r} (rows {index.tensor_rows[t0 + found[0]]}.."
+                                f"{index.tensor_rows[t0 + found[0] + 1]}): {found[1]}")
+        del rows, keys, tid, off, size, shp, local
+    # no two non-empty chunks share a byte of a file: each file's rows sorted by offset
+    row_tid = index.tensor_rows
+    for f, rows, at in index.rows_by_file(len(files), budget):
+        if len(rows) < 2:
+            continue
+        tids = rows[:, TENSOR]
+        size = rows[:, 6 + d:6 + 2 * d]
+        inside = torch.arange(d)[None, :] < nd[tids][:, None]
+        n = torch.where(inside, size, 1).prod(1) * esize[tids]
+        keep = n > 0
+        start, end, at = rows[keep, BYTE_OFFSET], rows[keep, BYTE_OFFSET] + n[keep], at[keep]
+        clash = torch.nonzero(start[1:] < end[:-1]).flatten()
+        if len(clash):
+            j = int(clash[0])
+            a, b = int(at[j]), int(at[j + 1])
+            ta, tb = bisect.bisect_right(row_tid, a) - 1, bisect.bisect_right(row_tid, b) - 1
+            raise MetadataError(f"{index.name}: chunks share bytes of {files[f].name}: {by_tid[ta].chunks.key!r} chunk "
+                                f"{a - row_tid[ta]} [{int(start[j])}, {int(end[j])}) and {by_tid[tb].chunks.key!r} "
+                                f"chunk {b - row_tid[tb]} [{int(start[j + 1])}, {int(end[j + 1])}) (a damaged or "
+                                f"hand-edited chunk table)")
 
 
 def _check_disjoint(tensors: Mapping[str, TensorMeta], source: str) -> None:

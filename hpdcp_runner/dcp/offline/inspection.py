@@ -15,7 +15,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..format.checksums import block_digests, digest, file_checksum
+from ..format.checksums import block_digests, digest, digest_pieces, file_checksum
 from ..format.safetensors_io import parse_header
 from ..core.rafile import open_regular_file
 from ..format import jsondoc
@@ -53,8 +53,9 @@ def describe(path: str | os.PathLike, reader: StorageReader | None = None, md: M
                                     open_file=reader.open_file)
         finally:
             reader.close()
+    files_of = tensor_files(md)
     tensors = {k: {"dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes,
-                   "files": sorted({c.file for c in t.chunks})} for k, t in md.tensors.items()}
+                   **files_of[k]} for k, t in md.tensors.items()}
     fmt = getattr(reader, "format_name", "hpdcp")
     extra = md.extra if isinstance(md.extra, dict) else {}
     series = {}
@@ -70,6 +71,41 @@ def describe(path: str | os.PathLike, reader: StorageReader | None = None, md: M
             "world_size": md.world_size, "tensor_bytes": md.total_tensor_bytes,
             "files": {n: {"size": f.size, "rank": f.rank} for n, f in sorted(md.files.items())},
             "tensors": tensors, "objects": sorted(md.objects)}
+
+
+FILES_LISTED = 64  # per tensor in ``describe``: more are counted (8,192 ranks' files per tensor help no one)
+
+
+def tensor_files(md: Metadata) -> dict[str, dict]:
+    """Per tensor ``{"files": the first FILES_LISTED file names, "file_count": n}``; for format
+    v2 from the chunk index a bounded block of rows at a time, never every chunk's description."""
+    out: dict[str, dict] = {}
+    if md.index is None:
+        for k, t in md.tensors.items():
+            names = sorted({c.file for c in t.chunks})
+            out[k] = {"files": names[:FILES_LISTED], "file_count": len(names)}
+        return out
+    from ..format.chunk_index import FILE, TENSOR
+    from ..format.metadata import IndexedChunks
+
+    index = md.index
+    names = sorted(md.files)
+    by_tid = {t.chunks.tid: k for k, t in md.tensors.items() if isinstance(t.chunks, IndexedChunks)}
+    nf = max(len(names), 1)
+    for t0, t1, lo, hi in index.tensor_blocks():
+        rows = index.rows_tensor(lo, hi)
+        pairs = torch.unique(rows[:, TENSOR] * nf + rows[:, FILE].clamp(0, nf - 1))  # sorted: by tensor, then file
+        tids, fids = (pairs // nf).tolist(), (pairs % nf).tolist()
+        for t in range(t0, t1):
+            if t in by_tid:
+                out[by_tid[t]] = {"files": [], "file_count": 0}
+        for t, f in zip(tids, fids):
+            entry = out.get(by_tid.get(t))
+            if entry is not None:
+                entry["file_count"] += 1
+                if len(entry["files"]) < FILES_LISTED:
+                    entry["files"].append(names[f])
+    return out
 
 
 def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
@@ -166,21 +202,16 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
         return VerifyReport(abspath, (str(e),), 0, 0)
     if md.index is not None:
         problems += _verify_index(os.path.join(abspath, md.index.recorded["file"]), md.index.recorded["checksum"])
-    by_file: dict[str, dict[str, tuple]] = {}
-    for k, t in md.tensors.items():
-        for c in t.chunks:
-            by_file.setdefault(c.file, {})[c.key] = (c, t.dtype, k)
+    per_file = _chunks_by_file(md)  # one file's chunks at a time, in name order
     objects_by_file: dict[str, list[str]] = {}
     for k, o in md.objects.items():
         objects_by_file.setdefault(o.file, []).append(k)
-    blocks_by_file: dict[str, dict[str, str]] = {}
-    for (f, k), hexes in md.blocks.items():
-        blocks_by_file.setdefault(f, {})[k] = hexes
     problems += _rank_problems(md)
     checked = nbytes = 0
     dfd = os.open(abspath, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:  # every file opened inside this directory, never through a link (no check-then-open window)
         for name, fm in sorted(md.files.items()):
+            file_chunks, file_blocks = next(per_file)
             full = os.path.join(abspath, name)
             try:
                 f = open_regular_file(full, dfd)
@@ -199,8 +230,7 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
                 checked += 1
                 nbytes += size
                 if name.endswith(".safetensors"):
-                    problems += _verify_tensor_file(f, name, fm.checksum, by_file.get(name, {}),
-                                                    blocks_by_file.get(name, {}), md.block_bytes)
+                    problems += _verify_tensor_file(f, name, fm.checksum, file_chunks, file_blocks, md.block_bytes)
                 else:
                     body = f.read()
                     if digest(body) != fm.checksum:
@@ -214,6 +244,39 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
         os.close(dfd)
     problems += [f"{n}: not listed in {METADATA_FILE}" for n in extra]
     return VerifyReport(abspath, tuple(problems), checked, nbytes)
+
+
+def _chunks_by_file(md: Metadata) -> Iterator[tuple[dict[str, tuple], dict[str, str]]]:
+    """For each file in name order: {chunk key: (chunk, dtype, tensor key)} and {chunk key: block
+    digests}. Format v2 reads the index by groups of files (``ChunkIndex.rows_by_file``), so
+    only one group's rows are held, never every chunk's description."""
+    names = sorted(md.files)
+    if md.index is None:
+        by_file: dict[str, dict[str, tuple]] = {}
+        for k, t in md.tensors.items():
+            for c in t.chunks:
+                by_file.setdefault(c.file, {})[c.key] = (c, t.dtype, k)
+        blocks_by_file: dict[str, dict[str, str]] = {}
+        for (f, k), hexes in md.blocks.items():
+            blocks_by_file.setdefault(f, {})[k] = hexes
+        for n in names:
+            yield by_file.get(n, {}), blocks_by_file.get(n, {})
+        return
+    from ..format.metadata import IndexedChunks
+
+    index = md.index
+    tensors = {t.chunks.tid: (k, t) for k, t in md.tensors.items() if isinstance(t.chunks, IndexedChunks)}
+    for _, rows, at in index.rows_by_file(len(names)):
+        chunks: dict[str, tuple] = {}
+        blocks: dict[str, str] = {}
+        for r, row in zip(at.tolist(), rows.tolist()):
+            tid = row[0]
+            k, t = tensors[tid]
+            c = t.chunks._chunk(r, row)  # the row checked and described as a load would
+            chunks[c.key] = (c, t.dtype, k)
+            if c.blocks:
+                blocks[c.key] = c.blocks
+        yield chunks, blocks
 
 
 def _rank_problems(md: Metadata) -> list[str]:
@@ -261,12 +324,21 @@ def _verify_index(full: str, checksum: str) -> list[str]:
         with open_regular_file(full) as f:
             raw, entries = parse_header(name, os.fstat(f.fileno()).st_size, lambda n, off: os.pread(f.fileno(), n, off))
             digests = []
-            for e in entries:
+            for e in entries:  # streamed: the rows entry of a huge index is gigabytes
                 f.seek(e.byte_offset)
-                digests.append(digest(f.read(e.nbytes)))
+                digests.append(digest_pieces(_pieces(f, e.nbytes, e.key)))
     except (HpdcpError, OSError) as e:
         return [f"{name}: {e}"]
     return [] if file_checksum(raw, digests) == checksum else [f"{name}: checksum mismatch (recorded in metadata.json)"]
+
+
+def _pieces(f: BinaryIO, n: int, what: str, piece: int = 16 << 20) -> Iterator[bytes]:
+    while n:
+        data = f.read(min(n, piece))
+        if not data:
+            raise OSError(f"short read of {what}")
+        n -= len(data)
+        yield data
 
 
 def _verify_tensor_file(f: BinaryIO, name: str, checksum: str, chunks: dict, blocks: dict[str, str],

@@ -41,8 +41,8 @@ from .side_files import check_side_dir, read_side_files, resolve_side_dir
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from .sources import HF_INDEX, HF_SINGLE, TensorSource, open_source
 from ..planning.interfaces import OBJECT, TENSOR, SavePlan, WriteItem
-from ..format.metadata import WrittenChunks, chunk_key
-from ..planning.standard import assign_owners, build_metadata
+from ..format.metadata import ReportedRows, chunk_key
+from ..planning.standard import assign_owners, build_metadata, written_rows
 from ..core.utils import get_logger
 
 log = get_logger(__name__)
@@ -298,11 +298,10 @@ def _import(source: TensorSource, dst: Any, world_size: int, boxes: BoxRule, all
         results = []
         for r, (plan, idxs) in enumerate(zip(gplan.plans, gplan.writes)):
             res = writer.finish_rank(r, streams.pop(r, None), encoded if r == 0 else {})
-            written = [(i, chunk_key(plan.items[i].fqn, plan.items[i].box.offsets)) for i in idxs
-                       if plan.items[i].kind == TENSOR and plan.items[i].box.numel]
-            results.append(WrittenChunks.from_result(res, written))
-        md = build_metadata(gplan, results, world_size, {"imported_from": source.path,
-                                                         "source_format": type(source).__name__})
+            written = [i for i in idxs if plan.items[i].kind == TENSOR and plan.items[i].box.numel]
+            results.append(written_rows(plan, written, res, gplan.ndim))
+        md = build_metadata(gplan, ReportedRows.from_written(results, world_size, gplan.ndim), world_size,
+                            {"imported_from": source.path, "source_format": type(source).__name__})
         writer.commit(md)
         return md
     except BaseException:

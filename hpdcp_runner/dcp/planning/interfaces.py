@@ -16,12 +16,13 @@ import torch
 
 from ..format.metadata import Metadata
 from .load_replicas import BroadcastOp, CompactShards
+from .save_dedup import SaveLayouts
 from .plans import (OBJECT, TENSOR, CompactPlan, GlobalSavePlan, KeyInfo, LoadPlan, ReadItem, SavePlan,
                     WriteItem)
 
 # the plan types are re-exported: a planner implementation needs only this module
 __all__ = ["SavePlanner", "LoadPlanner", "OBJECT", "TENSOR", "WriteItem", "SavePlan", "ReadItem", "LoadPlan",
-           "KeyInfo", "CompactPlan", "GlobalSavePlan"]
+           "KeyInfo", "CompactPlan", "GlobalSavePlan", "SaveLayouts"]
 
 
 class SavePlanner(ABC):
@@ -35,9 +36,11 @@ class SavePlanner(ABC):
     def create_local_plan(self) -> SavePlan: ...
 
     @abstractmethod
-    def create_global_plan(self, plans: Sequence[CompactPlan]) -> GlobalSavePlan:
-        """Pure and deterministic; runs on the coordinator (rank 0) over every rank's plan in
-        compact form (``dedup.CompactPlan``) and decides who writes what."""
+    def create_global_plan(self, layouts: SaveLayouts) -> GlobalSavePlan:
+        """Pure and deterministic; runs on the coordinator (rank 0) over the distinct layouts of
+        the ranks' shared items (``save_dedup.SaveLayouts``: each sent once, with the ranks that
+        hold it) and decides who writes each; items marked ``unique`` are written by their
+        holder and never reach it."""
 
     @abstractmethod
     def resolve_data(self, item: WriteItem) -> Any:

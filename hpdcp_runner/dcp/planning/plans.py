@@ -1,7 +1,7 @@
 """Plan types: what ranks exchange during a save or load. Frozen dataclasses with a compact
-wire form (plain JSON; columnar for save plans), so gathering needs no pickle and the coordinator
-decodes N plans without a Python object per item. The planner interfaces and the save dedup both
-build on these; neither imports the other."""
+wire form (JSON, with a save plan's integer columns as raw bytes beside it), so gathering needs no
+pickle and the coordinator reads N plans without a Python object per item. The planner interfaces
+and the save dedup both build on these; neither imports the other."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from ..core.columns import pack_ints, unpack_ints
+from ..core.utils import byte_view
 from ..core.geometry import Box
 from .load_replicas import ShardSummary
 
@@ -32,6 +32,9 @@ class WriteItem:
     nbytes: int
     piece: int = 0
     checksum: str | None = None
+    #: no other rank can hold this chunk (a DTensor sharded over a mesh as large as the group):
+    #: it is written by its holder and never enters the coordinator's dedup
+    unique: bool = False
 
     @property
     def dedup_key(self) -> tuple:
@@ -75,18 +78,26 @@ class KeyInfo:
     dtype: str | None
     shape: tuple[int, ...] | None
     path: tuple
+    #: some chunk of this key is held by one rank only (``WriteItem.unique``) on the rank whose
+    #: table this is: the key's tiling is checked when the chunk index is built, not before
+    unique: bool = False
 
     @property
     def ndim(self) -> int:
         return len(self.shape) if self.shape is not None else 0
 
 
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True, eq=False)
 class CompactPlan:
     """One rank's save plan in columnar form: ``item_key[i]`` indexes ``keys``; tensor items' boxes
-    follow each other in ``boxes`` (offsets then sizes, ``ndim`` of the key each). The integer
-    columns travel as base64 int64 arrays, so the coordinator decodes N plans without creating a
-    Python object per item."""
+    follow each other in ``boxes`` (offsets then sizes, ``ndim`` of the key each); ``unique``
+    marks the items no other rank can hold. The key table travels as JSON once per distinct
+    table (its digest says which), the columns as raw int64 bytes (``to_frame``), so the
+    coordinator reads N plans without a Python object per item."""
 
     rank: int
     keys: tuple[KeyInfo, ...]
@@ -94,12 +105,14 @@ class CompactPlan:
     boxes: torch.Tensor
     nbytes: torch.Tensor
     checksums: tuple[str | None, ...] | None = None
+    unique: torch.Tensor | None = None  # bool per item; None: none unique
 
     @classmethod
     def from_plan(cls, plan: SavePlan) -> "CompactPlan":
         index: dict[str, int] = {}
         keys: list[KeyInfo] = []
-        item_key, boxes, nbytes, sums = [], [], [], []
+        uniq_keys: set[int] = set()
+        item_key, boxes, nbytes, sums, uniq = [], [], [], [], []
         for it in plan.items:
             k = index.get(it.fqn)
             if k is None:
@@ -112,42 +125,93 @@ class CompactPlan:
                 boxes.extend(it.box.sizes)
             nbytes.append(it.nbytes)
             sums.append(it.checksum)
+            uniq.append(it.unique)
+            if it.unique:
+                uniq_keys.add(k)
+        if uniq_keys:
+            keys = [KeyInfo(k.fqn, k.kind, k.dtype, k.shape, k.path, True) if i in uniq_keys else k
+                    for i, k in enumerate(keys)]
         has_sums = any(s is not None for s in sums)
         as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         return cls(plan.rank, tuple(keys), as_t(item_key), as_t(boxes), as_t(nbytes),
-                   tuple(sums) if has_sums else None)
+                   tuple(sums) if has_sums else None, torch.tensor(uniq, dtype=torch.bool) if uniq_keys else None)
 
-    def to_wire(self) -> dict:
-        table = json.dumps([[k.fqn, k.kind, k.dtype, None if k.shape is None else list(k.shape), list(k.path)]
-                            for k in self.keys], separators=(",", ":"))
-        return {"rank": self.rank, "keys": table, "digest": hashlib.blake2b(table.encode(), digest_size=16).hexdigest(),
-                "k": pack_ints(self.item_key), "b": pack_ints(self.boxes), "n": pack_ints(self.nbytes),
+    # -- the key table ---------------------------------------------------------------------
+    def table_text(self) -> str:
+        return table_text(self.keys)
+
+    def table_digest(self) -> str:
+        return _digest(self.table_text().encode())
+
+    # -- shared items: what the coordinator deduplicates --------------------------------------
+    def ndims(self) -> torch.Tensor:
+        """Each item's box rank (0 for objects)."""
+        per_key = torch.tensor([k.ndim for k in self.keys] or [0], dtype=torch.int64)
+        return per_key[self.item_key] if self.item_key.numel() else self.item_key
+
+    def shared(self) -> tuple["CompactPlan", torch.Tensor]:
+        """The plan restricted to its items another rank may hold (all but ``unique``), and their
+        indices in this plan. Its ``keys`` are this plan's (the same table)."""
+        n = self.item_key.numel()
+        if self.unique is None or not bool(self.unique.any()):
+            return self, torch.arange(n)
+        keep = ~self.unique
+        idx = torch.nonzero(keep).flatten()
+        nd = self.ndims()
+        per_item = torch.repeat_interleave(keep, 2 * nd)
+        sums = None if self.checksums is None else tuple(self.checksums[i] for i in idx.tolist())
+        return CompactPlan(self.rank, self.keys, self.item_key[idx], self.boxes[per_item], self.nbytes[idx],
+                           sums), idx
+
+    def columns_digest(self) -> str:
+        """The items' structure (keys by table index, boxes, sizes, checksums): with the table
+        digest, equal digests mean the same plan."""
+        h = hashlib.blake2b(digest_size=16)
+        cols = [self.item_key, self.boxes, self.nbytes]
+        if self.unique is not None:
+            cols.append(self.unique.to(torch.int64))
+        for t in cols:
+            t = t.contiguous()  # kept alive while its bytes are read
+            h.update(str(t.numel()).encode() + b":")
+            h.update(bytes(byte_view(t)) if t.numel() else b"")
+        h.update(json.dumps(self.checksums).encode() if self.checksums is not None else b"-")
+        return h.hexdigest()
+
+    def to_frame(self) -> dict:
+        """The columns for ``encode_frame`` (the key table travels apart, by digest)."""
+        return {"rank": self.rank, "k": self.item_key, "b": self.boxes, "n": self.nbytes,
                 "c": None if self.checksums is None else list(self.checksums)}
 
     @classmethod
-    def from_wire(cls, w: Mapping, tables: dict[str, tuple[KeyInfo, ...]] | None = None) -> "CompactPlan":
-        """``tables`` caches parsed key tables by digest across the ranks of one gather."""
-        tables = {} if tables is None else tables
-        keys = tables.get(w["digest"])
-        if keys is None:
-            keys = tables[w["digest"]] = tuple(
-                KeyInfo(f, kind, dt, None if shape is None else tuple(shape), tuple(path))
-                for f, kind, dt, shape, path in json.loads(w["keys"]))
-        return cls(w["rank"], keys, unpack_ints(w["k"]), unpack_ints(w["b"]), unpack_ints(w["n"]),
-                   None if w["c"] is None else tuple(w["c"]))
+    def from_frame(cls, w: Mapping, keys: tuple[KeyInfo, ...]) -> "CompactPlan":
+        return cls(int(w["rank"]), keys, w["k"], w["b"], w["n"], None if w["c"] is None else tuple(w["c"]))
+
+
+def table_text(keys: tuple[KeyInfo, ...]) -> str:
+    """A key table as JSON: what one rank of each distinct table sends the coordinator."""
+    return json.dumps([[k.fqn, k.kind, k.dtype, None if k.shape is None else list(k.shape), list(k.path), k.unique]
+                       for k in keys], separators=(",", ":"))
+
+
+def parse_table(text: str) -> tuple[KeyInfo, ...]:
+    return tuple(KeyInfo(f, kind, dt, None if shape is None else tuple(shape), tuple(path), bool(u))
+                 for f, kind, dt, shape, path, u in json.loads(text))
 
 
 @dataclass(frozen=True)
 class GlobalSavePlan:
-    """Who writes what. ``write_idx[r]`` (``writes[r]`` as ints): indices into rank r's plan items. ``owned``: one int64 row per
-    written chunk or object, ``[key id, rank, offsets (ndim padded to D with 0), sizes (padded with
-    1)]``, keys indexing ``keys``, in write order: by rank, then as ``write_idx`` (so row i of
-    ``owned`` is item ``cat(write_idx)[i]``). ``plans`` holds the full plans when built from them
-    (offline tools)."""
+    """Who writes what. ``write_idx[r]``: the items rank r writes beyond its ``unique`` ones, as
+    indices into its shared items (``CompactPlan.shared``; for ``assign_owners`` over full plans,
+    indices into its plan's items, unique ones included). ``keys``: every key of every rank's
+    table; ``table_maps[t]`` maps table t's key indices to ``keys``, ``table_of[r]`` is rank r's
+    table; ``ndim``: the largest tensor rank (the chunk index's D). ``plans``: the full plans when
+    built from them (offline tools)."""
 
     write_idx: tuple[torch.Tensor, ...]
     keys: tuple[KeyInfo, ...]
-    owned: torch.Tensor
+    table_maps: tuple[torch.Tensor, ...]
+    table_of: torch.Tensor
+    ndim: int
     plans: tuple[SavePlan, ...] = ()
 
     @property

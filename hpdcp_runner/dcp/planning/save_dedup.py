@@ -1,17 +1,22 @@
-"""Save dedup at scale: columnar plans, one vectorised pass on the coordinator. Pure.
+"""Save dedup at scale: the coordinator decides only what needs deciding. Pure.
 
-A save's global plan (which holder writes each replicated chunk, and whether the written chunks
-tile every tensor) is computed on rank 0 only, from every rank's plan in a compact columnar form:
-a table of keys (fqn, kind, dtype, global shape, path) sent as one JSON string with its digest
-(identical tables, the common case, are parsed once), and per item only a key index, the box as
-flat integers, the byte count and an optional checksum. The coordinator lays all items out as one
-int64 matrix and finds duplicates with a lexicographic sort instead of one Python object per item
-of every rank: at 1,024 ranks x 2,000 tensors the per-item cost fell from ~20 us (on every rank)
-to ~1 us (on rank 0), see docs/benchmarks.md.
+A save's global plan says which holder writes each chunk that several ranks may hold. Ranks
+never send the coordinator a chunk no other rank can hold (``WriteItem.unique``: a DTensor
+sharded over a mesh as large as the group; its holder writes it), and ranks whose remaining
+("shared") items are identical send them once: the coordinator sees one ``CompactPlan`` per
+distinct layout with the ranks that hold it (``SaveLayouts``), so its input grows with the
+distinct layouts, not with ranks x tensors. At 8,192 ranks x 2,000 tensors (9 of 10 FSDP-sharded,
+1 of 10 replicated) that is one layout of 200 rows instead of 16.4M rows (docs/benchmarks.md).
+
+Duplicates are found with one lexicographic sort over the layouts' rows (``group_rows``); the
+balanced choice (the holder with the fewest bytes so far, largest chunks first) keeps one heap
+per distinct holder set, so a chunk held by 8,192 ranks costs a heap pop, not 8,192 comparisons.
 """
 
 from __future__ import annotations
 
+import heapq
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -24,30 +29,96 @@ from .plans import TENSOR, CompactPlan, GlobalSavePlan, KeyInfo, SavePlan
 POLICIES = ("balanced", "minimum_rank")
 
 
-def merge_keys(plans: Sequence[CompactPlan]) -> tuple[list[KeyInfo], list[torch.Tensor]]:
-    """One global key table, and per plan the global id of each of its items. Ranks must agree on
-    a key's kind, dtype and global shape."""
+@dataclass(frozen=True, eq=False)
+class SaveLayouts:
+    """The coordinator's input: every distinct key table and shared layout once, with the ranks
+    that have it. ``tables[table_of[r]]`` is rank r's key table; ``plans[layout_of[r]]`` its
+    shared items (-1: none), each plan's ``rank`` the lowest rank holding it and its ``keys``
+    that rank's table; ``unique_bytes[r]``: what rank r writes in any case (its unique chunks),
+    which the balanced choice counts."""
+
+    world_size: int
+    tables: tuple[tuple[KeyInfo, ...], ...]
+    table_of: torch.Tensor
+    plans: tuple[CompactPlan, ...]
+    layout_of: torch.Tensor
+    unique_bytes: torch.Tensor
+
+    @classmethod
+    def from_plans(cls, plans: Sequence[SavePlan | CompactPlan]) -> tuple["SaveLayouts", list[torch.Tensor],
+                                                                           list[torch.Tensor]]:
+        """Every rank's full plan given (offline tools, tests): each plan its own layout. Also
+        returns, per rank in rank order, the shared items' plan indices and the unique ones'."""
+        compact = sorted((CompactPlan.from_plan(p) if isinstance(p, SavePlan) else p for p in plans),
+                         key=lambda p: p.rank)
+        world = (compact[-1].rank + 1) if compact else 0
+        by_rank = {p.rank: p for p in compact}
+        tables: list[tuple[KeyInfo, ...]] = []
+        table_id: dict[int, int] = {}
+        table_of = torch.full((world,), -1, dtype=torch.int64)
+        layout_of = torch.full((world,), -1, dtype=torch.int64)
+        unique_bytes = torch.zeros(world, dtype=torch.int64)
+        shared_plans, shared_idx, unique_idx = [], [], []
+        for r in range(world):
+            p = by_rank.get(r)
+            if p is None:
+                shared_idx.append(torch.empty(0, dtype=torch.int64))
+                unique_idx.append(torch.empty(0, dtype=torch.int64))
+                continue
+            t = table_id.get(id(p.keys))
+            if t is None:
+                t = table_id[id(p.keys)] = len(tables)
+                tables.append(p.keys)
+            table_of[r] = t
+            sp, idx = p.shared()
+            if idx.numel():
+                layout_of[r] = len(shared_plans)
+                shared_plans.append(sp)
+            if p.unique is not None:
+                u = torch.nonzero(p.unique).flatten()
+                unique_bytes[r] = int(p.nbytes[u].clamp(min=1).sum())
+            else:
+                u = torch.empty(0, dtype=torch.int64)
+            shared_idx.append(idx)
+            unique_idx.append(u)
+        return cls(world, tuple(tables), table_of, tuple(shared_plans), layout_of, unique_bytes), shared_idx, unique_idx
+
+
+def assign_owners(plans: Sequence[SavePlan | CompactPlan], policy: str = "balanced", *,
+                  verify_replicas: bool = False) -> GlobalSavePlan:
+    """``assign_layouts`` over every rank's full plan (offline tools, tests): ``write_idx[r]``
+    are indices into rank r's plan items, its unique ones included."""
+    layouts, shared_idx, unique_idx = SaveLayouts.from_plans(plans)
+    g = assign_layouts(layouts, policy, verify_replicas=verify_replicas)
+    writes = tuple(torch.sort(torch.cat([s[w], u])).values for s, w, u in zip(shared_idx, g.write_idx, unique_idx))
+    full = tuple(sorted((p for p in plans if isinstance(p, SavePlan)), key=lambda p: p.rank))
+    return GlobalSavePlan(writes, g.keys, g.table_maps, g.table_of, g.ndim, full)
+
+
+def merge_tables(tables: Sequence[tuple[KeyInfo, ...]], first_rank: Sequence[int]
+                 ) -> tuple[list[KeyInfo], list[torch.Tensor]]:
+    """One global key table, and per table the global id of each of its keys. Every table must
+    agree on a key's kind, dtype and global shape (``first_rank[t]``: a rank of table t, for the
+    error)."""
     gid: dict[str, int] = {}
-    first_rank: list[int] = []
+    seen_rank: list[int] = []
     keys: list[KeyInfo] = []
-    maps: dict[int, torch.Tensor] = {}  # id(table) -> local index -> global id
-    out = []
-    for p in plans:
-        m = maps.get(id(p.keys))
-        if m is None:
-            ids = []
-            for k in p.keys:
-                g = gid.get(k.fqn)
-                if g is None:
-                    g = gid[k.fqn] = len(keys)
-                    keys.append(k)
-                    first_rank.append(p.rank)
-                else:
-                    _check_same(keys[g], first_rank[g], k, p.rank)
-                ids.append(g)
-            m = maps[id(p.keys)] = torch.tensor(ids, dtype=torch.int64)
-        out.append(m[p.item_key])
-    return keys, out
+    maps = []
+    for t, table in enumerate(tables):
+        ids = []
+        for k in table:
+            g = gid.get(k.fqn)
+            if g is None:
+                g = gid[k.fqn] = len(keys)
+                keys.append(k)
+                seen_rank.append(first_rank[t])
+            else:
+                _check_same(keys[g], seen_rank[g], k, first_rank[t])
+                if k.unique and not keys[g].unique:
+                    keys[g] = k
+            ids.append(g)
+        maps.append(torch.tensor(ids, dtype=torch.int64))
+    return keys, maps
 
 
 def _check_same(a: KeyInfo, ra: int, b: KeyInfo, rb: int) -> None:
@@ -59,87 +130,114 @@ def _check_same(a: KeyInfo, ra: int, b: KeyInfo, rb: int) -> None:
             f"every rank must agree on a key's global shape and dtype")
 
 
-def _rows(p: CompactPlan, gids: torch.Tensor, dims: torch.Tensor, d: int) -> torch.Tensor:
-    """[items, 3 + 2d] int64: key id, rank, item index, offsets (padded 0), sizes (padded 1)."""
+def _rows(p: CompactPlan, layout: int, gids: torch.Tensor, dims: torch.Tensor, d: int) -> torch.Tensor:
+    """[items, 3 + 2d] int64: key id, layout, item index, offsets (padded 0), sizes (padded 1)."""
     n = p.item_key.numel()
     rows = torch.zeros((n, 3 + 2 * d), dtype=torch.int64)
     if n:
-        rows[:, 0], rows[:, 1], rows[:, 2] = gids, p.rank, torch.arange(n)
+        rows[:, 0], rows[:, 1], rows[:, 2] = gids, layout, torch.arange(n)
         rows[:, 3:] = padded_boxes(p.boxes, dims[gids], d)
     return rows
 
 
-def assign_owners(plans: Sequence[SavePlan | CompactPlan], policy: str = "balanced", *,
-                  verify_replicas: bool = False) -> GlobalSavePlan:
-    """Dedup: one writer per distinct chunk; balanced = the holder with the fewest bytes so far,
-    largest chunks first (ties: first seen in rank order); minimum_rank = the lowest holder. Then
-    the written chunks must tile every tensor. Deterministic given the plans (in rank order)."""
+def assign_layouts(layouts: SaveLayouts, policy: str = "balanced", *, verify_replicas: bool = False) -> GlobalSavePlan:
+    """Dedup over distinct layouts: one writer per distinct chunk among the ranks holding it;
+    balanced = the holder with the fewest bytes so far (its unique chunks counted), largest
+    chunks first (ties: first seen in rank order, then item order); minimum_rank = the lowest
+    holder. Then the written chunks of every key no rank holds uniquely must tile it (the rest
+    are checked with the chunk index). Deterministic given the layouts."""
     if policy not in POLICIES:
         raise StateDictError(f"unknown save dedup policy {policy!r}")
-    full = tuple(p for p in plans if isinstance(p, SavePlan))
-    compact = sorted((CompactPlan.from_plan(p) if isinstance(p, SavePlan) else p for p in plans), key=lambda p: p.rank)
-    keys, gids = merge_keys(compact)
+    world = layouts.world_size
+    table_of, layout_of = layouts.table_of, layouts.layout_of
+    first_rank = [int(torch.nonzero(table_of == t).flatten()[0]) for t in range(len(layouts.tables))]
+    keys, maps = merge_tables(layouts.tables, first_rank)
     dims = torch.tensor([k.ndim for k in keys] or [0], dtype=torch.int64)
     d = max(1, int(dims.max()))
-    rows = torch.cat([_rows(p, g, dims, d) for p, g in zip(compact, gids)]) if compact else \
+    plans = layouts.plans
+    holders = [torch.nonzero(layout_of == g).flatten() for g in range(len(plans))]
+    gids = [maps[int(table_of[p.rank])][p.item_key] for p in plans]
+    rows = torch.cat([_rows(p, g, ids, dims, d) for g, (p, ids) in enumerate(zip(plans, gids))]) if plans else \
         torch.zeros((0, 3 + 2 * d), dtype=torch.int64)
-    nbytes = torch.cat([p.nbytes for p in compact]) if compact else torch.empty(0, dtype=torch.int64)
-    order, group_of, starts = group_rows(torch.cat([rows[:, :1], rows[:, 3:]], 1))
+    nbytes = torch.cat([p.nbytes for p in plans]) if plans else torch.empty(0, dtype=torch.int64)
+    order, _, starts = group_rows(torch.cat([rows[:, :1], rows[:, 3:]], 1))
     counts = torch.diff(starts, append=torch.tensor([len(order)]))
     if verify_replicas:
-        _verify(compact, rows, order, starts, counts, keys)
-    owner = _choose(rows[:, 1], nbytes, order, starts, counts, policy, len(compact))
-    owned = rows[owner]
-    _check_tiling(keys, owned, d)
-    writes, by_writer = _writes(owned, [p.rank for p in compact])
-    owned = owned[by_writer]  # in each rank's write order: its written chunks' columns line up
-    out = torch.cat([owned[:, :2], owned[:, 3:]], 1)
-    return GlobalSavePlan(writes, tuple(keys), out, tuple(sorted(full, key=lambda p: p.rank)))
+        _verify(plans, rows, order, starts, counts, keys)
+    owner_rank, owner_row = _choose(rows, nbytes, order, starts, counts, holders, layout_of, layouts.unique_bytes,
+                                     policy, world)
+    _check_tiling(keys, rows[owner_row], d)
+    write_idx = _writes(owner_rank, rows[owner_row, 2], world)
+    return GlobalSavePlan(write_idx, tuple(keys), tuple(maps), table_of, d)
 
 
-def _choose(rank: torch.Tensor, nbytes: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
-            counts: torch.Tensor, policy: str, world: int) -> torch.Tensor:
-    """The owning row of every group."""
-    first = order[starts]  # rows keep rank-major order and sorts are stable: the first holder
+def _choose(rows: torch.Tensor, nbytes: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
+            counts: torch.Tensor, holders: Sequence[torch.Tensor], layout_of: torch.Tensor, unique_bytes: torch.Tensor,
+            policy: str, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk group: the owning rank, and the row (of the owner's layout) it writes."""
+    ngroups = len(starts)
+    if not ngroups:
+        e = torch.empty(0, dtype=torch.int64)
+        return e, e
+    layout = rows[:, 1]
+    first = order[starts]  # layouts are in rank order and sorts are stable: the lowest holder's row
+    reps = torch.tensor([int(h[0]) for h in holders], dtype=torch.int64)
+    nhold = torch.tensor([len(h) for h in holders], dtype=torch.int64)
+    owner_rank = reps[layout[first]]
+    owner_row = first.clone()
     if policy == "minimum_rank":
-        return first
-    owner = first.clone()
-    single = counts == 1
-    load = torch.zeros(int(rank.max()) + 1 if len(rank) else world, dtype=torch.int64)
-    load.index_add_(0, rank[first[single]], nbytes[first[single]].clamp(min=1))
+        return owner_rank, owner_row
+    single = (counts == 1) & (nhold[layout[first]] == 1)  # one layout held by one rank: no choice
+    load = unique_bytes.clone() if len(unique_bytes) == world else torch.zeros(world, dtype=torch.int64)
+    load.index_add_(0, owner_rank[single], nbytes[first[single]].clamp(min=1))
     dup = torch.nonzero(~single).flatten()
     if not len(dup):
-        return owner
-    # largest first; ties by first appearance in rank-major order
-    dup = dup[torch.argsort(first[dup], stable=True)]
-    dup = dup[torch.argsort(-nbytes[first[dup]], stable=True)]
-    # only the rows of replicated chunks go to Python: positions of dup groups, compressed
-    in_dup = (~single).repeat_interleave(counts)
-    d_rows = order[in_dup]
-    d_rank = rank[d_rows].tolist()
-    d_size = nbytes[d_rows].clamp(min=1).tolist()
-    dcounts = torch.where(single, 0, counts)
-    cstart = (torch.cumsum(dcounts, 0) - dcounts)[dup].tolist()
-    cnt = counts[dup].tolist()
+        return owner_rank, owner_row
+    dup = dup[torch.argsort(first[dup], stable=True)]  # ties: first appearance (rank, then item order)
+    dup = dup[torch.argsort(-nbytes[first[dup]], stable=True)]  # largest first
     load_l = load.tolist()
-    picks = []
-    for a, n in zip(cstart, cnt):
-        best = min(range(a, a + n), key=lambda i: (load_l[d_rank[i]], d_rank[i]))
-        picks.append(best)
-        load_l[d_rank[best]] += d_size[best]
-    owner[dup] = d_rows[torch.tensor(picks, dtype=torch.int64)]
-    return owner
+    lay_sorted = layout[order].tolist()
+    starts_l, counts_l = starts.tolist(), counts.tolist()
+    sizes = nbytes[first[dup]].clamp(min=1).tolist()
+    heaps: dict[tuple, list] = {}  # one per distinct holder set (the layouts holding a chunk)
+    lay_of_rank = layout_of.tolist()
+    picks_rank, picks_row = [], []
+    order_l = order.tolist()
+    for c, size in zip(dup.tolist(), sizes):
+        a, n = starts_l[c], counts_l[c]
+        lays = tuple(lay_sorted[a:a + n])
+        heap = heaps.get(lays)
+        if heap is None:
+            ranks = torch.cat([holders[g] for g in lays]) if n > 1 else holders[lays[0]]
+            heap = heaps[lays] = [(load_l[r], r) for r in ranks.tolist()]
+            heapq.heapify(heap)
+        while True:  # lazy: an entry whose load went up elsewhere is refreshed when it surfaces
+            lo, r = heap[0]
+            if lo == load_l[r]:
+                break
+            heapq.heapreplace(heap, (load_l[r], r))
+        load_l[r] += size
+        heapq.heapreplace(heap, (load_l[r], r))
+        picks_rank.append(r)
+        g = lay_of_rank[r]  # the owner's own layout row of this chunk
+        picks_row.append(order_l[a] if n == 1 else next(order_l[i] for i in range(a, a + n) if lay_sorted[i] == g))
+    owner_rank[dup] = torch.tensor(picks_rank, dtype=torch.int64)
+    owner_row[dup] = torch.tensor(picks_row, dtype=torch.int64)
+    return owner_rank, owner_row
 
 
 def _verify(plans: Sequence[CompactPlan], rows: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
             counts: torch.Tensor, keys: Sequence[KeyInfo]) -> None:
+    """Checksums of one chunk agree across the layouts holding it (ranks of one layout sent
+    equal checksums: their layouts' digests cover them)."""
     sums = [s for p in plans for s in (p.checksums or (None,) * p.item_key.numel())]
-    ranks = rows[:, 1].tolist()
+    reps = [p.rank for p in plans]
+    layout = rows[:, 1].tolist()
     order_l = order.tolist()
     for g in torch.nonzero(counts > 1).flatten().tolist():
         a = int(starts[g])
         members = order_l[a:a + int(counts[g])]
-        got = {ranks[i]: sums[i] for i in members}
+        got = {reps[layout[i]]: sums[i] for i in members}
         if len(set(got.values())) > 1:
             key = keys[int(rows[members[0], 0])]
             raise ReplicaMismatchError(
@@ -147,25 +245,23 @@ def _verify(plans: Sequence[CompactPlan], rows: torch.Tensor, order: torch.Tenso
                 f"must be identical (or give per-rank keys)")
 
 
-def _writes(owned: torch.Tensor, ranks: Sequence[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Per rank (in ``ranks`` order), the sorted item indices it writes; and the order of
-    ``owned`` by (rank, item index), the order ranks write in."""
-    if not len(owned):
-        return tuple(torch.empty(0, dtype=torch.int64) for _ in ranks), torch.empty(0, dtype=torch.int64)
-    o = torch.argsort(owned[:, 2], stable=True)
-    o = o[torch.argsort(owned[o, 1], stable=True)]
-    srt = owned[o]
-    top = max(max(ranks), int(srt[:, 1].max())) + 1
-    parts = torch.split(srt[:, 2], torch.bincount(srt[:, 1], minlength=top).tolist())
-    return tuple(parts[r] for r in ranks), o
+def _writes(owner_rank: torch.Tensor, item: torch.Tensor, world: int) -> tuple[torch.Tensor, ...]:
+    """Per rank, the sorted shared-item indices it writes."""
+    if not len(owner_rank):
+        return tuple(torch.empty(0, dtype=torch.int64) for _ in range(world))
+    o = torch.argsort(item, stable=True)
+    o = o[torch.argsort(owner_rank[o], stable=True)]
+    parts = torch.split(item[o], torch.bincount(owner_rank, minlength=world).tolist())
+    return tuple(parts[:world])
 
 
 def _check_tiling(keys: Sequence[KeyInfo], owned: torch.Tensor, d: int) -> None:
-    """The written chunks of every tensor cover it exactly once (``geometry.tiling_problem``)."""
-    is_tensor = torch.tensor([k.kind == TENSOR for k in keys] or [False])
-    rows = owned[is_tensor[owned[:, 0]]] if len(owned) else owned
+    """The written chunks of every tensor no rank holds uniquely cover it exactly once
+    (``geometry.tiling_problem``); a key with unique chunks is checked on the chunk index."""
+    checked = torch.tensor([k.kind == TENSOR and not k.unique for k in keys] or [False])
+    rows = owned[checked[owned[:, 0]]] if len(owned) else owned
     rows = torch.cat([rows[:, :1], rows[:, 3:]], 1)
-    shapes = [k.shape if k.kind == TENSOR else None for k in keys]
+    shapes = [k.shape if k.kind == TENSOR and not k.unique else None for k in keys]
     found = tiling_problem(shapes, rows)
     if found is not None:
         i, problem = found

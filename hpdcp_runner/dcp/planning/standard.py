@@ -10,14 +10,16 @@ import torch
 from ..format import objects as objcodec
 from ..core.utils import byte_view
 from ..format.safetensors_io import digest
-from .save_dedup import CompactPlan, GlobalSavePlan, assign_owners
+from .save_dedup import CompactPlan, GlobalSavePlan, SaveLayouts, assign_layouts, assign_owners  # noqa: F401
 from ..core.errors import CoverageError, MetadataError, ShapeMismatchError, StateDictError
 from ..core.geometry import Box, BoxIndex, dtensor_local_box, intersect, narrow, relative, whole
-from ..format.chunk_index import ChunkIndex
+from ..format.chunk_index import BLOCK_COUNT as BLOCK_COUNT_COL, BLOCK_START as BLOCK_START_COL, FILE as FILE_COL, \
+    TENSOR as TENSOR_COL, ChunkIndex
 from ..format.checksums import BLOCK_BYTES
-from ..format.metadata import (IndexedChunks, Metadata, ObjectMeta, TensorMeta, WrittenChunks, dtype_name,
-                               overlapping_chunks)
-from .interfaces import OBJECT, TENSOR, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from ..format.metadata import (FileMeta, IndexedChunks, Metadata, ObjectMeta, ReportedRows, TensorMeta, WriteResult,
+                               WrittenRows, chunk_key, dtype_name, overlapping_chunks)
+from ..core.geometry import tiling_problem
+from .interfaces import OBJECT, TENSOR, KeyInfo, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from ..core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 from .load_replicas import BroadcastOp, CompactShards, ShardSummary, plan_replica_reads
 from ..core.utils import TENSOR_LEAVES, flatten_state_dict, set_element
@@ -101,9 +103,11 @@ class StandardSavePlanner(SavePlanner):
                     raise StateDictError(f"key {fqn!r}: {e}") from None
                 pieces = local_pieces(v)
                 self._pieces[fqn] = pieces
+                unique = _held_by_one_rank(v, self.world_size)  # its chunk skips the coordinator's dedup
                 for i, (box, t) in enumerate(pieces):
                     csum = digest(byte_view(contiguous_cpu(t))) if self.verify_replicas else None
-                    items.append(WriteItem(fqn, TENSOR, box, dtype_name(dt), shape, t.numel() * t.element_size(), i, csum))
+                    items.append(WriteItem(fqn, TENSOR, box, dtype_name(dt), shape, t.numel() * t.element_size(), i, csum,
+                                           unique))
             else:
                 enc = objcodec.encode(v, key=fqn, allow_pickle=self.allow_pickle)
                 self._encoded[fqn] = enc
@@ -112,8 +116,8 @@ class StandardSavePlanner(SavePlanner):
                                        0, digest(text.encode()) if self.verify_replicas else None))
         return SavePlan(self.rank, tuple(items), dict(self.paths))
 
-    def create_global_plan(self, plans: Sequence[CompactPlan]) -> GlobalSavePlan:
-        return assign_owners(plans, self.policy, verify_replicas=self.verify_replicas)
+    def create_global_plan(self, layouts: SaveLayouts) -> GlobalSavePlan:
+        return assign_layouts(layouts, self.policy, verify_replicas=self.verify_replicas)
 
     def resolve_data(self, item: WriteItem) -> Any:
         if item.kind == OBJECT:
@@ -237,63 +241,72 @@ class MinimumRankLoadPlanner(StandardLoadPlanner):
     policy = "minimum_rank"
 
 
-def build_metadata(gplan: GlobalSavePlan, written: Sequence[WrittenChunks], world_size: int,
+def build_metadata(gplan: GlobalSavePlan, reported: ReportedRows, world_size: int,
                    extra: Mapping[str, Any] | None = None) -> Metadata:
-    """Combine the global plan with what every rank wrote (pure; runs on the coordinator) into
-    format-v2 metadata. Vectorised end to end: the owned rows (in write order) and the ranks'
-    columns (in the same order) are checked to line up and joined as tensors, and
-    ``ChunkIndex.build`` groups and sorts them; Python touches objects and tensors, never chunks."""
+    """The checkpoint's metadata from the global plan's key tables and what every rank wrote
+    (pure; runs on the coordinator). The ranks' rows become the chunk index after a few column
+    operations (their key, file and block numbering made global) and one sort; every tensor's
+    chunks must then tile it (``tiling_problem``, over a bounded block of tensors at a time).
+    Python touches keys, files and ranks, never chunks. ``reported.rows`` is consumed."""
     keys = gplan.keys
-    files = {f.name: f for w in written for f in w.files}
+    files: dict[str, FileMeta] = {}
+    for fs in reported.files:
+        for f in fs:
+            if f.name in files:
+                raise MetadataError(f"save: ranks {files[f.name].rank} and {f.rank} both wrote {f.name}")
+            files[f.name] = f
     file_names = sorted(files)
     name_id = {n: i for i, n in enumerate(file_names)}
     tensor_keys = sorted((i for i, k in enumerate(keys) if k.kind == TENSOR), key=lambda i: keys[i].fqn)
     tid_of = torch.full((max(len(keys), 1),), -1, dtype=torch.int64)
-    tid_of[torch.tensor(tensor_keys, dtype=torch.int64)] = torch.arange(len(tensor_keys))
-    ndim = max([keys[i].ndim for i in tensor_keys] + [1])
-    owned = gplan.owned
-    d = (owned.shape[1] - 2) // 2
-    items = torch.cat(list(gplan.write_idx)) if gplan.write_idx else torch.empty(0, dtype=torch.int64)
-    if len(items) != len(owned):  # (a plan built before owned rows were kept in write order)
-        raise MetadataError(f"global plan: {len(owned)} owned rows but {len(items)} written items")
-    is_tensor = tid_of[owned[:, 0]] >= 0
-    sizes = owned[:, 2 + d:]
-    sel = is_tensor & (sizes != 0).all(1)  # empty chunks are not stored
-    by_rank = {w.rank: w for w in written}
+    if tensor_keys:
+        tid_of[torch.tensor(tensor_keys, dtype=torch.int64)] = torch.arange(len(tensor_keys))
+    ndims = torch.tensor([keys[i].ndim for i in tensor_keys], dtype=torch.int64)
+    d = gplan.ndim
+    rows = reported.rows
+    if rows.dim() != 2 or rows.shape[1] != 6 + 2 * d:
+        raise MetadataError(f"save: ranks reported rows of width {list(rows.shape)[1:]}, not {6 + 2 * d}")
     objects: dict[str, ObjectMeta] = {}
-    for kid, rank in owned[~is_tensor, :2].tolist():
-        key = keys[kid]
-        file, csum = by_rank[rank].objects[key.fqn]
-        objects[key.fqn] = ObjectMeta(file, csum, key.path)
-    ranks = sorted(by_rank)
-    got_rank = torch.cat([torch.full((len(by_rank[r].items),), r, dtype=torch.int64) for r in ranks]) if ranks \
-        else torch.empty(0, dtype=torch.int64)
-    got_item = torch.cat([by_rank[r].items for r in ranks]) if ranks else torch.empty(0, dtype=torch.int64)
-    want_rank, want_item = owned[sel, 1], items[sel]
-    if not (torch.equal(got_rank, want_rank) and torch.equal(got_item, want_item)):
-        n = min(len(got_item), len(want_item))
-        bad = torch.nonzero((got_rank[:n] != want_rank[:n]) | (got_item[:n] != want_item[:n])).flatten()
-        at = int(bad[0]) if len(bad) else n
-        got = (int(got_rank[at]), int(got_item[at])) if at < len(got_item) else "nothing"
-        want = (int(want_rank[at]), int(want_item[at])) if at < len(want_item) else "nothing"
-        raise MetadataError(f"save: the written chunks do not match the plan at chunk {at}: (rank, item) {got} "
-                            f"written, {want} planned")
-
-    def cat(name: str) -> torch.Tensor:
-        parts = [getattr(by_rank[r], name) for r in ranks]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-    file_of = torch.cat([torch.tensor([name_id[f.name] for f in by_rank[r].files] or [0], dtype=torch.int64)
-                         for r in ranks]) if ranks else torch.zeros(1, dtype=torch.int64)
-    base = torch.tensor([0] + [max(len(by_rank[r].files), 1) for r in ranks], dtype=torch.int64).cumsum(0)
-    local = cat("file")
-    rank_pos = torch.searchsorted(torch.tensor(ranks, dtype=torch.int64), got_rank) if ranks else got_rank
-    file = file_of[base[rank_pos] + local] if len(local) else local
-    count = cat("block_count")
-    start = count.cumsum(0) - count
-    rows = owned[sel]
-    index = ChunkIndex.build(len(tensor_keys), torch.tensor([keys[i].ndim for i in tensor_keys], dtype=torch.int64),
-                             tid_of[rows[:, 0]], file, cat("byte_offset"), cat("checksum"),
-                             rows[:, 2:2 + ndim], rows[:, 2 + d:2 + d + ndim], start, count, cat("blocks"))
+    row_at = block_at = 0
+    luts = [tid_of[m] if m.numel() else m for m in gplan.table_maps]
+    for r in range(reported.world_size):  # per rank: renumber its slice of rows in place
+        n, nb = reported.row_counts[r], reported.block_counts[r]
+        part = rows[row_at:row_at + n]
+        if n:
+            t = int(gplan.table_of[r])
+            lut = luts[t] if 0 <= t < len(luts) else torch.empty(0, dtype=torch.int64)
+            local = part[:, TENSOR_COL]
+            fmap = torch.tensor([name_id[f.name] for f in reported.files[r]] or [-1], dtype=torch.int64)
+            bad = (local < 0) | (local >= len(lut))
+            if not bad.any():
+                bad = lut[local] < 0
+            if bad.any() or bool(((part[:, FILE_COL] < 0) | (part[:, FILE_COL] >= len(reported.files[r]))).any()) \
+                    or bool(((part[:, BLOCK_START_COL] < 0) | (part[:, BLOCK_COUNT_COL] < 0)
+                             | (part[:, BLOCK_START_COL] + part[:, BLOCK_COUNT_COL] > nb)).any()):
+                raise MetadataError(f"save: rank {r} reported a chunk of no tensor of its key table, of no file it "
+                                    f"wrote, or beyond its block digests")
+            part[:, TENSOR_COL] = lut[local]
+            part[:, FILE_COL] = fmap[part[:, FILE_COL]]
+            part[:, BLOCK_START_COL] += block_at
+        for fqn, (file, csum) in reported.objects[r].items():
+            objects[fqn] = ObjectMeta(file, csum, ())
+        row_at += n
+        block_at += nb
+    if row_at != len(rows) or block_at != reported.blocks.numel():
+        raise MetadataError(f"save: ranks reported {row_at} rows and {block_at} block digests, but "
+                            f"{len(rows)} and {reported.blocks.numel()} arrived")
+    gkey = {k.fqn: k for k in keys}
+    for fqn, o in list(objects.items()):
+        k = gkey.get(fqn)
+        if k is None or k.kind == TENSOR:
+            raise MetadataError(f"save: object {fqn!r} was written but is not an object of any rank's plan")
+        objects[fqn] = ObjectMeta(o.file, o.checksum, k.path)
+    missing = sorted(k.fqn for k in keys if k.kind != TENSOR and k.fqn not in objects)
+    if missing:
+        raise MetadataError(f"save: no rank wrote the object(s) {missing[:5]}")
+    index = ChunkIndex.from_rows(len(tensor_keys), ndims, rows, reported.blocks)
+    del rows
+    _check_index_tiling(index, [keys[i] for i in tensor_keys], d)
     file_list = [files[n] for n in file_names]
     tmetas = {}
     for tid, i in enumerate(tensor_keys):
@@ -303,3 +316,35 @@ def build_metadata(gplan: GlobalSavePlan, written: Sequence[WrittenChunks], worl
                                    k.path)
     return Metadata(world_size, tmetas, objects, files, 2, extra=dict(extra or {}), block_bytes=BLOCK_BYTES,
                     index=index)
+
+
+def written_rows(plan: SavePlan, written: Sequence[int], res: WriteResult, ndim: int) -> WrittenRows:
+    """What a rank reports after writing items ``written`` of ``plan`` (tensor chunks only, in
+    write order): for tools that write every rank's files in one process (imports)."""
+    key_of = CompactPlan.from_plan(plan).item_key.tolist()
+    return WrittenRows.from_result(res, [(key_of[i], plan.items[i].box, chunk_key(plan.items[i].fqn,
+                                                                                   plan.items[i].box.offsets))
+                                         for i in written], ndim)
+
+
+_TILE_BLOCK_ROWS = 1 << 20  # rows checked per pass: bounds the check's temporaries (~100 MiB)
+
+
+def _check_index_tiling(index: ChunkIndex, keys: Sequence[KeyInfo], d: int) -> None:
+    """Every tensor's chunks in the (sorted) index cover it exactly once: whole tensors in blocks
+    of about ``_TILE_BLOCK_ROWS`` rows."""
+    rows = index.sorted_rows()
+    bounds = index.tensor_rows
+    t0 = 0
+    while t0 < len(keys):
+        t1 = t0 + 1
+        while t1 < len(keys) and bounds[t1 + 1] - bounds[t0] <= _TILE_BLOCK_ROWS:
+            t1 += 1
+        part = rows[bounds[t0]:bounds[t1]]
+        local = torch.cat([(part[:, TENSOR_COL] - t0)[:, None], part[:, 6:]], 1)
+        found = tiling_problem([k.shape for k in keys[t0:t1]], local)
+        if found is not None:
+            i, problem = found
+            k = keys[t0 + i]
+            raise CoverageError(f"key {k.fqn!r}: the ranks' chunks do not tile shape {list(k.shape)}: {problem}")
+        t0 = t1

@@ -1,9 +1,12 @@
+import dataclasses
+import random
+
 import pytest
 import torch
 
 from hpdcp_runner.dcp.core.errors import CoverageError, ReplicaMismatchError, ShapeMismatchError
 from hpdcp_runner.dcp.core.geometry import Box
-from hpdcp_runner.dcp.planning.interfaces import TENSOR, SavePlan, WriteItem
+from hpdcp_runner.dcp.planning.interfaces import OBJECT, TENSOR, SavePlan, WriteItem
 from hpdcp_runner.dcp.planning.standard import assign_owners
 
 
@@ -180,18 +183,100 @@ def test_one_dimensional_overlap_gap_and_out_of_bounds():
         assign_owners(mixed)
 
 
-def test_compact_wire_round_trip_parses_identical_key_tables_once():
-    from hpdcp_runner.dcp.planning.save_dedup import CompactPlan
+def test_compact_frame_round_trip_with_the_table_apart():
+    from hpdcp_runner.dcp.core.columns import decode_frame, encode_frame
+    from hpdcp_runner.dcp.planning.plans import CompactPlan, parse_table
 
     def items(r):
         return (_item("a", (4, 4), Box((min(r, 1) * 2, 0), (2, 4)), checksum="x"), _item("b", (3,)))
 
     plans = [CompactPlan.from_plan(SavePlan(r, items(r), {"a": ("m", "a"), "b": ("b",)})) for r in range(3)]
-    tables: dict = {}
-    back = [CompactPlan.from_wire(p.to_wire(), tables) for p in plans]
+    assert len({p.table_digest() for p in plans}) == 1  # one table: sent once by its lowest rank
+    keys = parse_table(plans[0].table_text())
+    back = [CompactPlan.from_frame(decode_frame(encode_frame(p.to_frame())), keys) for p in plans]
     for a, b in zip(back, plans):
         assert (a.rank, a.keys, a.checksums) == (b.rank, b.keys, b.checksums)
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("item_key", "boxes", "nbytes"))
-    assert len(tables) == 1 and back[1].keys is back[2].keys
+    assert plans[1].columns_digest() == plans[2].columns_digest() != plans[0].columns_digest()
     gplan = assign_owners(back)
     assert [(k.fqn, k.path) for k in gplan.keys] == [("a", ("m", "a")), ("b", ("b",))]
+
+
+def _layouts_of(plans):
+    """The coordinator's view of full plans: ranks with identical shared items form one layout,
+    sent once (what the save protocol gathers)."""
+    from hpdcp_runner.dcp.planning.plans import CompactPlan
+    from hpdcp_runner.dcp.planning.save_dedup import SaveLayouts
+
+    compact = [CompactPlan.from_plan(p) for p in plans]
+    tables, table_of, layout, layout_of, ubytes, shared_idx, unique_idx = {}, [], {}, [], [], [], []
+    for c in compact:
+        t = tables.setdefault(c.table_digest(), (len(tables), c.keys))
+        table_of.append(t[0])
+        sp, idx = c.shared()
+        shared_idx.append(idx)
+        unique_idx.append(torch.nonzero(c.unique).flatten() if c.unique is not None else torch.empty(0, dtype=torch.int64))
+        ubytes.append(int(c.nbytes[unique_idx[-1]].clamp(min=1).sum()))
+        if idx.numel():
+            g = layout.setdefault((c.table_digest(), sp.columns_digest()), (len(layout), sp))
+            layout_of.append(g[0])
+        else:
+            layout_of.append(-1)
+    lay = SaveLayouts(len(plans), tuple(k for _, k in sorted(tables.values(), key=lambda v: v[0])),
+                      torch.tensor(table_of), tuple(p for _, p in sorted(layout.values(), key=lambda v: v[0])),
+                      torch.tensor(layout_of), torch.tensor(ubytes))
+    return lay, shared_idx, unique_idx
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("policy", ["balanced", "minimum_rank"])
+def test_layouts_sent_once_give_the_owners_of_every_plan(seed, policy):
+    """Ranks with equal shared items send them once, and ranks' unique chunks never reach the
+    dedup: the owners are exactly those of the dedup over every rank's full plan."""
+    from hpdcp_runner.dcp.planning.save_dedup import assign_layouts
+
+    rnd = random.Random(seed)
+    ws = rnd.choice([2, 3, 4, 6, 8])
+    dp = rnd.choice([d for d in (1, 2, 3) if ws % d == 0])
+    tp = ws // dp
+    plans = []
+    perm = list(range(5))
+    rnd.shuffle(perm)  # any order of the state dict, the same on every rank
+    extra = rnd.random() < 0.5
+    for r in range(ws):
+        items = [_item("norm", (6,)), WriteItem("step", OBJECT, None, None, None, 12, 0)]
+        # FSDP over the whole group: unique, written by its holder
+        start, size = r * 2, 2
+        items.append(dataclasses.replace(_item("fsdp", (2 * ws, 3), Box((start, 0), (size, 3))), unique=True))
+        # TP inside each data-parallel replica: the same box on dp ranks
+        t = r % tp
+        items.append(_item("tp", (tp * 4, 5), Box((4 * t, 0), (4, 5))))
+        if extra:
+            items.append(_item("extra", (tp, 7), Box((t, 0), (1, 7))))
+        items = [items[i] for i in perm if i < len(items)]
+        plans.append(SavePlan(r, tuple(items), {}))
+    lay, shared_idx, unique_idx = _layouts_of(plans)
+    assert len(lay.plans) == tp  # one layout per TP position, not one per rank
+    g = assign_layouts(lay, policy)
+    got = sorted((r, int(i)) for r in range(ws)
+                 for i in torch.cat([shared_idx[r][g.write_idx[r]], unique_idx[r]]).tolist())
+    assert got == _reference_owners(plans, policy)
+    assert got == sorted((r, i) for r, idxs in enumerate(assign_owners(plans, policy).writes) for i in idxs)
+
+
+def test_a_chunk_held_by_thousands_of_ranks_is_one_heap_pop():
+    """8,192 ranks in one layout (replicated norms) and their unique shards: the balanced choice
+    spreads the replicated chunks over the ranks with the fewest bytes, lowest rank first."""
+    from hpdcp_runner.dcp.planning.plans import CompactPlan
+    from hpdcp_runner.dcp.planning.save_dedup import SaveLayouts, assign_layouts
+
+    n = 8192
+    norms = SavePlan(0, tuple(_item(f"n{i}", (64,)) for i in range(300)), {})
+    cp = CompactPlan.from_plan(norms)
+    ubytes = torch.full((n,), 1000, dtype=torch.int64)
+    ubytes[5:10] = 0  # five ranks write nothing of their own
+    lay = SaveLayouts(n, (cp.keys,), torch.zeros(n, dtype=torch.int64), (cp,), torch.zeros(n, dtype=torch.int64), ubytes)
+    g = assign_layouts(lay)
+    # 256-byte chunks: the idle ranks take four each (to 1,024 bytes), then one per rank in rank order
+    assert [g.write_idx[r].tolist() for r in (5, 9)] == [[0, 5, 10, 15], [4, 9, 14, 19]]
+    assert [g.write_idx[r].tolist() for r in (0, 4, 10, 284, 285)] == [[20], [24], [25], [299], []]

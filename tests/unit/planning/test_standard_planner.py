@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpdcp_runner.dcp import LocalShard, MinimumRankSavePlanner, ShapeMismatchError, StandardLoadPlanner, StandardSavePlanner, save
-from hpdcp_runner.dcp.planning.plans import CompactPlan
+from hpdcp_runner.dcp.planning.save_dedup import SaveLayouts
 from hpdcp_runner.dcp import read_metadata
 
 
@@ -23,8 +23,9 @@ def test_a_replicated_tensor_is_written_once_and_shards_by_their_holder():
     for cls, rep_writer in ((StandardSavePlanner, None), (MinimumRankSavePlanner, 0)):
         planners = [cls() for _ in range(2)]
         plans = [_plan(p, sd, r) for r, (p, sd) in enumerate(zip(planners, sds))]
-        g = planners[0].create_global_plan([CompactPlan.from_plan(p) for p in plans])
-        written = {r: sorted(plans[r].items[i].fqn for i in g.writes[r]) for r in range(2)}
+        layouts, shared_idx, _ = SaveLayouts.from_plans(plans)
+        g = planners[0].create_global_plan(layouts)
+        written = {r: sorted(plans[r].items[int(shared_idx[r][i])].fqn for i in g.writes[r]) for r in range(2)}
         assert sorted(written[0] + written[1]) == ["rep", "row", "row", "step"]  # each replica once
         if rep_writer is not None:
             assert "rep" in written[rep_writer] and "step" in written[rep_writer]
