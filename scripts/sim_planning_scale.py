@@ -327,15 +327,19 @@ def hostile_strips(n: int) -> str:
 
 
 def cached_row(n: int, t: int) -> str:
-    from hpdcp_runner.dcp.protocol import plan_digest
-
     plan = rank_plan(n, t, n // 2)
-    s_rank, m_rank, digest = measure(lambda: plan_digest(CompactPlan.from_plan(plan)))
-    # what the all-gather hands every rank: N rows of 17 bytes (flag + digest); compared with the
-    # cached ones (the rows differ per rank in a real job; equal here, the same work)
-    row = torch.frombuffer(bytearray(b"\x01" + bytes.fromhex(digest)), dtype=torch.uint8)
-    gathered, cached = row.repeat(n, 1), row.repeat(n, 1)
-    s_cmp, m_cmp, hit = measure(lambda: torch.equal(gathered, cached))
+
+    def summary() -> bytes:
+        c = CompactPlan.from_plan(plan)
+        shared, _ = c.shared()
+        return SaveSummary(True, plan_digest(c), c.table_digest(), shared.columns_digest(), 0).encode()
+
+    s_rank, m_rank, row = measure(summary)
+    # what the all-gather hands every rank: N summaries; their flag + plan digest compared with
+    # the cached ones (the rows differ per rank in a real job; equal here, the same work)
+    row = torch.frombuffer(bytearray(row), dtype=torch.uint8)
+    gathered, cached = row.repeat(n, 1), row[:17].repeat(n, 1)
+    s_cmp, m_cmp, hit = measure(lambda: torch.equal(gathered[:, :17], cached))
     assert hit
     return (f"| {n} | {t} | {s_rank * 1e3:.1f} ({m_rank:.0f}) | {s_cmp * 1e3:.2f} ({m_cmp:.0f}); "
             f"{gathered.numel() / 1024:.0f} KiB gathered |")
@@ -355,7 +359,7 @@ def main() -> None:
                     help="commit and read format v1 (every chunk inline in metadata.json): the 'before' of the index")
     args = ap.parse_args()
     if args.cached:
-        print("| ranks | tensors | any rank: plan -> digest ms (MiB) | every rank: N gathered digests compared "
+        print("| ranks | tensors | any rank: plan -> summary ms (MiB) | every rank: N gathered summaries compared "
               "ms (MiB) |\n|---|---|---|---|", flush=True)
         for n in args.ranks:
             set_rows(n)

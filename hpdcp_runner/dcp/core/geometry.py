@@ -248,10 +248,14 @@ def tiling_problem(shapes: Sequence[Sequence[int] | None], rows: torch.Tensor) -
         suspect[g[lo[g] != hi[g]]] = True
         start = off[sel].gather(1, dim[:, None]).flatten()
         end = start + size[sel].gather(1, dim[:, None]).flatten()
-        o = torch.argsort(start, stable=True)
-        o = o[torch.argsort(g[o], stable=True)]
-        gap = (g[o][1:] == g[o][:-1]) & (start[o][1:] != end[o][:-1])
-        suspect[g[o][1:][gap]] = True
+        same = g[1:] == g[:-1]
+        if not bool(((g[1:] > g[:-1]) | (same & (start[1:] >= start[:-1]))).all()):  # (a chunk index is sorted)
+            o = torch.argsort(start, stable=True)
+            o = o[torch.argsort(g[o], stable=True)]
+            g, start, end = g[o], start[o], end[o]
+            same = g[1:] == g[:-1]
+        gap = same & (start[1:] != end[:-1])
+        suspect[g[1:][gap]] = True
     for i in torch.nonzero(suspect).flatten().tolist():
         nd = len(shapes[i])
         boxes = [Box(tuple(r[1:1 + nd]), tuple(r[1 + d:1 + d + nd])) for r in rows[gid == i].tolist()]

@@ -80,7 +80,7 @@ def encode_header(tensors: int, rows: int, ndim: int, blocks: int) -> tuple[byte
 
 
 class ChunkIndex:
-    """The index of one checkpoint, read from its file (``open``) or held in memory (``build``,
+    """The index of one checkpoint, read from its file (``open``) or held in memory (``from_rows``,
     on the coordinator of a save). Reads are ranged: ``rows``, ``key``, ``blocks``."""
 
     def __init__(self, name: str, counts: tuple[int, int, int, int], read: Callable[[str, int, int], memoryview],
@@ -100,21 +100,6 @@ class ChunkIndex:
         self._check_structure()
 
     # -- making one --------------------------------------------------------------------------
-    @classmethod
-    def build(cls, ntensors: int, ndims: torch.Tensor, tensor: torch.Tensor, file: torch.Tensor,
-              byte_offset: torch.Tensor, checksum: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-              block_start: torch.Tensor, block_count: torch.Tensor, blocks: torch.Tensor,
-              name: str = INDEX_FILE) -> "ChunkIndex":
-        """From per-chunk int64 columns in any order (``offsets``/``sizes`` [R, D], padded with 0 and
-        1); rows are grouped by tensor and sorted by the offset along each tensor's sort
-        dimension: the one with the most distinct offsets (estimated as the fewest chunks at
-        offset 0), so a bisection finds a rank's chunks among few candidates. Vectorised: no
-        Python object per chunk."""
-        tensor = tensor.to(torch.int64)
-        rows = torch.cat([torch.stack([tensor, file, byte_offset, checksum, block_start, block_count], 1),
-                          offsets, sizes], 1)
-        return cls.from_rows(ntensors, ndims, rows, blocks, name)
-
     @classmethod
     def from_rows(cls, ntensors: int, ndims: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor,
                   name: str = INDEX_FILE) -> "ChunkIndex":
@@ -338,39 +323,48 @@ class ChunkIndex:
             yield t0, t1, tr[t0], tr[t1]
             t0 = t1
 
-    def rows_by_file(self, nfiles: int, budget: int = WALK_ROWS
+    def rows_by_file(self, nfiles: int, budget: int = 2 * WALK_ROWS, columns: list[int] | None = None
                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """For every file id in order: (file id, its rows sorted by byte offset, their row
-        numbers). Files are taken in groups of about ``budget`` rows, each group one pass over
-        the index, so memory stays at a group's rows however large the checkpoint (a file's
-        rows are one rank's chunks: a group holds one file at least)."""
+        numbers); ``columns``: only those columns of the rows (less memory per row). Files are
+        taken in groups of about ``budget`` rows, each group one pass over the index, so memory
+        stays at a group's rows however large the checkpoint (a file's rows are one rank's
+        chunks: a group holds one file at least)."""
         counts = torch.zeros(max(nfiles, 1), dtype=torch.int64)
-        for _, _, lo, hi in self.tensor_blocks(budget):
+        for _, _, lo, hi in self.tensor_blocks():
             f = self.rows_tensor(lo, hi)[:, FILE]
             ok = (f >= 0) & (f < nfiles)
             counts += torch.bincount(f[ok], minlength=max(nfiles, 1))
         f0 = 0
         cum = counts.tolist()
-        empty = torch.empty((0, self.width), dtype=torch.int64)
+        width = self.width if columns is None else len(columns)
+        empty = torch.empty((0, width), dtype=torch.int64)
         while f0 < nfiles:
             f1, total = f0 + 1, cum[f0]
             while f1 < nfiles and total + cum[f1] <= budget:
                 total += cum[f1]
                 f1 += 1
-            parts, where = [], []
+            parts, where, files, offs = [], [], [], []
             if total:
-                for _, _, lo, hi in self.tensor_blocks(budget):
+                for _, _, lo, hi in self.tensor_blocks():
                     rows = self.rows_tensor(lo, hi)
                     sel = torch.nonzero((rows[:, FILE] >= f0) & (rows[:, FILE] < f1)).flatten()
                     if len(sel):
-                        parts.append(rows[sel])
+                        picked = rows[sel]
+                        files.append(picked[:, FILE])
+                        offs.append(picked[:, BYTE_OFFSET])
+                        parts.append(picked if columns is None else picked[:, columns])
                         where.append(sel + lo)
+                    del rows
             rows = torch.cat(parts) if parts else empty
             at = torch.cat(where) if where else torch.empty(0, dtype=torch.int64)
-            o = torch.argsort(rows[:, BYTE_OFFSET], stable=True)
-            o = o[torch.argsort(rows[o, FILE], stable=True)]
-            rows, at = rows[o], at[o]
-            bounds = torch.searchsorted(rows[:, FILE].contiguous(), torch.arange(f0, f1 + 1)).tolist()
+            file = torch.cat(files) if files else at
+            off = torch.cat(offs) if offs else at
+            del parts, where, files, offs
+            o = torch.argsort(off, stable=True)
+            o = o[torch.argsort(file[o], stable=True)]
+            rows, at, file = rows[o], at[o], file[o]
+            bounds = torch.searchsorted(file.contiguous(), torch.arange(f0, f1 + 1)).tolist()
             for f in range(f0, f1):
                 yield f, rows[bounds[f - f0]:bounds[f - f0 + 1]], at[bounds[f - f0]:bounds[f - f0 + 1]]
             f0 = f1

@@ -820,15 +820,16 @@ def validate_index(md: "Metadata", budget: int = WALK_ROWS) -> None:
         del rows, keys, tid, off, size, shp, local
     # no two non-empty chunks share a byte of a file: each file's rows sorted by offset
     row_tid = index.tensor_rows
-    for f, rows, at in index.rows_by_file(len(files), budget):
+    cols = [TENSOR, BYTE_OFFSET] + list(range(6 + d, 6 + 2 * d))  # the columns the check needs
+    for f, rows, at in index.rows_by_file(len(files), 2 * budget, cols):
         if len(rows) < 2:
             continue
-        tids = rows[:, TENSOR]
-        size = rows[:, 6 + d:6 + 2 * d]
+        tids = rows[:, 0]
+        size = rows[:, 2:]
         inside = torch.arange(d)[None, :] < nd[tids][:, None]
         n = torch.where(inside, size, 1).prod(1) * esize[tids]
         keep = n > 0
-        start, end, at = rows[keep, BYTE_OFFSET], rows[keep, BYTE_OFFSET] + n[keep], at[keep]
+        start, end, at = rows[keep, 1], rows[keep, 1] + n[keep], at[keep]
         clash = torch.nonzero(start[1:] < end[:-1]).flatten()
         if len(clash):
             j = int(clash[0])
