@@ -7,9 +7,9 @@ Every rank holds ``--tensors`` fp32 tensors of (4 x world) x 64: 9 of 10 a DTens
 the whole group (FSDP, one row block per rank), every 10th replicated (norms). Three saves into
 a temporary directory: a first save, a second with ``cache_plan`` (its structure is new to the
 cache: planned in full), a third (served from the cache). Per save and phase (plan, write,
-commit: ``PhaseTimer``) the slowest rank's seconds, and on the coordinator the seconds of its
-own computation in that phase (the global plan; the metadata build and commit): the rest of a
-phase is the collectives and waiting for the slowest rank. Rank 0 prints a table.
+commit: ``PhaseTimer``) the slowest rank's seconds; the slowest rank's own computation (its local
+plan, its writing) and the coordinator's (the global plan; the metadata build and commit): the
+rest of a phase is the collectives and waiting. Rank 0 prints a table.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
         return wrapper
 
     steps = protocol.SaveSteps
-    for name in ("global_plan", "build_metadata", "commit"):  # the coordinator's own work
+    for name in ("_prepare", "write", "global_plan", "build_metadata", "commit"):  # own work, per rank
         if hasattr(steps, name):
             setattr(steps, name, timed(name, getattr(steps, name)))
     mesh = DeviceMesh("cpu", list(range(ws)))
@@ -73,15 +73,18 @@ def main() -> None:
         t0 = time.perf_counter()
         save(state, checkpoint_id=os.path.join(root, f"s{i}"), timer=timer, timeout=600, cache_plan=cache)
         wall = time.perf_counter() - t0
-        mine = torch.tensor([wall] + [timer.seconds.get(p, 0.0) for p in ("plan", "write", "commit")], dtype=torch.float64)
+        mine = torch.tensor([wall] + [timer.seconds.get(p, 0.0) for p in ("plan", "write", "commit")]
+                            + [compute.get("_prepare", 0.0), compute.get("write", 0.0)], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         out.append((["first", "cached (miss)", "cached (hit)"][i], mine.tolist(), dict(compute)))
     if rank == 0:
-        print(f"| {ws} ranks x {args.tensors} tensors | wall | plan | write | commit | coordinator's own: global plan | "
-              f"metadata build | commit (with build) |\n|---|---|---|---|---|---|---|---|")
-        for name, (wall, plan, write, commit), c in out:
-            print(f"| {name} | {wall:.2f} | {plan:.2f} | {write:.2f} | {commit:.2f} | {c.get('global_plan', 0):.2f} | "
-                  f"{c.get('build_metadata', 0):.2f} | {c.get('commit', 0):.2f} |", flush=True)
+        print(f"| {ws} ranks x {args.tensors} tensors | wall | plan | write | commit | slowest rank's own: local plan | "
+              f"writing | coordinator's own: global plan | metadata build | commit (with build) |\n"
+              f"|---|---|---|---|---|---|---|---|---|---|")
+        for name, (wall, plan, write, commit, prep, wr), c in out:
+            print(f"| {name} | {wall:.2f} | {plan:.2f} | {write:.2f} | {commit:.2f} | {prep:.2f} | {wr:.2f} | "
+                  f"{c.get('global_plan', 0):.2f} | {c.get('build_metadata', 0):.2f} | {c.get('commit', 0):.2f} |",
+                  flush=True)
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     dist.barrier()

@@ -267,9 +267,13 @@ class IndexedChunks(Sequence[ChunkMeta]):
         return c
 
     def __iter__(self) -> Iterator[ChunkMeta]:
-        if len(self._cache) < len(self):
-            self._load(self.lo, self.hi)
-        return (self._cache[i] for i in range(len(self)))
+        """Every chunk, in order. Rows not already held are read and described but not kept: a
+        walk over every tensor of a huge checkpoint (verify in a store, full-tensor digests)
+        holds one tensor's chunks at a time, not the whole table."""
+        if len(self._cache) == len(self):
+            return (self._cache[i] for i in range(len(self)))
+        return (self._cache.get(j - self.lo) or self._chunk(j, row)
+                for j, row in zip(range(self.lo, self.hi), self.index.rows(self.lo, self.hi)))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (tuple, list, IndexedChunks)):

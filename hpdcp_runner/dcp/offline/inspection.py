@@ -108,6 +108,25 @@ def tensor_files(md: Metadata) -> dict[str, dict]:
     return out
 
 
+def files_of(md: Metadata, keys: Iterable[str]) -> list[str]:
+    """The files holding chunks of ``keys``; format v2 from the index a bounded block at a time."""
+    keys = set(keys)
+    if md.index is None:
+        return sorted({c.file for k in keys for c in md.tensors[k].chunks})
+    from ..format.chunk_index import FILE, TENSOR
+    from ..format.metadata import IndexedChunks
+
+    names = sorted(md.files)
+    tids = torch.tensor(sorted(t.chunks.tid for k, t in md.tensors.items()
+                               if k in keys and isinstance(t.chunks, IndexedChunks)) or [-1], dtype=torch.int64)
+    used = torch.zeros(max(len(names), 1), dtype=torch.bool)
+    for _, _, lo, hi in md.index.tensor_blocks():
+        rows = md.index.rows_tensor(lo, hi)
+        f = rows[torch.isin(rows[:, TENSOR], tids), FILE]
+        used[f[(f >= 0) & (f < len(names))]] = True
+    return [names[i] for i in torch.nonzero(used).flatten().tolist()]
+
+
 def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
                       reuse_buffer: bool = False, reader: StorageReader | None = None,
                       keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -122,7 +141,7 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
                             open_file=reader.open_file)
     reader.attach_metadata(md)
     keys = list(keys) if keys is not None else sorted(k for k in md.tensors if keep is None or keep(k))
-    reader.check_files(sorted({c.file for k in keys for c in md.tensors[k].chunks}))  # sizes real before allocating
+    reader.check_files(files_of(md, keys))  # sizes real before allocating
     scratch = torch.empty(max((md.tensors[k].nbytes for k in keys), default=0) if reuse_buffer else 0,
                           dtype=torch.uint8)
     try:

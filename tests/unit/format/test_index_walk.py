@@ -93,3 +93,17 @@ def test_describe_lists_files_per_tensor_from_the_index(tmp_path):
     assert d["tensors"]["b"]["chunks"] == 3  # 5 rows in pieces of 2: 2, 2, 1 and an empty one
     assert verify(ck).ok
     json.dumps(d)
+
+
+def test_walking_every_tensor_keeps_no_chunk_table(tmp_path):
+    """A whole-checkpoint walk (digests, verify in a store) describes each tensor's chunks as it
+    reads them and keeps none: memory follows one tensor, not the checkpoint."""
+    from hpdcp_runner.dcp.offline.inspection import files_of, full_tensor_digests
+
+    ck = _checkpoint(tmp_path)
+    md = read_metadata(ck)
+    assert [c.offsets for c in md.tensors["a"].chunks] == [(0, 0), (2, 0), (4, 0), (6, 0)]
+    assert all(not t.chunks._cache for t in md.tensors.values())
+    assert files_of(md, ["b"]) == [f"rank{r:05d}.safetensors" for r in range(3)]  # its 4th piece is empty
+    digests = full_tensor_digests(ck)
+    assert sorted(digests) == sorted(SHAPES)
