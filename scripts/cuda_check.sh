@@ -1,5 +1,5 @@
-# CUDA/NCCL check of the fused, expert and auto layouts and of the engine's explicit shards on one GPU
-# (world size 1). Run from the repo root on a machine with torch+CUDA, transformers and safetensors;
+# CUDA/NCCL check of the fused, expert and auto layouts, of the engine's explicit shards and of the save protocol
+# (unique shards, frames, rows reported to the coordinator) on one GPU (world size 1). Run from the repo root on a machine with torch+CUDA, transformers and safetensors;
 # hydra-core/omegaconf/antlr4 wheels in .whl/ are installed to /tmp/site first (machines without pip access).
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -19,6 +19,8 @@ R="python3 -m torch.distributed.run --nproc-per-node=1 -m hpdcp_runner runtime.d
 $R +job=reshard job.source.path=phi3_hf layout=phi3_tp layout.strict=true job.output=phi3_tp hydra.run.dir=r1 || exit 2
 $R +job=load job.source.path=phi3_tp layout=auto hydra.run.dir=r4 || exit 5
 $R +job=bench job.source.path=phi3_tp layout=phi3_tp job.repeats=2 hydra.run.dir=r5 || exit 6
+python3 -m hpdcp_runner +job=verify checkpoint.path=phi3_tp hydra.run.dir=r6 || exit 8
+python3 -m hpdcp_runner +job=inspect checkpoint.path=phi3_tp hydra.run.dir=r7 | head -5
 cd $OLDPWD
 python3 - <<'PY' || exit 7
 # engine on CUDA in one process: FusedShard / ShardPieces saved sync and async (pinned staging), loaded back
@@ -37,5 +39,5 @@ for c in ("/tmp/ck_a", "/tmp/ck_b"):
     assert torch.equal(out["f"].local, full) and out["p"].tolist() == [[0.0] * 4, [1.0] * 4], c
 print("cuda engine FusedShard/ShardPieces OK")
 PY
-OMP_NUM_THREADS=4 timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/unit/runner/test_fused_layouts.py tests/unit/runner/test_experts.py tests/unit/api/test_fused_and_pieces.py 2>&1 | tail -3
+OMP_NUM_THREADS=4 timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/unit/runner/test_fused_layouts.py tests/unit/runner/test_experts.py tests/unit/api/test_fused_and_pieces.py tests/unit/comm tests/unit/planning tests/unit/format/test_index_walk.py tests/multiproc/test_protocol.py 2>&1 | tail -3
 echo ALL-DONE
