@@ -92,9 +92,9 @@ def rank_first_save(n: int, t: int, r: int) -> tuple[bytes, bytes, int]:
     plan = rank_plan(n, t, r)
     compact = CompactPlan.from_plan(plan)
     shared, idx = compact.shared()
-    unique = torch.nonzero(compact.unique).flatten()
+    unique = compact.unique_items()
     summary = SaveSummary(True, plan_digest(compact), compact.table_digest(), shared.columns_digest(),
-                          int(compact.nbytes[unique].sum())).encode()
+                          compact.unique_bytes()).encode()
     payload = encode_frame({"ok": {"token": None, "table": compact.table_text() if r == 0 else None,
                                    "shared": shared.to_frame() if r == 0 else None}})
     items = [(i, plan.items[i].box, chunk_key(plan.items[i].fqn, plan.items[i].box.offsets)) for i in unique.tolist()]

@@ -48,6 +48,11 @@ from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
 # -- messages -------------------------------------------------------------------------------------
 
 SUMMARY_BYTES = 1 + 16 * 3 + 8  # flag, plan digest, table digest, shared-items digest, unique bytes
+PLAN_BYTES = (0, 17)  # the flag and the plan digest: what a cached plan compares
+TABLE_BYTES = (17, 33)  # ranks with equal bytes here have one key table
+LAYOUT_BYTES = (17, 49)  # ... and here, one key table and the same shared items
+SHARED_BYTES = (33, 49)  # zero: no shared items
+UNIQUE_BYTES = (49, 57)
 
 
 def plan_digest(plan: CompactPlan) -> str:
@@ -247,9 +252,8 @@ class SaveSteps:
 
     def _summary(self) -> SaveSummary:
         c = self.compact
-        unique = torch.nonzero(c.unique).flatten() if c.unique is not None else torch.empty(0, dtype=torch.int64)
         shared = self.shared.columns_digest() if self.shared_idx.numel() else "00" * 16
-        return SaveSummary(True, self.digest, c.table_digest(), shared, int(c.nbytes[unique].clamp(min=1).sum()))
+        return SaveSummary(True, self.digest, c.table_digest(), shared, c.unique_bytes())
 
     def summarize(self) -> bool:
         """Every rank's fixed-size ``SaveSummary``, all-gathered (N x 57 bytes, nothing decoded).
@@ -267,7 +271,7 @@ class SaveSteps:
         if not self.cache_plan:
             return False
         cached = self._cache
-        if cached is None or not torch.equal(self.digests[:, :17], cached["digests"]):
+        if cached is None or not torch.equal(self.digests[:, slice(*PLAN_BYTES)], cached["digests"]):
             return False
         self.token = self.comm.agree_root("save: begin", lambda: self.writer.begin(overwrite=self.overwrite))
         if self.comm.rank == 0:
@@ -284,8 +288,8 @@ class SaveSteps:
             self.token = self.writer.begin(overwrite=self.overwrite)
         self._prepare()
         me = self.comm.rank
-        send_table = int(first_with(self.digests, 17, 33)[me]) == me
-        send_shared = bool(self.shared_idx.numel()) and int(first_with(self.digests, 17, 49)[me]) == me
+        send_table = int(first_with(self.digests, *TABLE_BYTES)[me]) == me
+        send_shared = bool(self.shared_idx.numel()) and int(first_with(self.digests, *LAYOUT_BYTES)[me]) == me
         return {"token": self.token, "table": self.compact.table_text() if send_table else None,
                 "shared": self.shared.to_frame() if send_shared else None}
 
@@ -308,12 +312,10 @@ class SaveSteps:
         structure (every rank: the digests and its write list; rank 0: the global plan)."""
         self.reply = reply = SaveReply.from_wire(wire)
         self.token = reply.token
-        c = self.compact
-        unique = torch.nonzero(c.unique).flatten() if c.unique is not None else torch.empty(0, dtype=torch.int64)
-        self.writes = torch.sort(torch.cat([self.shared_idx[reply.writes], unique])).values
+        self.writes = torch.sort(torch.cat([self.shared_idx[reply.writes], self.compact.unique_items()])).values
         PLAN_CACHE_STATS["misses"] += 1
         if self.cache_plan and not self.verify_replicas:
-            entry = {"digests": self.digests[:, :17].clone(), "writes": reply.writes, "ndim": reply.ndim,
+            entry = {"digests": self.digests[:, slice(*PLAN_BYTES)].clone(), "writes": reply.writes, "ndim": reply.ndim,
                      "items": self.writes}
             if self.comm.rank == 0:
                 entry["gplan"] = self.gplan
@@ -372,9 +374,9 @@ class SaveSteps:
 def layouts_from(summaries: torch.Tensor, gathered: Sequence[Mapping], world_size: int) -> SaveLayouts:
     """The coordinator's ``SaveLayouts`` from every rank's summary and the payloads of the ranks
     that sent a table or shared items (the lowest of each digest)."""
-    table_first = first_with(summaries, 17, 33)
-    shared_first = first_with(summaries, 17, 49)
-    has_shared = (summaries[:, 33:49] != 0).any(1)
+    table_first = first_with(summaries, *TABLE_BYTES)
+    shared_first = first_with(summaries, *LAYOUT_BYTES)
+    has_shared = (summaries[:, slice(*SHARED_BYTES)] != 0).any(1)
     tables: list = []
     table_id: dict[int, int] = {}
     for r in torch.unique(table_first).tolist():
@@ -394,7 +396,7 @@ def layouts_from(summaries: torch.Tensor, gathered: Sequence[Mapping], world_siz
         plans.append(CompactPlan.from_frame(w, tables[int(table_of[r])]))
     layout_of = torch.tensor([layout_id[f] if h else -1 for f, h in zip(shared_first.tolist(), has_shared.tolist())],
                              dtype=torch.int64)
-    unique_bytes = summaries[:, 49:57].flatten().clone().view(torch.int64)  # a fresh buffer: aligned
+    unique_bytes = summaries[:, slice(*UNIQUE_BYTES)].flatten().clone().view(torch.int64)  # fresh: aligned
     return SaveLayouts(world_size, tuple(tables), table_of, tuple(plans), layout_of, unique_bytes)
 
 

@@ -143,7 +143,15 @@ class CompactPlan:
     def table_digest(self) -> str:
         return _digest(self.table_text().encode())
 
-    # -- shared items: what the coordinator deduplicates --------------------------------------
+    # -- unique and shared items: what the coordinator never sees, and what it deduplicates ------
+    def unique_items(self) -> torch.Tensor:
+        """Indices of the items no other rank can hold."""
+        return torch.nonzero(self.unique).flatten() if self.unique is not None else torch.empty(0, dtype=torch.int64)
+
+    def unique_bytes(self) -> int:
+        """What this rank writes in any case (an empty chunk counts 1: the balanced choice's rule)."""
+        return int(self.nbytes[self.unique_items()].clamp(min=1).sum())
+
     def ndims(self) -> torch.Tensor:
         """Each item's box rank (0 for objects)."""
         per_key = torch.tensor([k.ndim for k in self.keys] or [0], dtype=torch.int64)

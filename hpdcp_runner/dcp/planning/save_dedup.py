@@ -74,13 +74,9 @@ class SaveLayouts:
             if idx.numel():
                 layout_of[r] = len(shared_plans)
                 shared_plans.append(sp)
-            if p.unique is not None:
-                u = torch.nonzero(p.unique).flatten()
-                unique_bytes[r] = int(p.nbytes[u].clamp(min=1).sum())
-            else:
-                u = torch.empty(0, dtype=torch.int64)
+            unique_bytes[r] = p.unique_bytes()
             shared_idx.append(idx)
-            unique_idx.append(u)
+            unique_idx.append(p.unique_items())
         return cls(world, tuple(tables), table_of, tuple(shared_plans), layout_of, unique_bytes), shared_idx, unique_idx
 
 

@@ -215,8 +215,8 @@ def _layouts_of(plans):
         table_of.append(t[0])
         sp, idx = c.shared()
         shared_idx.append(idx)
-        unique_idx.append(torch.nonzero(c.unique).flatten() if c.unique is not None else torch.empty(0, dtype=torch.int64))
-        ubytes.append(int(c.nbytes[unique_idx[-1]].clamp(min=1).sum()))
+        unique_idx.append(c.unique_items())
+        ubytes.append(c.unique_bytes())
         if idx.numel():
             g = layout.setdefault((c.table_digest(), sp.columns_digest()), (len(layout), sp))
             layout_of.append(g[0])
