@@ -230,7 +230,9 @@ class Comm:
                 if mine.numel():
                     dist.send(mine, dst=self._root(), group=self.control)
                 return None
-            assert counts is not None and len(counts) == self.world_size
+            if counts is None or len(counts) != self.world_size:
+                raise errmod.ConfigError(f"{phase}: rank 0 needs every rank's row count ({self.world_size}), got "
+                                         f"{None if counts is None else len(counts)}")
             out = torch.empty((sum(counts), width), dtype=mine.dtype)
             starts = [0]
             for c in counts:

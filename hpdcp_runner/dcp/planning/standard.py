@@ -306,7 +306,7 @@ def build_metadata(gplan: GlobalSavePlan, reported: ReportedRows, world_size: in
         raise MetadataError(f"save: no rank wrote the object(s) {missing[:5]}")
     index = ChunkIndex.from_rows(len(tensor_keys), ndims, rows, reported.blocks)
     del rows
-    _check_index_tiling(index, [keys[i] for i in tensor_keys], d)
+    _check_index_tiling(index, [keys[i] for i in tensor_keys])
     file_list = [files[n] for n in file_names]
     tmetas = {}
     for tid, i in enumerate(tensor_keys):
@@ -327,24 +327,15 @@ def written_rows(plan: SavePlan, written: Sequence[int], res: WriteResult, ndim:
                                          for i in written], ndim)
 
 
-_TILE_BLOCK_ROWS = 1 << 20  # rows checked per pass: bounds the check's temporaries (~100 MiB)
-
-
-def _check_index_tiling(index: ChunkIndex, keys: Sequence[KeyInfo], d: int) -> None:
-    """Every tensor's chunks in the (sorted) index cover it exactly once: whole tensors in blocks
-    of about ``_TILE_BLOCK_ROWS`` rows."""
+def _check_index_tiling(index: ChunkIndex, keys: Sequence[KeyInfo]) -> None:
+    """Every tensor's chunks in the (sorted) index cover it exactly once: whole tensors in
+    bounded blocks (``ChunkIndex.tensor_blocks``), so the check's temporaries stay small."""
     rows = index.sorted_rows()
-    bounds = index.tensor_rows
-    t0 = 0
-    while t0 < len(keys):
-        t1 = t0 + 1
-        while t1 < len(keys) and bounds[t1 + 1] - bounds[t0] <= _TILE_BLOCK_ROWS:
-            t1 += 1
-        part = rows[bounds[t0]:bounds[t1]]
+    for t0, t1, lo, hi in index.tensor_blocks():
+        part = rows[lo:hi]
         local = torch.cat([(part[:, TENSOR_COL] - t0)[:, None], part[:, 6:]], 1)
         found = tiling_problem([k.shape for k in keys[t0:t1]], local)
         if found is not None:
             i, problem = found
             k = keys[t0 + i]
             raise CoverageError(f"key {k.fqn!r}: the ranks' chunks do not tile shape {list(k.shape)}: {problem}")
-        t0 = t1
