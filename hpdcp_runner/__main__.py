@@ -8,6 +8,7 @@ Thin on purpose: agree the run dir across ranks before Hydra starts, then hand o
 from __future__ import annotations
 
 import os
+import sys
 
 import hydra
 from omegaconf import DictConfig
@@ -73,7 +74,6 @@ def _check_launcher(argv: list[str]) -> None:
 
 
 def _worker() -> None:
-    import sys
 
     from .cli_help import handle_early_flags
 
@@ -96,10 +96,47 @@ def _worker() -> None:
 
     for launcher in submitit_launchers.LAUNCHERS:  # none without the slurm extra
         Plugins.instance().register(launcher)
+    from hydra.errors import CompactHydraException
+
+    own = os.environ.get("HYDRA_FULL_ERROR") == "1"  # the user asked for Hydra's own traceback
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us as exceptions, not printed text
     try:
         hydra.main(version_base="1.3", config_path=find_conf_dir(), config_name="config")(_task)()
+    except CompactHydraException as e:
+        if own:
+            raise
+        if runtime.env_rank() == 0:  # every rank composed the same config: one line, once
+            sys.stderr.write(f"error: ConfigError: {config_error_line(e)}\n")
+        raise SystemExit(2) from None
     finally:
         runtime.shutdown_distributed()
+
+
+def config_error_line(e: BaseException) -> str:
+    """Hydra's composition error as one line: a key that does not exist names the nearest real
+    keys of its section (``checkpoint.kep_last`` -> ``checkpoint.keep_last``); anything else is
+    the first line of Hydra's text and of its cause."""
+    import difflib
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = e.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        full, parent = str(cause.full_key), cause.parent_node
+        section = full.rsplit(".", 1)[0] if "." in full else ""
+        keys = [str(k) for k in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
+        near = difflib.get_close_matches(str(cause.key), keys, n=3, cutoff=0.5)
+        named = [f"{section}.{k}" if section else k for k in near]
+        hint = f"did you mean {' or '.join(named)}?" if named else \
+            f"{section or 'the config'} has: {', '.join(keys)}" if keys else ""
+        value = f" ({hint})" if hint else ""
+        return f"{full}: no such config key{value}"
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    override = getattr(e, "override", None)  # a parse error names the text, not which override
+    if override is not None:
+        first = f"{override}: {first}"
+    more = (str(cause).strip().splitlines() or [""])[0] if cause is not None else ""
+    return f"{first} {more}".strip()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,39 @@
+"""Issue 41, a new user's hour round 2: each surprise they met, through the CLI where they met it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.e2e.conftest import _env
+
+
+def _hpdcp(args, cwd, timeout=240):
+    """``hpdcp ...`` as a user types it (the console script's module, torchrun in-process)."""
+    return subprocess.run([sys.executable, "-m", "hpdcp_runner", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=str(cwd))
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def test_a_mistyped_key_is_one_line_naming_the_nearest_keys_printed_once(cli, tmp_path):
+    r = cli(["+job=save", "checkpoint.kep_last=1"])
+    assert r.returncode == 2, r.stderr
+    assert _lines(r.stderr) == ["error: ConfigError: checkpoint.kep_last: no such config key (did you mean "
+                                "checkpoint.keep_last or checkpoint.path?)"], r.stderr
+    r = cli(["+job=save", "checkpoint.keep=2"])
+    assert r.returncode == 2 and len(_lines(r.stderr)) == 1 and "checkpoint.keep_last" in r.stderr, r.stderr
+    # nothing close: the section's real keys
+    r = cli(["+job=save", "dcp.broadcast.zzzzzz=1"])
+    assert r.returncode == 2 and "dcp.broadcast has: mode, batch_bytes, max_in_flight" in r.stderr, r.stderr
+    # a bad override's syntax names the override
+    r = cli(["+job=save", "checkpoint.dir=[a"])
+    assert r.returncode == 2 and _lines(r.stderr)[0].startswith("error: ConfigError: checkpoint.dir=[a: "), r.stderr
+    # two ranks compose the same config: the line once, exit 2
+    r = _hpdcp(["--nproc-per-node=2", "+job=save", "checkpoint.kep_last=1"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert _lines(r.stderr) == ["error: ConfigError: checkpoint.kep_last: no such config key (did you mean "
+                                "checkpoint.keep_last or checkpoint.path?)"], r.stderr
