@@ -37,3 +37,24 @@ def test_a_mistyped_key_is_one_line_naming_the_nearest_keys_printed_once(cli, tm
     assert r.returncode == 2, r.stderr
     assert _lines(r.stderr) == ["error: ConfigError: checkpoint.kep_last: no such config key (did you mean "
                                 "checkpoint.keep_last or checkpoint.path?)"], r.stderr
+
+
+def _ranks_and_pid(rank, world_size):
+    return rank, world_size, os.getpid()
+
+
+def test_the_rank_harness_cannot_lose_a_port_race(monkeypatch):
+    """Item 2: the harness chose a free port, closed it, and another process could take it before
+    the ranks bound it (EADDRINUSE under load). Here that race is forced: the port any port-picking
+    helper returns is held by another socket the whole time; the ranks still form their group."""
+    import socket
+
+    from tests.multiproc import harness
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(harness, "free_port", lambda: taken)
+        out = harness.run_ranks(2, _ranks_and_pid, timeout=120)
+    assert [(r, w) for r, w, _ in out] == [(0, 2), (1, 2)] and out[0][2] != out[1][2]

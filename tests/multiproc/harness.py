@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -15,20 +17,24 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free now (for launchers that need one named, e.g. two torchrun agents); it can be
+    taken before it is bound, so ``run_ranks`` does not use it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, pg_timeout: float) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world_size: int, store_file: str, fn: Callable, args: tuple, queue: Any,
+            pg_timeout: float) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+        # the rendezvous is a file, not a port: nothing another process can take between choosing
+        # it and binding it (gloo's own connections bind port 0, which cannot collide)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"file://{store_file}",
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
@@ -46,8 +52,16 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0,
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, pg_timeout), daemon=True)
+    store_dir = tempfile.mkdtemp(prefix="hpdcp-rdzv-")
+    try:
+        return _run(ctx, queue, world_size, os.path.join(store_dir, "store"), fn, args, timeout, pg_timeout)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _run(ctx: Any, queue: Any, world_size: int, store_file: str, fn: Callable, args: tuple, timeout: float,
+         pg_timeout: float) -> list[Any]:
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store_file, fn, args, queue, pg_timeout), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

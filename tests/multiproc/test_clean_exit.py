@@ -14,15 +14,13 @@ import sys
 
 import pytest
 
-from tests.multiproc.harness import free_port
-
 SCRIPT = os.path.join(os.path.dirname(__file__), "clean_exit_script.py")
 
 
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # an abort prints every stack
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
-                           f"--master-port={free_port()}", SCRIPT, *args], env=env, capture_output=True, text=True,
+    # no --master-port: one node's torchrun binds its rendezvous store to port 0 itself (no race)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", SCRIPT, *args], env=env, capture_output=True, text=True,
                           timeout=300)
 
 
