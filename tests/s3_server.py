@@ -23,7 +23,7 @@ def available() -> str | None:
         try:
             __import__(mod)
         except ImportError:
-            return f"{mod} is not installed (pip install -e '.[s3,test]')"
+            return f"{mod} is not installed (pip install -e '.[test]')"
     return None
 
 
@@ -33,13 +33,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_up(endpoint: str, timeout: float = 30.0) -> None:
+def wait_until_up(endpoint: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> bool:
+    """True once the server answers; False when ``proc`` exited first (its port was taken)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).read()
-            return
+            return True
         except Exception:
+            if proc is not None and proc.poll() is not None:
+                return False
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the S3 test server at {endpoint} did not start")
             time.sleep(0.1)
@@ -51,12 +54,14 @@ def start() -> tuple[str, subprocess.Popen | None]:
     if given:
         wait_until_up(given)
         return given, None
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    wait_until_up(endpoint)
-    return endpoint, proc
+    for _ in range(5):  # a port found free can be taken before the server binds it: try another
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        endpoint = f"http://127.0.0.1:{port}"
+        if wait_until_up(endpoint, proc=proc):
+            return endpoint, proc
+    raise RuntimeError("the S3 test server could not bind a port in 5 tries")
 
 
 def client(endpoint: str):
