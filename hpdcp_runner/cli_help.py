@@ -109,14 +109,42 @@ def unknown_choices(argv: list[str], conf_dir: str | None = None) -> list[str]:
     return out
 
 
+def unsupported_locations(argv: list[str]) -> list[str]:
+    """One line per ``key=<scheme>://...`` override whose scheme no storage serves: refused before
+    any rank starts (the launcher asks) or composes a config, naming the key."""
+    from .dcp.storage.uri import SCHEMES, scheme_of
+
+    out = []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        key = key.lstrip("+~")
+        if a.startswith("-") or not eq or key.startswith("hydra.") or key.startswith("hydra/"):
+            continue
+        for v in value.split(","):  # a sweep lists several
+            s = scheme_of(v.strip())
+            if s is not None and s not in SCHEMES:
+                out.append(f"ConfigError: {key}={v.strip()}: the {s}:// scheme is not supported; a location is a "
+                           f"local path or {' / '.join(f'{x}://bucket/prefix' for x in SCHEMES)}")
+    return out
+
+
+def report_mistakes(argv: list[str], rank: int) -> bool:
+    """Print (rank 0) the mistakes found in the command line before any config is composed; True
+    when there were any. The launcher asks before it starts a rank, every rank again."""
+    if any(a.split("=")[0] in PRINT_ONLY_FLAGS for a in argv):
+        return False
+    choices, locations = unknown_choices(argv), unsupported_locations(argv)
+    if (choices or locations) and rank == 0:
+        hint = ["  (python -m hpdcp_runner --help lists every group's choices)"] if choices else []
+        print("\n".join(choices + locations + hint), file=sys.stderr)
+    return bool(choices or locations)
+
+
 def handle_early_flags(argv: list[str], rank: int) -> int | None:
     """Answer what needs no Hydra run; returns an exit code when handled, else None. A config
     group choice that does not exist is one line (printed once under torchrun) and exit 2, not
     Hydra's 20-line composition error on every rank with exit 1."""
-    bad = unknown_choices(argv) if not any(a.split("=")[0] in PRINT_ONLY_FLAGS for a in argv) else []
-    if bad:
-        if rank == 0:
-            print("\n".join(bad) + "\n  (python -m hpdcp_runner --help lists every group's choices)", file=sys.stderr)
+    if report_mistakes(argv, rank):
         return 2
     if rank != 0 and any(a.split("=")[0] in PRINT_ONLY_FLAGS for a in argv):
         return 0  # torchrun: rank 0 prints it once

@@ -43,6 +43,10 @@ def launch(argv: list[str]) -> int | None:
     from torch.distributed.run import parse_args, run
 
     launcher, job = split_launcher_args(argv)
+    from .cli_help import report_mistakes
+
+    if report_mistakes(job, 0):  # a mistake every rank would make: said before any starts
+        return 2
     # torchrun's agent logs its banner and a failure summary at WARNING/ERROR: the workers
     # already said what went wrong, once
     import torch.distributed.elastic.agent.server.api  # noqa: F401 (its logger is made on import)

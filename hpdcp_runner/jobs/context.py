@@ -329,11 +329,15 @@ class JobContext:
         try:
             yield
         except dcp.CheckpointExistsError as e:
-            what = _first_line(e).split(";")[0].rstrip(". ")  # without the engine's keyword hint
+            line = _first_line(e)
+            what = line.split(";")[0].rstrip(". ")  # without the engine's keyword hint
+            # what an overwrite does to the old one depends on the output (a committed checkpoint,
+            # a directory renamed into place, a bucket's plain files): the engine says which
+            how = re.search(r"\(([^()]*)\)\s*$", line)
             named, other = ("", "checkpoint.name / checkpoint.dir") if key == "checkpoint.dir" else (f" ({key})", key)
+            note = f" ({how.group(1)})" if how else ""
             raise dcp.CheckpointExistsError(
-                f"{what}{named}. To replace it, add checkpoint.overwrite=true (the old one stays loadable until the "
-                f"new one commits), or pick another {other}.") from None
+                f"{what}{named}. To replace it, add checkpoint.overwrite=true{note}, or pick another {other}.") from None
         except (dcp.CheckpointNotFoundError, dcp.StorageAccessError) as e:
             raise type(e)(f"{_first_line(e)} (check {key})") from None
         except dcp.PickleNotAllowedError as e:

@@ -36,7 +36,7 @@ def run(ctx: JobContext) -> dict:
         done[0] += size
         done[1] += 1
 
-    with ctx.metrics.phase("verify"), ctx.byte_progress("verify", lambda: (done[0], done[1])):
+    with ctx.metrics.phase("verify"), ctx.byte_progress("verify", lambda: (done[0], done[1])), ctx.user_errors(key):
         report = verify(path, on_file=on_file)
     if not report.ok:
         raise CorruptCheckpointError(f"{report.path}: {len(report.problems)} problem(s):\n  - "

@@ -81,3 +81,40 @@ def test_the_readme_test_command_installs_what_the_object_store_tests_need():
     needed = {"obstore", "moto", "boto3"}  # what s3_server.available() imports
     assert needed <= names, f"the README's test command ({extras}) lacks {needed - names}"
     assert "HPDCP_SKIP" not in test_cmd and "-m 'not" not in test_cmd
+
+
+def test_errors_point_the_right_way(cli, tmp_path, s3_endpoint, s3_bucket):
+    """Item 5: a verify of nothing is 'not found' (local and in a bucket), not 'corrupt'; a Hugging
+    Face output that exists promises nothing it cannot keep; an endpoint nobody listens on says so
+    and names AWS_ENDPOINT_URL; an unsupported scheme is refused before any rank starts."""
+    for where in (str(tmp_path / "nothing"), f"{s3_bucket}/nothing"):
+        r = cli(["+job=verify", f"checkpoint.path={where}", f"hydra.run.dir={tmp_path}/v"])
+        assert r.returncode == 1, r.stderr
+        assert _lines(r.stderr) == [f"error: CheckpointNotFoundError: no committed checkpoint at {where} "
+                                    f"(check checkpoint.path)"], r.stderr
+    # an HF export into a bucket replaces files in place: the message says so, not "stays loadable"
+    r = cli(["+job=save", f"checkpoint.dir={s3_bucket}/ck", f"hydra.run.dir={tmp_path}/s"])
+    assert r.returncode == 0, r.stderr
+    args = ["+job=reshard", f"job.source.path={s3_bucket}/ck/step_0", "job.output_format=hf", "job.verify=false"]
+    for out in (f"{s3_bucket}/hf", str(tmp_path / "hf")):
+        for n in range(2):
+            r = cli([*args, f"job.output={out}", f"hydra.run.dir={tmp_path}/h{n}"])
+        assert r.returncode == 1, r.stderr
+        line = _lines(r.stderr)[-1]
+        assert "CheckpointExistsError" in line and "checkpoint.overwrite=true" in line, line
+        assert "until the new one commits" not in line, line  # an HF output has no commit
+        assert ("replaced in place, not atomically" in line) == out.startswith("s3://"), line
+    # nothing listens at the endpoint
+    env = dict(_env(), AWS_ENDPOINT_URL="http://127.0.0.1:1")
+    r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=save", f"checkpoint.dir={s3_bucket}/x",
+                        "dcp.storage.max_retries=0", f"hydra.run.dir={tmp_path}/c"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    line = _lines(r.stderr)[-1]
+    assert r.returncode == 1 and "cannot reach the object store at http://127.0.0.1:1" in line, r.stderr
+    assert "connection was refused" in line and "AWS_ENDPOINT_URL" in line and "error sending request" not in line
+    # gs:// (a scheme no storage serves): one line before any rank starts, so no run directory
+    r = _hpdcp(["--nproc-per-node=2", "+job=verify", "checkpoint.path=gs://b/x"], tmp_path)
+    assert r.returncode == 2 and _lines(r.stderr) == [
+        "ConfigError: checkpoint.path=gs://b/x: the gs:// scheme is not supported; a location is a local path or "
+        "s3://bucket/prefix"], r.stderr
+    assert not (tmp_path / "outputs").exists()

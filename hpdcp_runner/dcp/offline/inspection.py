@@ -20,7 +20,7 @@ from ..format.safetensors_io import parse_header
 from ..core.rafile import open_regular_file
 from ..format import jsondoc
 from ..format import objects as objcodec
-from ..core.errors import HpdcpError, MetadataError, PickleNotAllowedError
+from ..core.errors import CheckpointNotFoundError, HpdcpError, MetadataError, PickleNotAllowedError, StorageAccessError
 from ..storage.commit import STAGING_MARK, TRASH_MARK
 from ..storage.filesystem import FileSystemReader
 from ..core.geometry import Box, narrow
@@ -214,6 +214,8 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
         return _verify_in_store(normalize(path), on_file)
     problems: list[str] = []
     abspath = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(os.path.join(abspath, METADATA_FILE)):
+        FileSystemReader(path).read_metadata_text()  # nothing there: not found (with its hints), not damaged
     try:
         md = FileSystemReader(path).read_metadata_once()
         md.validate_all()  # format v2: every row of the chunk index (a load checks the rows it uses)
@@ -401,12 +403,18 @@ def _verify_in_store(uri: str, on_file: Callable[[str, int], None] | None) -> Ve
     stored byte is checked once, one tensor in memory at a time."""
     problems: list[str] = []
     reader = open_reader(uri, "hpdcp")
+    md = None
     try:
         md = Metadata.from_json(reader.read_metadata_text(), source=join(uri, METADATA_FILE),
                                 open_file=reader.open_file)
         md.validate_all()
         reader.attach_metadata(md)
         reader.check_files(sorted(md.files))
+    except (CheckpointNotFoundError, StorageAccessError) as e:
+        reader.close()
+        if md is None:  # nothing there (or no access): not a damaged checkpoint
+            raise
+        return VerifyReport(uri, (str(e),), 0, 0)  # a file the metadata names is missing
     except HpdcpError as e:
         reader.close()
         return VerifyReport(uri, (str(e),), 0, 0)

@@ -321,7 +321,8 @@ class StagedDir:
         self.dst = os.path.abspath(os.fspath(dst))
         self.overwrite = overwrite
         if os.path.lexists(self.dst) and not overwrite:
-            raise CheckpointExistsError(f"{self.dst} already exists; pass overwrite to replace it")
+            raise CheckpointExistsError(f"{self.dst} already exists; pass overwrite to replace it (the old one stays "
+                                        f"in place until the new one is complete)")
         parent, name = os.path.split(self.dst)
         try:
             os.makedirs(parent, exist_ok=True)

@@ -314,7 +314,9 @@ class ObjectDirectoryOutput:
         _, objs = self.bucket.list_dir(self.prefix)
         names = [o["path"].rsplit("/", 1)[-1] for o in objs]
         if any(n in self.MARKERS for n in names) and not self.overwrite:
-            raise CheckpointExistsError(f"{self.uri} already holds a Hugging Face model; pass overwrite to replace it")
+            raise CheckpointExistsError(f"{self.uri} already holds a Hugging Face model; pass overwrite to replace it "
+                                        f"(its files are replaced in place, not atomically: a reader during the "
+                                        f"export may see old and new files mixed)")
         return [o["path"] for o in objs]
 
     def key(self, name: str) -> str:

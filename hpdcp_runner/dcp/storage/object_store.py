@@ -159,6 +159,23 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
+_NETWORK = (("ConnectionRefused", "the connection was refused (nothing listens there)"),
+            ("dns error", "its host name does not resolve"), ("failed to lookup address", "its host name does not resolve"),
+            ("TimedOut", "it did not answer in time"), ("operation timed out", "it did not answer in time"),
+            ("ConnectionReset", "it reset the connection"), ("tcp connect error", "no connection could be made"))
+
+
+def _unreachable(text: str) -> str | None:
+    """Why the store could not be reached, from the client's full error text (its first line says
+    only "error sending request"), or None when the request reached it."""
+    if "error sending request" not in text and "tcp connect error" not in text:
+        return None
+    for marker, why in _NETWORK:
+        if marker in text:
+            return why
+    return "the request could not be sent"
+
+
 def _code(e: BaseException) -> str | None:
     m = re.search(r"<Code>([A-Za-z]+)</Code>", str(e))
     return m.group(1) if m else None
@@ -195,6 +212,12 @@ class Bucket:
         if isinstance(e, FileNotFoundError):
             return CheckpointNotFoundError(f"{what}: {where} does not exist")
         text = _first_line(e)
+        why = _unreachable(str(e))
+        if why is not None:  # the library's one line says only "error sending request"
+            endpoint = self.options.endpoint or os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint"
+            return StorageAccessError(f"{what}: cannot reach the object store at {endpoint} for {where}: {why} "
+                                      f"(after {self.options.max_retries} retries; check AWS_ENDPOINT_URL or "
+                                      f"dcp.storage.endpoint, and that the server is up)")
         if "connect" in text.lower() or "timed out" in text.lower() or "dns" in text.lower():
             return StorageAccessError(f"{what}: cannot reach the object store for {where} after "
                                       f"{self.options.max_retries} retries ({text})")
