@@ -289,6 +289,29 @@ class Placer:
         """The tensors no rule names (what ``layout.strict`` refuses)."""
         return [f for f in fqns if self.rule_for(f) is None]
 
+    def partly_split(self, shapes: Mapping[str, Any]) -> dict[str, tuple[list[str], list[str]]]:
+        """Blocks whose weight matrices a layout splits only in part: ``{block: (split, left)}``,
+        where ``split`` are the block's weights a rule of their own places differently from the
+        default (the catch-all's placement, or replication) and ``left`` those the default takes.
+        A tensor-parallel forward cannot run such a block (DeepSeek-V2's ``q_a_proj`` replicated
+        while its ``o_proj`` is split by rows): the data round-trips, the placement is not usable.
+        A block is a weight's key less its last two parts (``...layers.0.self_attn``)."""
+        default_i = next((r.i for r in self._rules if r.conf.pattern in CATCH_ALL), None)
+        default = self._rules[default_i].placements if default_i is not None else ["R"] * len(self.shape)
+        blocks: dict[str, tuple[list[str], list[str]]] = {}
+        for fqn, shape in shapes.items():
+            parts = fqn.split(".")
+            if len(shape) < 2 or parts[-1] != "weight" or len(parts) < 3:
+                continue
+            i = self.rule_for(fqn)
+            specific = i is not None and i != default_i
+            split, left = blocks.setdefault(".".join(parts[:-2]), ([], []))
+            if specific and self._rules[i].placements != default:
+                split.append(fqn)
+            elif not specific:
+                left.append(fqn)
+        return {b: (s, sorted(l)) for b, (s, l) in sorted(blocks.items()) if s and l}
+
     def clashing_rules(self, fqn: str) -> tuple[int, int] | None:
         """(first, other) when a later rule also matches ``fqn`` and would place it differently
         (what ``layout.strict`` refuses: the order of the rules decides it silently). A later

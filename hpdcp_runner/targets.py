@@ -4,7 +4,7 @@ rank allocates only its own shard), and every object as a placeholder the load f
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .dcp import ConfigError, Metadata
 from .dcp.tools import dtype_from_name, set_element
@@ -24,6 +24,15 @@ def local_bytes(md: Metadata, placer: Placer, keys: Any = None) -> int:
                for k, t in md.tensors.items() if keys is None or k in keys)
 
 
+def partly_split_text(partial: Mapping[str, tuple[list[str], list[str]]]) -> str:
+    """What ``Placer.partly_split`` found, in words: the first block's split and left-out weights."""
+    block, (split, left) = next(iter(partial.items()))
+    names = lambda ks: ", ".join(k[len(block) + 1:] for k in ks[:4]) + (" ..." if len(ks) > 4 else "")  # noqa: E731
+    return (f"splits {len(partial)} block(s) only in part, so a tensor-parallel forward cannot use it: in {block!r} "
+            f"{names(split)} are split while {names(left)} fall to the default (replicated); add rules for them, "
+            f"or choose a layout without tensor parallelism")
+
+
 def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False,
                         only: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """The nested load target for every key of ``md`` (that ``only`` admits) under ``placer``'s
@@ -35,6 +44,9 @@ def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False,
             more = f" ... ({len(unmatched) - 20} more)" if len(unmatched) > 20 else ""
             raise ConfigError(f"layout.strict: no rule of layout {placer.layout.name!r} names {len(unmatched)} "
                               f"tensor(s): {shown}{more}; add rules for them or set layout.strict=false")
+        partial = placer.partly_split({k: t.shape for k, t in md.tensors.items()})
+        if partial:
+            raise ConfigError(f"layout.strict: layout {placer.layout.name!r} {partly_split_text(partial)}")
         for k in sorted(md.tensors):
             clash = placer.clashing_rules(k)
             if clash:

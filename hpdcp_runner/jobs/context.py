@@ -297,6 +297,17 @@ class JobContext:
                     get_logger(__name__).warning(
                         "layout %s: %d tensor(s), %d bytes, match no rule and are replicated on every rank, e.g. %s",
                         self.cfg.layout.name, len(names), nbytes, ", ".join(names[:3]))
+            partial = placer.partly_split({k: t.shape for k, t in md.tensors.items() if keys is None or k in keys})
+            if partial:
+                from ..targets import partly_split_text
+
+                block, (split, left) = next(iter(partial.items()))
+                out["partly_split"] = {"blocks": len(partial), "first": block, "split": split, "left": left}
+                if self.info.rank == 0:
+                    guessed = " (its family was recognised from key names only)" if self.layout_note and \
+                        "(from key " in self.layout_note else ""
+                    get_logger(__name__).warning("layout %s%s %s (layout.strict=true refuses it)",
+                                                 self.cfg.layout.name, guessed, partly_split_text(partial))
         return out
 
     def load(self, state: Any, path: str, phase: str = "load", strict: bool = True,

@@ -118,3 +118,53 @@ def test_errors_point_the_right_way(cli, tmp_path, s3_endpoint, s3_bucket):
         "ConfigError: checkpoint.path=gs://b/x: the gs:// scheme is not supported; a location is a local path or "
         "s3://bucket/prefix"], r.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+def _deepseek_v2_dir(path):
+    """A tiny DeepSeek-V2-shaped Hugging Face directory: a family the presets do not name (MLA
+    attention: q_a/q_b/kv_a/kv_b projections), recognised as moe from its expert keys."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    h, r, e = 16, 8, 4
+    shapes = {"model.embed_tokens.weight": (32, h), "model.norm.weight": (h,), "lm_head.weight": (32, h)}
+    p = "model.layers.0."
+    shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_a_proj.weight": (r, h), p + "self_attn.q_a_layernorm.weight": (r,),
+                   p + "self_attn.q_b_proj.weight": (2 * h, r), p + "self_attn.kv_a_proj_with_mqa.weight": (r + 4, h),
+                   p + "self_attn.kv_a_layernorm.weight": (r,), p + "self_attn.kv_b_proj.weight": (2 * h, r),
+                   p + "self_attn.o_proj.weight": (h, h), p + "mlp.gate.weight": (e, h)})
+    for x in range(e):
+        shapes.update({f"{p}mlp.experts.{x}.gate_proj.weight": (8, h), f"{p}mlp.experts.{x}.up_proj.weight": (8, h),
+                       f"{p}mlp.experts.{x}.down_proj.weight": (h, 8)})
+    os.makedirs(path)
+    save_file({k: torch.randn(s, generator=g) for k, s in shapes.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "deepseek_v2", "hidden_size": h, "num_attention_heads": 2, "n_routed_experts": e}, f)
+
+
+def test_a_layout_that_splits_attention_in_part_says_so(cli, tmp_path):
+    """Item 4: layout=auto on DeepSeek-V2 split o_proj by rows while its q/kv projections fell to
+    the catch-all (replicated), with no word; now a warning and a metrics entry name the block,
+    and layout.strict=true refuses it."""
+    import json
+
+    src = tmp_path / "ds"
+    _deepseek_v2_dir(str(src))
+    args = ["+job=reshard", f"job.source.path={src}", "layout=auto", "layout.parallel=ep_tp"]
+    r = cli([*args, f"hydra.run.dir={tmp_path}/a"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    warned = [ln for ln in r.stderr.splitlines() if "only in part" in ln]
+    assert len(warned) == 1 and "'model.layers.0.self_attn'" in warned[0], r.stderr[-3000:]
+    assert "o_proj.weight are split while kv_a_proj_with_mqa.weight, kv_b_proj.weight, q_a_proj.weight, " \
+           "q_b_proj.weight fall to the default" in warned[0] and "recognised from key names" in warned[0], warned
+    with open(tmp_path / "a" / "metrics.json") as f:
+        partly = json.load(f)["result"]["partly_split"]
+    assert partly["first"] == "model.layers.0.self_attn" and partly["split"] == ["model.layers.0.self_attn.o_proj.weight"]
+    r = _hpdcp(["--nproc-per-node=2", *args, "layout.strict=true", f"hydra.run.dir={tmp_path}/b"], tmp_path)
+    assert r.returncode == 2 and "layout.strict: layout 'moe_ep_tp' splits 1 block(s) only in part" in r.stderr, \
+        r.stderr[-3000:]

@@ -174,3 +174,24 @@ def test_layout_picture_folds_leading_dims_into_bands_and_writes_a_png(tmp_path)
         "n": {"rule": None, "placements": ["R"], "shape": [2], "shards": [[[0], [2]], [[0], [2]]]}}}
     out = draw(report, str(tmp_path / "p" / "l.png"), "ck")
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generic_tp_splits_an_output_head_by_rows_whatever_its_name():
+    """Issue 41 item 4: GPT-NeoX's embed_out.weight matched tp's (out|down) rule and was split by
+    columns; embeddings and heads come first and split by vocabulary rows."""
+    for name, mesh_pl in (("tp", ["S0"]), ("dp_tp", ["R", "S0"])):
+        p = Placer(load_preset(name), 0, 2 if name == "tp" else 4)
+        for key in ("embed_out.weight", "gpt_neox.embed_in.weight", "lm_head.weight", "embed.weight", "head.weight"):
+            assert p.placements_for(key, 2) == mesh_pl, (name, key)
+        assert p.placements_for("layers.0.attn.out.weight", 2)[-1] == "S1"
+
+
+def test_partly_split_blocks_are_found_and_whole_ones_are_not():
+    lay = _layout([{"pattern": r".*\.o_proj\.weight", "placements": ["S1"]},
+                   {"pattern": r".*\.(q_proj|k_proj|v_proj)\.weight", "placements": ["S0"]},
+                   {"pattern": ".*", "placements": ["R"]}])
+    p = Placer(lay, 0, 2)
+    shapes = {"l.0.attn.o_proj.weight": (4, 4), "l.0.attn.q_a_proj.weight": (4, 4), "l.0.attn.norm.weight": (4,),
+              "l.1.attn.o_proj.weight": (4, 4), "l.1.attn.q_proj.weight": (4, 4), "l.1.attn.k_proj.weight": (4, 4),
+              "l.1.mlp.gate.weight": (2, 4), "embed.weight": (8, 4)}
+    assert p.partly_split(shapes) == {"l.0.attn": (["l.0.attn.o_proj.weight"], ["l.0.attn.q_a_proj.weight"])}
