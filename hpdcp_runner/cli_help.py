@@ -112,7 +112,7 @@ def unknown_choices(argv: list[str], conf_dir: str | None = None) -> list[str]:
 def unsupported_locations(argv: list[str]) -> list[str]:
     """One line per ``key=<scheme>://...`` override whose scheme no storage serves: refused before
     any rank starts (the launcher asks) or composes a config, naming the key."""
-    from .dcp.storage.uri import SCHEMES, scheme_of
+    from .dcp.tools import STORE_SCHEMES as SCHEMES, scheme_of
 
     out = []
     for a in argv:

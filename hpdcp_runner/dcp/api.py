@@ -99,14 +99,16 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     steps = SaveSteps(stateful_to_state_dict(state_dict)[0], comm, writer, planner or StandardSavePlanner(), path,
                       overwrite, allow_pickle, verify_replicas, extra, cache_plan=cache_plan and not verify_replicas,
                       format_version=format_version)
+    staged = writer.counters.staged
     try:
-        with timer.phase("plan"):
+        with timer.phase("plan"), staged("planning with the other ranks"):
             if not steps.summarize():  # a repeated structure: digests only
                 steps.accept(comm.coordinate("save: plan", steps.local_plan, steps.global_plan))
-        with timer.phase("write"):
+        with timer.phase("write"), staged("writing"):
             comm.coordinate("save: write", steps.write, steps.keep_envelopes)
             steps.report()  # the chunk index's rows, to the coordinator as ranks report them
-        with timer.phase("commit"):  # the coordinator builds the metadata, checks it and commits
+        with timer.phase("commit"), staged("committing" if comm.rank == 0 else "waiting for rank 0's commit"):
+            # the coordinator builds the metadata, checks it and commits
             # every rank returns the committed metadata, as torch DCP does; parsed on first use
             text = comm.agree_root("save: commit", steps.commit)
     except BaseException:
@@ -166,12 +168,13 @@ def load(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     timer = timer or PhaseTimer()
     steps = LoadSteps(state_dict, comm, reader, planner or StandardLoadPlanner(), path,
                       broadcast or BroadcastOptions(), allow_cast, allow_pickle, rename)
+    staged = reader.counters.staged
     try:
-        with timer.phase("metadata"):  # rank 0 reads, every rank parses and validates
+        with timer.phase("metadata"), staged("reading the metadata"):  # rank 0 reads, every rank parses it
             steps.parse_metadata(comm.agree_root("load: metadata", steps.read_metadata))
-        with timer.phase("plan"):
+        with timer.phase("plan"), staged("planning with the other ranks"):
             steps.accept(comm.coordinate("load: plan", steps.local_plan, steps.global_plan), strict)
-        with timer.phase("read"):  # storage reads overlap the replica broadcasts
+        with timer.phase("read"), staged("reading"):  # storage reads overlap the replica broadcasts
             comm.agree("load: read", steps.transfer)
     finally:
         reader.close()

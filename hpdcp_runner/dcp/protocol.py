@@ -335,6 +335,7 @@ class SaveSteps:
                 key = chunk_key(it.fqn, it.box.offsets)
                 tensors.append((key, self.planner.resolve_data(it)))
                 items.append((int(self.compact.item_key[i]), it.box, key))
+        self.writer.counters.expected_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
         result = self.writer.write(tensors, objs)
         faults.point("save.written", rank=self.comm.rank, path=self.path)
         self.written = WrittenRows.from_result(result, items, self.reply.ndim)
@@ -486,6 +487,8 @@ class LoadSteps:
             req = ReadRequest(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes),
                               self.planner.acquire_tensor(it))
             reads.append((batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes)), req))
+        received = sum(b.nbytes for b in batches if comm.rank in b.ranks and b.src != comm.rank)
+        self.reader.counters.expected_bytes += received + sum(r.dest.numel() * r.dest.element_size() for _, r in reads)
         run_load_transfers(list(batches), rank=comm.rank, group=comm.group, control=comm.control,
                            timeout=comm.timeout, options=self.options, destination=self.planner.destination,
                            counters=self.reader.counters, reads=reads, read=self.reader.read_tensors,

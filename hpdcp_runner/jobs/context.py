@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -85,9 +86,12 @@ class JobContext:
         return tqdm(iterable, desc=desc, total=total, leave=False, delay=2.0, **_terminal_size())
 
     @contextlib.contextmanager
-    def byte_progress(self, desc: str, done: Callable[[], tuple[int, int]]) -> Iterator[None]:
-        """While the body runs, a bar of rank 0's bytes and files done and the rate, polled from
-        ``done() -> (bytes, files)``; shown only once the phase has run for 2 s."""
+    def byte_progress(self, desc: str, done: Callable[[], tuple[int, int]],
+                      counters: Any = None) -> Iterator[None]:
+        """While the body runs, a bar of rank 0's bytes done of the total (once ``counters`` or the
+        body says it: ``expected_bytes``), the rate and the time left, polled from ``done() ->
+        (bytes, files)``, with what the operation waits for when bytes do not move
+        (``counters.stage``); shown only once the phase has run for 2 s."""
         if not self.show_progress():
             yield
             return
@@ -96,14 +100,25 @@ class JobContext:
         bar = tqdm(desc=f"{desc} (rank 0)", unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False,
                    **_terminal_size())
         stop = threading.Event()
+        started = time.monotonic()
 
         def poll() -> None:
             shown = 0
             while not stop.wait(0.25):
                 nbytes, files = done()
-                bar.set_postfix_str(f"{files} files", refresh=False)
-                bar.update(nbytes - shown)
-                shown = nbytes
+                total = counters.expected_bytes if counters is not None else 0
+                if total and bar.total != total:
+                    bar.total = total
+                nbytes = min(nbytes, total) if total else nbytes  # read-through gaps count, never past 100%
+                stage = counters.stage if counters is not None else ""
+                if stage == "writing" and total and nbytes >= total:
+                    stage = "waiting for the other ranks"
+                bar.set_postfix_str(", ".join(x for x in (f"{files} files", stage) if x), refresh=False)
+                if nbytes != shown:
+                    bar.update(nbytes - shown)
+                    shown = nbytes
+                elif time.monotonic() - started > 2.0:  # still: the hint says what it waits for
+                    bar.refresh()
 
         t = threading.Thread(target=poll, name="hpdcp-progress", daemon=True)
         t.start()
@@ -112,6 +127,29 @@ class JobContext:
         finally:
             stop.set()
             t.join()
+            bar.close()
+
+    @contextlib.contextmanager
+    def bytes_bar(self, desc: str) -> Iterator[Callable[[int, int], None] | None]:
+        """A bar of bytes done of a total that the body reports through the callback it gets,
+        ``(done, total)`` (None when no bar is shown): for walks that know their total, such as a
+        verify reading every tensor."""
+        if not self.show_progress():
+            yield None
+            return
+        from tqdm import tqdm
+
+        bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False,
+                   **_terminal_size())
+
+        def report(done: int, total: int) -> None:
+            if bar.total != total:
+                bar.total = total
+            bar.update(done - bar.n)
+
+        try:
+            yield report
+        finally:
             bar.close()
 
     def placer(self, layout: Any = None, keys: Any = None) -> Placer:
@@ -169,7 +207,7 @@ class JobContext:
         writer = open_writer(path, fsync=e.fsync, store_options=e.store)
         c = writer.counters
         with self.metrics.phase(phase), self.user_errors(key), \
-                self.byte_progress(phase, lambda: (c.bytes_written, c.files_written)):
+                self.byte_progress(phase, lambda: (c.bytes_written, c.files_written), c):
             md = dcp.save(state, storage_writer=writer, checkpoint_id=path,
                           planner=dcp.SAVE_PLANNERS[e.planner](),
                           overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
@@ -318,7 +356,8 @@ class JobContext:
         reader = self.reader(path, foreign)
         c = reader.counters
         with self.metrics.phase(phase), self.user_errors(key), \
-                self.byte_progress(phase, lambda: (c.bytes_read, c.files_opened)):
+                self.byte_progress(phase, lambda: (reader.bytes_moved() + c.extra.get("bytes_received", 0),
+                                                   c.files_opened), c):
             res = dcp.load(state, storage_reader=reader, checkpoint_id=path, planner=dcp.LOAD_PLANNERS[e.planner](),
                            strict=strict, allow_pickle=e.allow_pickle, allow_cast=e.allow_cast, timeout=e.timeout_s,
                            broadcast=e.broadcast, rename=self.source_renames() if foreign else ())

@@ -11,6 +11,7 @@ writes a Hugging Face directory instead, its files split among the ranks. With n
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from ..config import parse_size
@@ -123,19 +124,19 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dic
     rules = compile_rules(ctx.source_renames()) if foreign else []
     cast = dtype_from_name(ctx.cfg.job.dtype) if ctx.cfg.job.output_format == "hf" and ctx.cfg.job.dtype else None
 
-    def bar(it, total, desc):  # the verify reads both checkpoints whole: it can take a while
-        return ctx.progress(it, f"verify: {desc}", total=total)
-
-    a = {rename_key(k, rules): v for k, v in full_tensor_digests(source, ctx.reader(source, foreign), cast=cast,
-                                                                 keep=_keep_renamed(rules, names), progress=bar,
-                                                                 split=split if stacking == "unstack" else None).items()}
+    # the verify reads both checkpoints whole: it can take a while, so each has a bar of its bytes
+    with ctx.bytes_bar(f"verify: reading the source {os.path.basename(source)}") as bar:
+        a = {rename_key(k, rules): v for k, v in full_tensor_digests(
+            source, ctx.reader(source, foreign), cast=cast, keep=_keep_renamed(rules, names), progress=bar,
+            split=split if stacking == "unstack" else None).items()}
     if names is not None:
         a = {names[k]: v for k, v in a.items() if k in names}
     out_format = "hf" if ctx.cfg.job.output_format == "hf" else "hpdcp"
     from ..dcp import open_reader
 
-    b = full_tensor_digests(output, open_reader(output, out_format), progress=bar,
-                            split=split if stacking == "stack" else None)
+    with ctx.bytes_bar(f"verify: reading the output {os.path.basename(output)}") as bar:
+        b = full_tensor_digests(output, open_reader(output, out_format), progress=bar,
+                                split=split if stacking == "stack" else None)
     bad = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if bad:
         raise HpdcpError(f"resharded checkpoint {output} differs from {source} in {len(bad)} tensors: {bad[:10]}")

@@ -30,14 +30,8 @@ def run(ctx: JobContext) -> dict:
         print(f"OK: {path} ({reader.format_name}): structure valid, {n} tensors read in full; {how}", flush=True)
         return {"tensors_read": n, "format": reader.format_name, "checksums": bool(crcs), "records_crc_checked": crcs}
     reader.close()
-    done = [0, 0]
-
-    def on_file(name: str, size: int) -> None:
-        done[0] += size
-        done[1] += 1
-
-    with ctx.metrics.phase("verify"), ctx.byte_progress("verify", lambda: (done[0], done[1])), ctx.user_errors(key):
-        report = verify(path, on_file=on_file)
+    with ctx.metrics.phase("verify"), ctx.bytes_bar(f"verify {path}") as bar, ctx.user_errors(key):
+        report = verify(path, on_bytes=bar)
     if not report.ok:
         raise CorruptCheckpointError(f"{report.path}: {len(report.problems)} problem(s):\n  - "
                                      + "\n  - ".join(report.problems))

@@ -168,3 +168,32 @@ def test_a_layout_that_splits_attention_in_part_says_so(cli, tmp_path):
     r = _hpdcp(["--nproc-per-node=2", *args, "layout.strict=true", f"hydra.run.dir={tmp_path}/b"], tmp_path)
     assert r.returncode == 2 and "layout.strict: layout 'moe_ep_tp' splits 1 block(s) only in part" in r.stderr, \
         r.stderr[-3000:]
+
+
+def test_progress_bars_show_bytes_of_a_total_with_rate_eta_and_what_they_wait_for(tmp_path):
+    """Item 6: the load bar showed ``0.00B [00:33, ?B/s, 2 files]`` with no total, and the
+    reshard's verify counted tensors (``87it``). Every byte bar now has its total (a percentage,
+    done/total and the time left) and says what it is doing."""
+    import re
+
+    from tests.e2e.test_new_user import _on_a_terminal
+
+    ck = tmp_path / "ck"
+    env = _env()
+    env.pop("CI", None)
+    model = ["model.vocab=2048", "model.hidden=128", "model.ffn=512"]  # 3.7 MB in 20 tensors
+    subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=save", f"checkpoint.dir={ck}", "checkpoint.name=s",
+                    *model], check=True, env=env, cwd=str(tmp_path), capture_output=True, timeout=240)
+    slow = "dcp.storage.max_read_bytes_per_s=1MiB"  # ~4 s of reading, for the load and the source's verify
+    code, shown = _on_a_terminal([sys.executable, "-m", "hpdcp_runner", "+job=reshard", f"job.source.path={ck}/s",
+                                  "job.output=out", slow, *model], env, tmp_path, rows=24, cols=160)
+    assert code == 0, shown[-3000:]
+    frames = re.split(r"[\r\n]", shown)
+    load = [f for f in frames if "reshard.load (rank 0)" in f and "%|" in f]
+    assert load, shown[-3000:]
+    # bytes of the total, the rate, the time left, and what it is doing
+    assert any(re.search(r"\d+%\|.*\| *[\d.]+[kMG]?/3\.5[0-9]M \[\d\d:\d\d<\d\d:\d\d, *[\d.]+[kM]?B/s, \d+ files, "
+                         r"reading\]", f) for f in load), load[-3:]
+    verify = [f for f in frames if "verify: reading the source s" in f]
+    assert any(re.search(r"\d+%\|.*/3\.5[0-9]M \[", f) for f in verify), verify[-3:] or shown[-3000:]
+    assert not any(re.search(r"\d+it\b", f) for f in frames if "verify" in f)

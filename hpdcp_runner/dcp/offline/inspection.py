@@ -129,8 +129,10 @@ def files_of(md: Metadata, keys: Iterable[str]) -> list[str]:
 
 def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
                       reuse_buffer: bool = False, reader: StorageReader | None = None,
-                      keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(key, full tensor)`` assembled from every chunk, one tensor at a time.
+                      keep: Callable[[str], bool] | None = None,
+                      on_bytes: Callable[[int, int], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, full tensor)`` assembled from every chunk, one tensor at a time;
+    ``on_bytes(done, total)`` hears the tensor bytes read so far of all it will read (progress).
 
     With ``reuse_buffer`` every tensor is a view of one buffer sized for the largest (valid only
     until the next item): memory stays at the largest tensor however the allocator behaves
@@ -144,6 +146,9 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
     reader.check_files(files_of(md, keys))  # sizes real before allocating
     scratch = torch.empty(max((md.tensors[k].nbytes for k in keys), default=0) if reuse_buffer else 0,
                           dtype=torch.uint8)
+    total, done = sum(md.tensors[k].nbytes for k in keys), 0
+    if on_bytes is not None:
+        on_bytes(0, total)
     try:
         for key in keys:
             tm = md.tensors[key]
@@ -157,6 +162,9 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
                 reqs.append(ReadRequest(c, tm.dtype, Box(tuple(0 for _ in c.sizes), c.sizes),
                                         narrow(full, c.offsets, c.sizes)))
             reader.read_tensors(reqs)
+            done += tm.nbytes
+            if on_bytes is not None:
+                on_bytes(done, total)
             yield key, full
             del full, reqs  # before the next allocation: one full tensor alive at a time
     finally:
@@ -173,16 +181,15 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 def full_tensor_digests(path: str | os.PathLike, reader: StorageReader | None = None, *,
                         keep: Callable[[str], bool] | None = None, cast: torch.dtype | None = None,
-                        progress: Callable[[Iterable, int | None, str], Iterable] | None = None,
+                        progress: Callable[[int, int], None] | None = None,
                         split: Mapping[str, Sequence[str]] | None = None) -> dict[str, str]:
     """{key: digest of the full tensor}, one tensor in memory at a time (``reader``: a foreign
     one). ``keep``: only the keys it admits (the others are never read); ``cast``: floating
-    tensors digested as cast to it (what an export with that dtype wrote); ``progress(it, total,
-    desc)`` wraps the tensors as they are read (a progress bar); ``split``: a key stacked along
+    tensors digested as cast to it (what an export with that dtype wrote); ``progress(done, total)``
+    hears the bytes read so far (a progress bar); ``split``: a key stacked along
     dim 0 digested slice by slice under the names given (to compare with unstacked tensors)."""
     out = {}
-    tensors = iter_full_tensors(path, reader=reader, reuse_buffer=True, keep=keep)
-    for k, t in (progress(tensors, None, f"digest {os.path.basename(os.fspath(path))}") if progress else tensors):
+    for k, t in iter_full_tensors(path, reader=reader, reuse_buffer=True, keep=keep, on_bytes=progress):
         t = t.to(cast) if cast is not None and t.is_floating_point() else t
         names = (split or {}).get(k)
         if names is None:
@@ -207,11 +214,13 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None = None) -> VerifyReport:
+def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None = None,
+           on_bytes: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Recompute every checksum and cross-check files against the metadata; collect all problems.
-    ``on_file(name, size)`` is called after each file (progress)."""
+    ``on_file(name, size)`` is called after each file; ``on_bytes(done, total)`` as bytes are
+    checked (progress)."""
     if is_uri(path):
-        return _verify_in_store(normalize(path), on_file)
+        return _verify_in_store(normalize(path), on_file, on_bytes)
     problems: list[str] = []
     abspath = os.path.abspath(os.fspath(path))
     if not os.path.isfile(os.path.join(abspath, METADATA_FILE)):
@@ -229,9 +238,15 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
         objects_by_file.setdefault(o.file, []).append(k)
     problems += _rank_problems(md)
     checked = nbytes = 0
+    total, done = sum(fm.size for fm in md.files.values()), 0
+    if on_bytes is not None:
+        on_bytes(0, total)
     dfd = os.open(abspath, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:  # every file opened inside this directory, never through a link (no check-then-open window)
         for name, fm in sorted(md.files.items()):
+            done += fm.size
+            if on_bytes is not None and done > fm.size:
+                on_bytes(done - fm.size, total)  # the files before this one
             file_chunks, file_blocks = next(per_file)
             full = os.path.join(abspath, name)
             try:
@@ -259,6 +274,8 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
                     problems += _object_file_problems(name, body, objects_by_file.get(name, []), md)
             if on_file is not None:
                 on_file(name, size)
+        if on_bytes is not None:
+            on_bytes(total, total)
         extra = sorted(set(os.listdir(dfd)) - set(md.files) - {METADATA_FILE}
                        - ({md.index.recorded["file"]} if md.index is not None else set()))
     finally:
@@ -396,7 +413,8 @@ def _verify_tensor_file(f: BinaryIO, name: str, checksum: str, chunks: dict, blo
     return problems
 
 
-def _verify_in_store(uri: str, on_file: Callable[[str, int], None] | None) -> VerifyReport:
+def _verify_in_store(uri: str, on_file: Callable[[str, int], None] | None,
+                     on_bytes: Callable[[int, int], None] | None = None) -> VerifyReport:
     """verify() of a checkpoint in an object store: the commit, the metadata and every row of the
     index checked, every file listed and of its recorded size, then every tensor read whole
     through the verifying reader (each chunk's checksum) and every object file's checksum: every
@@ -421,7 +439,7 @@ def _verify_in_store(uri: str, on_file: Callable[[str, int], None] | None) -> Ve
     problems += _rank_problems(md)
     checked = nbytes = 0
     try:
-        for key, _ in iter_full_tensors(uri, reader=reader, reuse_buffer=True):
+        for key, _ in iter_full_tensors(uri, reader=reader, reuse_buffer=True, on_bytes=on_bytes):
             pass
         objects = reader.read_objects(md.objects, allow_pickle=False) if md.objects else {}
         del objects

@@ -7,9 +7,10 @@ destination views that the planner already resolved.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -40,14 +41,28 @@ class IOCounters:
     chunks_verified: int = 0
     bytes_written: int = 0
     files_written: int = 0
+    #: what this rank will move in the current save or load (written, or read plus received), set
+    #: once the plan says: the total a progress bar shows
+    expected_bytes: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    #: what the operation is doing now, in words (a progress bar's hint of what it waits for)
+    stage: str = ""
 
     def bump(self, name: str, n: int = 1) -> None:
         """Add ``n`` to the named extra counter (broadcasts, bytes_received, ...)."""
         self.extra[name] = self.extra.get(name, 0) + n
 
+    @contextlib.contextmanager
+    def staged(self, what: str) -> Iterator[None]:
+        """``stage`` is ``what`` while the body runs."""
+        before, self.stage = self.stage, what
+        try:
+            yield
+        finally:
+            self.stage = before
+
     def as_dict(self) -> dict[str, int]:
-        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("extra", "stage")}
         d.update(self.extra)
         return d
 
@@ -143,6 +158,11 @@ class StorageReader(ABC):
 
     @abstractmethod
     def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]: ...
+
+    def bytes_moved(self) -> int:
+        """Bytes this reader has brought in so far, for progress: what it read, or (a store
+        fetching ahead) what has arrived, which leads what was copied out."""
+        return self.counters.bytes_read
 
     def close(self) -> None:
         """Release open files."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
+import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -43,6 +44,8 @@ class ObjectStoreReader(FileSystemReader):
         self._sizes: dict[str, int] | None = None
         self._fetched: dict[str, list[tuple[int, int, Any]]] = {}
         self._samples: list[tuple[int, float]] = []  # (bytes, seconds) of this reader's requests: the cost model
+        self._arrived = 0  # bytes of ranged GETs completed (progress: they lead what was copied out)
+        self._arrived_lock = threading.Lock()
 
     @property
     def checkpoint_id(self) -> str:  # type: ignore[override]
@@ -231,6 +234,8 @@ class ObjectStoreReader(FileSystemReader):
             except CheckpointNotFoundError:
                 raise self._missing_file(name) from None
             self._observe(hi - lo, time.perf_counter() - t0)
+            with self._arrived_lock:
+                self._arrived += hi - lo
             return name, lo, hi, buf
 
         if len(merged) == 1:
@@ -247,6 +252,9 @@ class ObjectStoreReader(FileSystemReader):
             self.counters.bump("bytes_requested", hi - lo)
         for pieces in self._fetched.values():
             pieces.sort(key=lambda p: p[0])
+
+    def bytes_moved(self) -> int:
+        return max(self._arrived, self.counters.bytes_read)
 
     # -- the cost model: measured on this reader's own requests -------------------------------
     _DEFAULT_LATENCY_S = 0.01
