@@ -6,7 +6,10 @@ written for users, without the internal ``*_schema`` entries), shell completion 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
+import textwrap
 
 from .config import JOB_HELP
 from .paths import find_conf_dir
@@ -18,13 +21,28 @@ GROUPS_SHOWN = ("layout", "model", "planner", "storage", "transform", "experimen
 
 
 def _first_comment(path: str) -> str:
-    """The first comment line of a config file that is not a usage line: its one-line description."""
+    """A config file's description: the first sentence of its first comment paragraph (usage
+    lines and the ``hydra/launcher=name:`` label left out), whole, however many lines it spans."""
+    words: list[str] = []
     with open(path) as f:
         for line in f:
             text = line.strip()
-            if text.startswith("#") and not text.startswith(("# @package", "# python ", "# torchrun ")):
-                return text.lstrip("# ").rstrip()
-    return ""
+            if not text.startswith("#") or text.startswith(("# @package", "# python ", "# torchrun ", "#   ")):
+                if words:
+                    break
+                continue
+            words += text.lstrip("#").split()
+    text = " ".join(words)
+    text = re.sub(r"^[\w/+]+=[\w]+: ", "", text)  # "hydra/launcher=local_2ranks: the SLURM path..."
+    end = re.search(r"(?<!\.)\.(\s|$)", text)  # a sentence's end, not "e.g." inside it nor "..."
+    text = text[:end.start() + 1] if end else text
+    return text[:1].upper() + text[1:]
+
+
+def _entry(name: str, text: str, width: int) -> list[str]:
+    """``  name   description`` with the description wrapped at word boundaries under itself."""
+    body = textwrap.wrap(text, max(30, width - 25), break_on_hyphens=False) or [""]
+    return [f"  {name:<22} {body[0]}"] + [f"  {'':<22} {line}" for line in body[1:]]
 
 
 def group_choices(conf_dir: str, group: str) -> list[tuple[str, str]]:
@@ -34,19 +52,38 @@ def group_choices(conf_dir: str, group: str) -> list[tuple[str, str]]:
     return [(n, _first_comment(os.path.join(d, n + ".yaml"))) for n in names]
 
 
+# hydra/launcher choices that live in code (ConfigStore), not in conf/hydra/launcher/*.yaml
+LAUNCHERS_IN_CODE = (("hpdcp_torchrun", "Each sweep point as its own distributed job of "
+                                        "hydra.launcher.nproc_per_node torch workers on this machine."),
+                     ("hpdcp_submitit_local", "Each point one job of nodes x tasks_per_node ranks through submitit's "
+                                              "local executor (the slurm extra)."),
+                     ("hpdcp_submitit_slurm", "Each point one SLURM job of nodes x tasks_per_node ranks (the slurm "
+                                              "extra: pip install -e \".[slurm]\")."))
+
+
 def render_help(prog: str) -> str:
     conf = find_conf_dir()
+    width = shutil.get_terminal_size((100, 24)).columns
     lines = [f"usage: {prog} +job=<name> [group=choice ...] [key=value ...]",
-             "       torchrun --nproc-per-node=N -m hpdcp_runner +job=<name> [...]", "",
-             "Jobs (+job=<name>):"]
-    lines += [f"  {name:<10} {text}" for name, text in JOB_HELP.items()]
+             f"       {'hpdcp' if prog == 'hpdcp' else prog} --nproc-per-node=N +job=<name> [...]   (N ranks: "
+             f"torchrun's launcher in-process, one-line failures)",
+             "       torchrun --nproc-per-node=N -m hpdcp_runner +job=<name> [...]",
+             "  Launcher options (--nproc-per-node, --nnodes, --rdzv-endpoint, ...) come first; the rest is the job's.",
+             "", "Jobs (+job=<name>):"]
+    for name, text in JOB_HELP.items():
+        body = textwrap.wrap(text, max(30, width - 13), break_on_hyphens=False) or [""]
+        lines += [f"  {name:<10} {body[0]}"] + [f"  {'':<10} {ln}" for ln in body[1:]]
     for group in GROUPS_SHOWN:
         choices = group_choices(conf, group)
         if not choices:
             continue
         prefix = "+" if group == "experiment" else ""
         lines += ["", f"{prefix}{group}=<choice>:"]
-        lines += [f"  {n:<22} {t}" for n, t in choices]
+        for n, t in choices:
+            lines += _entry(n, t, width)
+    lines += ["", "hydra/launcher=<choice> (sweeps, with -m):"]
+    for n, t in sorted([*LAUNCHERS_IN_CODE, *group_choices(conf, "hydra/launcher")]):
+        lines += _entry(n, t, width)
     lines += ["", "Any key is overridable: e.g. checkpoint.dir=./ck checkpoint.keep_last=3 dcp.broadcast.batch_bytes=64MiB",
               f"Show the composed config: {prog} +job=save --cfg job      Sweep: {prog} -m key=a,b",
               f"Shell completion: eval \"$({prog} -sc install=bash)\"     Hydra's own flags: --hydra-help"]

@@ -76,7 +76,9 @@ def write_metrics(run_dir: str, doc: dict) -> str:
 
 
 def summary_table(doc: dict) -> str:
-    what = f"source={doc['source']}" if doc.get("source") else f"model={doc['model']}"
+    changed = doc.get("model_overridden")  # the preset's name alone would describe another model
+    what = f"source={doc['source']}" if doc.get("source") else \
+        f"model={doc['model']}" + (f" ({' '.join(changed)})" if changed else "")
     lines = [f"hpdcp {doc['job']}: world_size={doc['world_size']} layout={doc['layout']} {what}"]
     lines.append(f"{'phase':<20}{'seconds(max)':>14}{'bytes':>16}{'GB/s':>10}")
     for p, row in doc["summary"].items():

@@ -22,6 +22,7 @@ import csv
 import importlib
 import json
 import os
+import re
 import sys
 
 import yaml
@@ -33,6 +34,12 @@ def _get(doc, path: str):
     return lookup(doc, path)
 
 
+def unescape(override: str) -> str:
+    """An override as a user types it: Hydra records ``s3://b`` as ``s3\\://b`` (its grammar's
+    escapes), which reads wrong in a report; the CLI takes the unescaped form."""
+    return re.sub(r"\\([\\()\[\]{}:=, ])", r"\1", override)
+
+
 def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
     rows, knobs = [], []
     for name in sorted(os.listdir(root), key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else n)):
@@ -41,7 +48,7 @@ def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
         if not os.path.isfile(ov_path):
             continue
         with open(ov_path) as f:
-            overrides = yaml.safe_load(f) or []
+            overrides = [unescape(str(o)) for o in yaml.safe_load(f) or []]
         row = {"point": name, "overrides": overrides, "objective": None, "status": "ok", "range": None, "cause": ""}
         for o in overrides:
             k, _, v = o.lstrip("+~").partition("=")
@@ -223,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if best is not None:
         print("best:", " ".join(best["overrides"]))
-    elif tied and all(r["range"] is not None for r in tied):
-        print("within noise:", "; ".join(" ".join(r["overrides"]) for r in tied))
+    elif tied and all(r["range"] is not None for r in tied):  # tied[0] is the lowest median itself
+        print("no single best point; lowest median:", " ".join(tied[0]["overrides"]), "| within noise of it:",
+              "; ".join(" ".join(r["overrides"]) for r in tied[1:]))
     elif tied:
         print("no best point (no measured spread, one sample per point); lowest:", " ".join(tied[0]["overrides"]))
     return 0

@@ -229,8 +229,11 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
         _objective(ctx.cfg.job.name, result, summary)
     # a job on a user's checkpoint names it instead of the (unused) synthetic model= preset
     source = getattr(getattr(ctx.cfg.job, "source", None), "path", None)
+    from .context import section_overrides
+
     doc = {"job": ctx.cfg.job.name, "world_size": ctx.info.world_size, "layout": ctx.cfg.layout.name,
-           "model": None if source else ctx.cfg.model.name, "source": source, "run_dir": ctx.run_dir, "config": ctx.plain,
+           "model": None if source else ctx.cfg.model.name, "source": source,
+           "model_overridden": [] if source else section_overrides("model"), "run_dir": ctx.run_dir, "config": ctx.plain,
            "config_digest": digest, "ranks": records,
            "summary": summary, "result": result,
            "engine": ctx.engine.knobs(), "topology": _topology(ctx, records)}

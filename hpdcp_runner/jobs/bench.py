@@ -3,6 +3,8 @@ side by side in the same run (``job.peer=true``, needs numpy for torch.distribut
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 
@@ -96,6 +98,8 @@ def run(ctx: JobContext) -> dict:
     if job.peer:
         _check_peer_can_read(state, ctx.cfg.layout.name)
     times = {"save": [], "load": [], "peer_save": [], "peer_load": []}
+    scratch = ctx.checkpoint_dir  # where the timed checkpoints go and are removed again
+    made = not is_uri(scratch) and not os.path.lexists(scratch)
     for i in ctx.progress(range(job.warmup + job.repeats), "bench"):
         path = ctx.checkpoint_path(f"bench_{i}")
         # warm-up runs are timed under their own phases, which the summary table leaves out
@@ -119,6 +123,9 @@ def run(ctx: JobContext) -> dict:
             if job.peer:
                 times["peer_save"].append(ps)
                 times["peer_load"].append(pl)
+    if made and ctx.info.rank == 0:  # a folder the bench made for its scratch checkpoints goes with them
+        with contextlib.suppress(OSError):
+            os.rmdir(scratch)
     result = {k: _stats(v) for k, v in times.items() if v}
     if job.peer:
         for p in ("save", "load"):

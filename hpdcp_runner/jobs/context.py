@@ -39,6 +39,7 @@ class JobContext:
         #: the model's config.json (raw) and where it came from, once a source is known
         self.model_config: dict | None = None
         self.model_config_from: str | None = None
+        self.generation_config: dict | None = None
         #: what layout=auto recognised and picked (for the summary)
         self.layout_note: str | None = None
         #: what the job's result says about the layout it placed a source under (see place_facts)
@@ -163,10 +164,22 @@ class JobContext:
         With ``every_rank`` (all ranks call it) rank 0 reads it and the others are given it: one
         request to a store, not one per rank."""
         if every_rank and self.info.world_size > 1:
-            got = self.comm.agree_root("read the model's config.json", lambda: list(self._model_config(source, md)))
+            got = self.comm.agree_root("read the model's config.json", lambda: list(self._model_configs(source, md)))
         else:
-            got = self._model_config(source, md)
-        self.model_config, self.model_config_from = got
+            got = self._model_configs(source, md)
+        self.model_config, self.model_config_from, self.generation_config = got
+
+    def _model_configs(self, source: str | None, md: dcp.Metadata | None) -> tuple[dict | None, str | None,
+                                                                                    dict | None]:
+        """``_model_config`` and the ``generation_config.json`` beside it (or recorded with it):
+        both travel in the checkpoints this job writes, so an HF export has both."""
+        raw, where = self._model_config(source, md)
+        gen = None
+        if where is not None and where.endswith("/config.json"):
+            gen = read_model_config(where[:-len("config.json")] + "generation_config.json")[0]
+        elif raw is not None and md is not None and isinstance(md.extra.get("generation_config"), dict):
+            gen = dict(md.extra["generation_config"])
+        return raw, where, gen
 
     def _model_config(self, source: str | None, md: dcp.Metadata | None) -> tuple[dict | None, str | None]:
         lay = self.cfg.layout
@@ -242,6 +255,8 @@ class JobContext:
         extra = dict(series_extra(*series)) if series else {}
         if self.model_config is not None:
             extra["model_config"] = self.model_config
+        if self.generation_config is not None:
+            extra["generation_config"] = self.generation_config
         return extra or None
 
     def reader(self, path: str, foreign: bool = False) -> dcp.StorageReader:
@@ -394,18 +409,23 @@ class JobContext:
             raise dcp.PickleNotAllowedError(_first_line(e)) from None
 
 
-def layout_overrides() -> list[str]:
-    """The ``layout.*`` overrides given on the command line (rules, mesh...), for the summary:
-    the layout used is then not the preset its name says."""
+def section_overrides(section: str, ignored: tuple[str, ...] = ()) -> list[str]:
+    """The ``<section>.*`` overrides given on the command line but ``ignored`` keys, for the
+    summary: the preset used is then not the one its name says."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         task = HydraConfig.get().overrides.task
     except Exception:  # not under Hydra (jobs called directly)
         return []
-    return [o for o in task if o.lstrip("+~").startswith("layout.") and
-            o.lstrip("+~").split("=", 1)[0] not in ("layout.strict", "layout.config", "layout.parallel", "layout.family",
-                                                     "layout.file")]
+    return [o for o in task if o.lstrip("+~").startswith(section + ".") and
+            o.lstrip("+~").split("=", 1)[0] not in ignored]
+
+
+def layout_overrides() -> list[str]:
+    """The ``layout.*`` overrides that change the layout (rules, mesh...), for the summary."""
+    return section_overrides("layout", ("layout.strict", "layout.config", "layout.parallel", "layout.family",
+                                        "layout.file"))
 
 
 def _terminal_size() -> dict:

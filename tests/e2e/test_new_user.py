@@ -248,7 +248,7 @@ def test_sweep_report_marks_noise_instead_of_naming_a_best(tmp_path):
                         (["k=4"], None, None)])
     r = _report(noisy, "--no-plot")
     assert r.returncode == 0, r.stderr
-    assert "best:" not in r.stdout and "within noise: k=1; k=2" in r.stdout
+    assert "best:" not in r.stdout and "lowest median: k=1 | within noise of it: k=2" in r.stdout
     md = (noisy / "report.md").read_text()
     assert "No single best point" in md and "clearly different" in md and "Permission denied" in md
     assert not (noisy / "report.png").exists()

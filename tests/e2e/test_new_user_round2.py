@@ -197,3 +197,114 @@ def test_progress_bars_show_bytes_of_a_total_with_rate_eta_and_what_they_wait_fo
     verify = [f for f in frames if "verify: reading the source s" in f]
     assert any(re.search(r"\d+%\|.*/3\.5[0-9]M \[", f) for f in verify), verify[-3:] or shown[-3000:]
     assert not any(re.search(r"\d+it\b", f) for f in frames if "verify" in f)
+
+
+def test_the_sweep_report_shows_overrides_as_typed_and_the_lowest_apart_from_its_ties(tmp_path):
+    """Item 7: the report printed Hydra's escaped ``s3\\://`` and listed the lowest point among
+    those "within noise" of itself."""
+    from tests.e2e.test_new_user import _fake_sweep, _report
+
+    root = tmp_path / "sweep"
+    _fake_sweep(root, [([r"checkpoint.dir=s3\://b/x", "k=1"], 1.00, [0.9, 1.2]),
+                       ([r"checkpoint.dir=s3\://b/x", "k=2"], 1.05, [0.95, 1.3]),
+                       ([r"checkpoint.dir=s3\://b/x", "k=3"], 2.0, [1.9, 2.1])])
+    r = _report(root, "--no-plot")
+    assert r.returncode == 0, r.stderr
+    assert "\\:" not in r.stdout and "checkpoint.dir=s3://b/x k=1" in r.stdout, r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if "within noise of it" in ln)
+    assert line == ("no single best point; lowest median: checkpoint.dir=s3://b/x k=1 | within noise of it: "
+                    "checkpoint.dir=s3://b/x k=2"), line
+    assert "\\:" not in (root / "report.md").read_text() + (root / "report.csv").read_text()
+
+
+def test_the_summary_says_when_the_model_preset_was_changed(cli, tmp_path):
+    """Item 7: ``model=tiny`` in the summary although its dimensions were overridden."""
+    import json
+
+    r = cli(["+job=save", "model.hidden=48", "model.layers=1", f"hydra.run.dir={tmp_path}/r"])
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[0]
+    assert head.endswith("model=tiny (model.hidden=48 model.layers=1)"), head
+    with open(tmp_path / "r" / "metrics.json") as f:
+        assert json.load(f)["model_overridden"] == ["model.hidden=48", "model.layers=1"]
+    r = cli(["+job=save", f"hydra.run.dir={tmp_path}/plain"])
+    assert r.stdout.splitlines()[0].endswith("model=tiny"), r.stdout
+
+
+def test_help_names_the_launcher_and_its_choices_and_never_cuts_a_word(cli):
+    """Item 7: --help said it lists every group but left out hydra/launcher and the launcher's
+    --nproc-per-node, and cut descriptions mid-sentence at the first line of their comment."""
+    import re
+
+    r = cli(["--help"])
+    assert r.returncode == 0
+    out = r.stdout
+    assert "--nproc-per-node=N +job=<name>" in out and "hydra/launcher=<choice>" in out
+    for launcher in ("hpdcp_torchrun", "hpdcp_submitit_local", "hpdcp_submitit_slurm", "local_2ranks",
+                     "slurm_gpu_node"):
+        assert re.search(rf"^  {launcher} +\S", out, re.M), launcher
+    # every description is its whole first sentence: auto's used to stop at "or its key"
+    assert "or its key names: llama" in " ".join(out.split())
+    from hpdcp_runner.config import JOB_HELP
+
+    jobs = dict(re.findall(r"^  (\w+) {2,}(.+(?:\n {13}\S.*)*)", out.split("\n\n", 2)[1], re.M))
+    assert {k: " ".join(v.split()) for k, v in jobs.items() if k in JOB_HELP} == JOB_HELP  # whole, wrapped
+    entries = re.findall(r"^  (\w+) +(.+(?:\n {25}\S.*)*)", out.split("Jobs (+job=<name>):", 1)[1].split("\n\n", 1)[1],
+                         re.M)
+    assert len(entries) > 30
+    for name, text in entries:
+        text = " ".join(text.split())
+        assert text.endswith((".", ")", "]")) or len(text) < 60 or name in ("local_2ranks", "slurm_gpu_node"), \
+            (name, text)
+
+
+def test_a_bench_leaves_no_empty_checkpoints_folder(cli, tmp_path):
+    """Item 7: a bench (of a user's checkpoint or of the synthetic model) left an empty
+    ``checkpoints/`` folder in every point's run directory."""
+    r = cli(["+job=save", f"checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/s"])
+    assert r.returncode == 0, r.stderr
+    for args, run in (([f"job.source.path={tmp_path}/ck/step_0"], "b1"), ([], "b2")):
+        r = cli(["+job=bench", "job.repeats=1", "job.warmup=0", *args, f"hydra.run.dir={tmp_path}/{run}"], nproc=2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert not (tmp_path / run / "checkpoints").exists(), os.listdir(tmp_path / run)
+    # a checkpoint.dir the user named and that exists stays, with what else it holds
+    r = cli(["+job=bench", "job.repeats=1", "job.warmup=0", f"checkpoint.dir={tmp_path}/ck",
+             f"hydra.run.dir={tmp_path}/b3"])
+    assert r.returncode == 0 and sorted(os.listdir(tmp_path / "ck")) == ["step_0"], r.stderr[-3000:]
+
+
+def test_generation_config_travels_through_our_format_to_an_hf_export(cli, tmp_path):
+    """Item 7: HF -> ours -> HF without job.hf_files_from wrote config.json (recorded at save)
+    but not generation_config.json."""
+    import json
+
+    src = tmp_path / "ds"
+    _deepseek_v2_dir(str(src))
+    gen = {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.6, "do_sample": True}
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    r = cli(["+job=reshard", f"job.source.path={src}", "layout=fsdp", f"job.output={tmp_path}/ours",
+             f"hydra.run.dir={tmp_path}/a"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli(["+job=reshard", f"job.source.path={tmp_path}/ours", "job.output_format=hf", f"job.output={tmp_path}/hf",
+             f"hydra.run.dir={tmp_path}/b"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == gen
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "deepseek_v2"
+
+
+def test_pictures_name_the_extra_that_installs_matplotlib():
+    """Item 7: docs/write_a_layout.md used job.picture without saying it needs matplotlib."""
+    import re
+
+    from tests.e2e.conftest import ROOT
+
+    text = open(os.path.join(ROOT, "docs", "write_a_layout.md")).read()
+    at = text.index("`job.picture=<file.png>`")
+    assert re.search(r"needs matplotlib, which the\s+`report` extra installs", text[at:at + 600])
+    pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
+    assert re.search(r'^report = \["matplotlib', pyproject, re.M)
+    from hpdcp_runner.layout_picture import check_available  # the same extra named when it is missing
+
+    import inspect
+
+    assert "hpdcp_runner[report]" in inspect.getsource(check_available)

@@ -206,14 +206,23 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
             "left_out": left_out, "names": out_name, "counters": counters}
 
 
+RECORDED_SIDE_FILES = {"config.json": "model_config", "generation_config.json": "generation_config"}
+
+
 def _with_recorded_config(side: dict[str, bytes], md: Any) -> dict[str, bytes]:
-    """The side files plus ``config.json`` from the checkpoint's ``extra.model_config`` (what a
-    writer that knew the model recorded, e.g. a reshard of a Hugging Face directory) when no
-    side directory gave one: a round trip through our format stays ``from_pretrained``-ready."""
-    recorded = getattr(md, "extra", {}).get("model_config")
-    if "config.json" in side or not isinstance(recorded, dict):
-        return side
-    return {**side, "config.json": (json.dumps(recorded, indent=2, sort_keys=True) + "\n").encode()}
+    """The side files plus ``config.json`` and ``generation_config.json`` from the checkpoint's
+    ``extra.model_config`` / ``extra.generation_config`` (what a writer that knew the model
+    recorded, e.g. a reshard of a Hugging Face directory) when no side directory gave them: a
+    round trip through our format stays ``from_pretrained``-ready, generation settings included."""
+    extra = getattr(md, "extra", {}) or {}
+    out = dict(side)
+    if "config.json" in side:  # a side directory was given: its files, not what we recorded
+        return out
+    for name, field in RECORDED_SIDE_FILES.items():
+        recorded = extra.get(field)
+        if isinstance(recorded, dict):
+            out[name] = (json.dumps(recorded, indent=2, sort_keys=True) + "\n").encode()
+    return out
 
 
 def _output_names(names: dict[str, str], src: str) -> dict[str, str]:
