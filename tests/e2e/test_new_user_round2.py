@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.e2e.conftest import _env
 
 
@@ -83,6 +85,7 @@ def test_the_readme_test_command_installs_what_the_object_store_tests_need():
     assert "HPDCP_SKIP" not in test_cmd and "-m 'not" not in test_cmd
 
 
+@pytest.mark.slow  # the slow tier (bash .ci/run runs it after the default tier)
 def test_errors_point_the_right_way(cli, tmp_path, s3_endpoint, s3_bucket):
     """Item 5: a verify of nothing is 'not found' (local and in a bucket), not 'corrupt'; a Hugging
     Face output that exists promises nothing it cannot keep; an endpoint nobody listens on says so
@@ -170,6 +173,7 @@ def test_a_layout_that_splits_attention_in_part_says_so(cli, tmp_path):
         r.stderr[-3000:]
 
 
+@pytest.mark.slow  # the slow tier (bash .ci/run runs it after the default tier)
 def test_progress_bars_show_bytes_of_a_total_with_rate_eta_and_what_they_wait_for(tmp_path):
     """Item 6: the load bar showed ``0.00B [00:33, ?B/s, 2 files]`` with no total, and the
     reshard's verify counted tensors (``87it``). Every byte bar now has its total (a percentage,
@@ -258,6 +262,7 @@ def test_help_names_the_launcher_and_its_choices_and_never_cuts_a_word(cli):
             (name, text)
 
 
+@pytest.mark.slow  # the slow tier (bash .ci/run runs it after the default tier)
 def test_a_bench_leaves_no_empty_checkpoints_folder(cli, tmp_path):
     """Item 7: a bench (of a user's checkpoint or of the synthetic model) left an empty
     ``checkpoints/`` folder in every point's run directory."""
