@@ -25,6 +25,8 @@ class Proxy:
         self.lock = threading.Lock()
         self.fail: list[tuple[int, str]] = []  # (status, S3 error code) for the next requests
         self.drop = 0  # connections to drop (request read, nothing answered)
+        self.lose = 0  # replies to lose: the request reaches the server, its answer never the client
+        self.lose_path = ""  # ... only for requests whose path contains this
         self.only: str | None = None  # faults apply to methods of this name only (None: all)
         self.requests = 0
         self.last_authorization = ""  # to check which credentials a client signed with
@@ -58,6 +60,12 @@ class Proxy:
         with self.lock:
             self.drop, self.only = n, method
 
+    def lose_reply_next(self, n: int, method: str | None = None, path_contains: str = "") -> None:
+        """The next ``n`` matching requests are applied by the server, then the connection is
+        dropped without its reply (what a network failure after the store acted looks like)."""
+        with self.lock:
+            self.lose, self.only, self.lose_path = n, method, path_contains
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
@@ -77,7 +85,10 @@ class Proxy:
             drop = applies and self.drop > 0
             if drop:
                 self.drop -= 1
-            if fault or drop:
+            lose = applies and self.lose > 0 and self.lose_path in h.path
+            if lose:
+                self.lose -= 1
+            if fault or drop or lose:
                 self.faults_served += 1
         if drop:
             h.close_connection = True
@@ -97,6 +108,11 @@ class Proxy:
         conn.request(h.command, h.path, body=body if n or h.command in ("PUT", "POST") else None, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
+        if lose:  # the server applied it; the client never hears
+            conn.close()
+            h.close_connection = True
+            h.connection.shutdown(2)
+            return
         h.send_response(resp.status, resp.reason)
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):

@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..core import faults
-from ..core.errors import CheckpointExistsError, ConfigError, MetadataError
+from ..core.errors import (CheckpointChangedError, CheckpointExistsError, ConfigError, CorruptCheckpointError,
+                           HpdcpError, MetadataError, StorageAccessError)
 from ..core.utils import get_logger
 from ..format import jsondoc
 from ..format.chunk_index import INDEX_FILE
@@ -58,8 +59,19 @@ _COMMIT_FORMAT = "hpdcp-commit"
 _MAX_COMMIT_BYTES = 1 << 20
 
 
-def _now_utc() -> _dt.datetime:
-    return _dt.datetime.now(_dt.timezone.utc)
+def server_now(bucket: Bucket, key: str, written: bool = False) -> _dt.datetime:
+    """The store's clock now: the time it gives an object written at ``key`` (a probe deleted
+    again; ``written``: one just written, e.g. a save's lease). Ages of what others wrote are
+    judged on this clock, never the local one, which may be ahead of the store's by more than
+    any grace."""
+    if not written:
+        bucket.put(key, b"{}")
+    meta = bucket.head(key)
+    if not written:
+        bucket.delete([key])
+    if meta is None or not isinstance(meta.get("last_modified"), _dt.datetime):
+        raise StorageAccessError(f"{bucket.url(key)}: the store did not report the time of an object just written")
+    return meta["last_modified"]
 
 
 def read_commit(bucket: Bucket, name_key: str) -> tuple[dict, dict] | None:
@@ -77,16 +89,32 @@ def read_commit(bucket: Bucket, name_key: str) -> tuple[dict, dict] | None:
     return doc, meta
 
 
-def clean_orphans(bucket: Bucket, name_key: str, commit: tuple[dict, dict] | None) -> list[str]:
+def check_commit_matches(doc: dict, body: bytes, where: str) -> None:
+    """The metadata a commit names is the one it published: its recorded size and checksum. A
+    commit is never trusted alone (one naming tampered or replaced metadata does not load)."""
+    size, checksum = doc.get("metadata_size"), doc.get("metadata_checksum")
+    if size is None and checksum is None:
+        return  # a commit written before these were recorded
+    if size != len(body) or checksum != digest(body):
+        raise CorruptCheckpointError(f"{where} does not match the commit that published it (it records "
+                                     f"{size} bytes, checksum {checksum}; the object is {len(body)} bytes, checksum "
+                                     f"{digest(body)}): modified after the commit")
+
+
+def clean_orphans(bucket: Bucket, name_key: str, commit: tuple[dict, dict] | None, now: _dt.datetime,
+                  own: str | None = None) -> list[str]:
     """Delete the save prefixes under ``name_key`` that ``commit`` (its ``read_commit``) does not
     name and nothing touched for ``orphan_grace_s`` (a live save refreshes its lease; a
     superseded checkpoint is kept that long after the commit that replaced it, for loads still
-    reading it). Returns them."""
+    reading it), ages judged against ``now`` on the store's clock (:func:`server_now`). Only a
+    prefix holding our lease object is ours to delete: a user's own ``save-*`` folder never is.
+    ``own``: the caller's own save, never collected. Returns them."""
     grace = _dt.timedelta(seconds=bucket.options.orphan_grace_s)
     current = commit[0]["data"] if commit else None
     commit_time = commit[1]["last_modified"] if commit else None
     newest: dict[str, _dt.datetime] = {}
     keys: dict[str, list[str]] = {}
+    leased: set[str] = set()
     for o in bucket.list(name_key):
         rel = o["path"][len(name_key) + 1:]
         prefix = rel.split("/", 1)[0]
@@ -94,10 +122,11 @@ def clean_orphans(bucket: Bucket, name_key: str, commit: tuple[dict, dict] | Non
             continue
         keys.setdefault(prefix, []).append(o["path"])
         newest[prefix] = max(newest.get(prefix, o["last_modified"]), o["last_modified"])
-    now = _now_utc()
+        if rel == f"{prefix}/{LEASE_OBJECT}":
+            leased.add(prefix)
     gone = []
     for prefix, when in newest.items():
-        if prefix == current or now - when < grace:
+        if prefix in (current, own) or prefix not in leased or now - when < grace:
             continue
         if commit_time is not None and now - commit_time < grace:
             continue  # superseded moments ago: a load may still be reading it
@@ -110,9 +139,12 @@ def clean_orphans(bucket: Bucket, name_key: str, commit: tuple[dict, dict] | Non
 
 def delete_checkpoint(bucket: Bucket, name_key: str) -> None:
     """Unpublish first (the commit object goes: the checkpoint is gone at once, never half
-    there), then delete what it named and anything else under the name."""
+    there), then delete the save it named. Other saves under the name (abandoned, superseded)
+    are collected by later clean-ups once their grace is over; nothing else there is ours."""
+    got = read_commit(bucket, name_key)
     bucket.delete([f"{name_key}/{COMMIT_OBJECT}"])
-    bucket.delete([o["path"] for o in bucket.list(name_key)])
+    if got is not None:
+        bucket.delete([o["path"] for o in bucket.list(f"{name_key}/{got[0]['data']}")])
 
 
 class _Lease:
@@ -168,9 +200,11 @@ class ObjectStoreWriter(StorageWriter):
                                         f"(the old one stays loadable until the new one commits)")
         self._replaces = got[1]["e_tag"] if got else None
         self.overwrite = overwrite
-        clean_orphans(self.bucket, self.name_key, got)
         self.save_id = f"{SAVE_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}"
         self._lease = _Lease(self.bucket, self._key(LEASE_OBJECT))
+        # the lease's own time is "now" on the store's clock (never this machine's)
+        clean_orphans(self.bucket, self.name_key, got, server_now(self.bucket, self._key(LEASE_OBJECT), written=True),
+                      own=self.save_id)
         return self.save_id
 
     def attach(self, token: str, *, rank: int, world_size: int) -> None:
@@ -216,20 +250,56 @@ class ObjectStoreWriter(StorageWriter):
         key = f"{self.name_key}/{COMMIT_OBJECT}"
         faults.point("commit.rename", path=self.uri)  # the one step that publishes (as the rename does locally)
         try:
-            self.bucket.put(key, json.dumps(doc, separators=(",", ":")).encode(),
-                            mode=self._replaces if self._replaces else "create")
-        except FileExistsError:
-            raise CheckpointExistsError(
-                f"{self.uri} was {'replaced' if self._replaces else 'committed'} by another save while this one was in "
-                f"progress; nothing was committed") from None
+            self._check_complete(metadata, body)  # never publish a save whose files are gone
+            self._publish(key, json.dumps(doc, separators=(",", ":")).encode())
         finally:
-            self._stop_lease()
-        self.bucket.delete([self._key(LEASE_OBJECT)])
+            self._stop_lease()  # (its object stays: it proves the save ours once superseded)
+
+    def _check_complete(self, metadata: Metadata, body: bytes) -> None:
+        """One listing of this save's prefix: every file the metadata names is there at its
+        recorded size (another process may have deleted them: a commit naming them would publish
+        a checkpoint that does not load)."""
+        base = f"{self.name_key}/{self.save_id}/"
+        have = {o["path"][len(base):]: o["size"] for o in self.bucket.list(base.rstrip("/"))}
+        want = {n: f.size for n, f in metadata.files.items()}
+        want[METADATA_FILE] = len(body)
+        for name, size in sorted(want.items()):
+            if have.get(name) != size:
+                got = "missing" if name not in have else f"{have[name]} bytes, not {size}"
+                raise CheckpointChangedError(f"{self.uri}: this save's {name} is {got} in the store just before its "
+                                             f"commit (deleted or replaced by another process); nothing was committed")
+
+    def _publish(self, key: str, body: bytes) -> None:
+        """The conditional write of the commit object. A refusal or an error may hide a write that
+        landed (its reply lost, the client's retry then refused): the commit is read back and
+        decides. Never reports failure for a commit that names this save, nor success for one
+        that does not."""
+        try:
+            self.bucket.put(key, body, mode=self._replaces if self._replaces else "create")
+            return
+        except FileExistsError:
+            refused: Exception = CheckpointExistsError(
+                f"{self.uri} was {'replaced' if self._replaces else 'committed'} by another save while this one was in "
+                f"progress; nothing was committed")
+        except HpdcpError as e:
+            refused = e
+        try:
+            now = read_commit(self.bucket, self.name_key)
+        except HpdcpError:
+            now = None
+        if now is not None and now[0].get("data") == self.save_id:
+            log.warning("the commit of %s was applied although its reply was lost; read back: committed", self.uri)
+            return
+        raise refused from None
 
     def abort(self) -> None:
         self._stop_lease()
         if self.save_id:
             try:
+                got = read_commit(self.bucket, self.name_key)
+                if got is not None and got[0].get("data") == self.save_id:  # published after all: never ours to delete
+                    log.warning("not removing %s/%s: the commit names it", self.uri, self.save_id)
+                    return
                 self.bucket.delete([o["path"] for o in self.bucket.list(f"{self.name_key}/{self.save_id}")])
             except Exception as e:  # best effort: a later save removes what is left
                 log.warning("could not remove the aborted save %s: %s", self.uri, e)
@@ -249,7 +319,9 @@ class ObjectStoreWriter(StorageWriter):
 
 def committed_extras(directory: str, name_ok: Callable[[str], Any]) -> list[tuple[str, dict | None]]:
     """(name, the ``extra`` its commit records) of each committed checkpoint under ``directory``
-    whose name passes ``name_ok``: one listing, then one small GET per candidate."""
+    whose name passes ``name_ok``: one listing, then one small GET and one HEAD per candidate. A
+    commit is not trusted alone: the save it names must hold the metadata it records (that size),
+    else the name is left out (never latest, never counted by retention)."""
     bucket = Bucket(directory)
     out = []
     for name in sorted(bucket.list_dir(bucket.root)[0]):
@@ -257,23 +329,33 @@ def committed_extras(directory: str, name_ok: Callable[[str], Any]) -> list[tupl
             continue
         try:
             got = read_commit(bucket, bucket.key(name))
-        except MetadataError:
-            continue  # not one of ours: never touched
-        if got is not None:
-            extra = got[0].get("extra")
-            out.append((name, extra if isinstance(extra, dict) else None))
+        except (MetadataError, StorageAccessError):
+            continue  # not one of ours (or not readable): never touched
+        if got is None:
+            continue
+        doc = got[0]
+        meta = bucket.head(bucket.key(name, doc["data"], METADATA_FILE))
+        if meta is None or ("metadata_size" in doc and meta["size"] != doc["metadata_size"]):
+            log.warning("%s: its commit names %s, which holds no metadata of the size it records; not counted as a "
+                        "checkpoint", bucket.url(bucket.key(name)), doc["data"])
+            continue
+        extra = doc.get("extra")
+        out.append((name, extra if isinstance(extra, dict) else None))
     return out
 
 
 def clean_directory_orphans(directory: str, keep: Iterable[str] = ()) -> None:
     """Abandoned and superseded saves of every checkpoint under ``directory`` (after a grace)."""
     bucket = Bucket(directory)
-    for name in bucket.list_dir(bucket.root)[0]:
-        if name not in set(keep):
-            try:
-                clean_orphans(bucket, bucket.key(name), read_commit(bucket, bucket.key(name)))
-            except MetadataError:
-                continue
+    names = [n for n in bucket.list_dir(bucket.root)[0] if n not in set(keep)]
+    if not names:
+        return
+    now = server_now(bucket, bucket.key(f".hpdcp-clock-{uuid.uuid4().hex[:12]}"))
+    for name in names:
+        try:
+            clean_orphans(bucket, bucket.key(name), read_commit(bucket, bucket.key(name)), now)
+        except MetadataError:
+            continue
 
 
 def delete_checkpoint_at(uri: str) -> None:
@@ -282,10 +364,13 @@ def delete_checkpoint_at(uri: str) -> None:
 
 
 def remove_checkpoint(path: str) -> None:
-    """Delete a checkpoint (or any directory of files) wherever it is, best effort: scratch
-    checkpoints of benchmarks. A store's is unpublished first (``delete_checkpoint``)."""
+    """Delete a scratch directory the caller wrote whole (a benchmark's checkpoints, ours or a
+    peer's), wherever it is, best effort: everything under it goes. A store's commit object goes
+    first, so a checkpoint there is never half present under its name."""
     if is_uri(path):
-        delete_checkpoint_at(normalize(path))
+        bucket = Bucket(normalize(path))
+        bucket.delete([bucket.key(COMMIT_OBJECT)])
+        bucket.delete([o["path"] for o in bucket.list(bucket.root)])
     else:
         shutil.rmtree(path, ignore_errors=True)
 

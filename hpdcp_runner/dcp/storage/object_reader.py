@@ -17,7 +17,7 @@ from ..core.geometry import flat_span
 from ..format.metadata import DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, Metadata, check_file_name, element_size
 from .filesystem import DEFAULT_FILES_KEPT, FileSystemReader
 from .interfaces import ReadRequest
-from .object_checkpoint import COMMIT_OBJECT, SAVE_PREFIX, read_commit
+from .object_checkpoint import COMMIT_OBJECT, SAVE_PREFIX, check_commit_matches, read_commit
 from .object_store import Bucket, ObjectStoreOptions, RemoteFile
 
 
@@ -65,9 +65,12 @@ class ObjectStoreReader(FileSystemReader):
             self.data = ""  # a checkpoint directory uploaded as it is
         else:
             raise self._not_found()
+        commit = got
         got = self.bucket.get(self._data_key(METADATA_FILE), max_bytes=self.max_metadata_bytes)
         if got is None:
             raise self._changed("its metadata.json disappeared")
+        if commit is not None:
+            check_commit_matches(commit[0], got[0], self.bucket.url(self._data_key(METADATA_FILE)))
         return got[0].decode("utf-8", errors="replace")
 
     def _not_found(self) -> CheckpointNotFoundError:

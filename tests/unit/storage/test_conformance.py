@@ -43,8 +43,11 @@ class S3:
         self.client = s3_server.client(endpoint)
 
     def debris(self, name):
-        self.client.put_object(Bucket=self.bucket, Key=f"runs/{name}/save-19700101T000000-deadbeef0000/rank00000"
-                                                      f".safetensors", Body=b"partial")
+        """What a save killed before its commit leaves: its lease (written at begin, before any
+        rank writes) and a partial rank file."""
+        base = f"runs/{name}/save-19700101T000000-deadbeef0000"
+        self.client.put_object(Bucket=self.bucket, Key=f"{base}/.lease", Body=b"{}")
+        self.client.put_object(Bucket=self.bucket, Key=f"{base}/rank00000.safetensors", Body=b"partial")
 
     def debris_left(self, name):
         keys = [o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=f"runs/{name}/")

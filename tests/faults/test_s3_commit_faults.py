@@ -1,0 +1,181 @@
+"""Issue 40: a bucket's commit that cannot lie. Against the real loopback S3 server; a proxy
+(tests/s3_proxy.py) only for what the server cannot do on demand: a reply lost after the store
+applied the request. Other harm is made with the server's own API (boto3), as another process
+would: a save's files deleted before its commit, a commit object naming nothing, tampered metadata."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hpdcp_runner import dcp
+from hpdcp_runner.dcp import faults
+from hpdcp_runner.dcp.storage import object_store
+from hpdcp_runner.dcp.storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
+from tests import s3_server
+from tests.s3_proxy import Proxy
+
+
+def _sd(v):
+    return {"w": torch.full((64, 32), float(v)), "step": int(v)}
+
+
+def _loads_as(path, v):
+    got = {"w": torch.zeros(64, 32), "step": -1}
+    dcp.load(got, checkpoint_id=path)
+    return got["step"] == v and torch.equal(got["w"], _sd(v)["w"])
+
+
+@pytest.fixture
+def proxied(s3_endpoint, s3_bucket):
+    p = Proxy(s3_endpoint)
+    object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint, max_retries=3, retry_timeout_s=20))
+    try:
+        yield p, s3_bucket
+    finally:
+        object_store.configure(object_store.ObjectStoreOptions())
+        p.close()
+
+
+def _keys(endpoint, bucket, prefix):
+    got = s3_server.client(endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return sorted(o["Key"] for o in got)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_commit_whose_reply_is_lost_after_it_landed_is_a_success(proxied, s3_endpoint, overwrite):
+    """The store applied the commit; the reply was lost; the client's retry got 412. The save used
+    to say 'nothing was committed' and delete the objects the name now pointed at."""
+    p, bucket = proxied
+    path = f"{bucket}/ck"
+    if overwrite:
+        dcp.save(_sd(1), checkpoint_id=path)
+    p.lose_reply_next(1, method="PUT", path_contains="hpdcp-commit.json")
+    dcp.save(_sd(2), checkpoint_id=path, overwrite=overwrite)  # knows what it published
+    assert p.faults_served == 1
+    assert _loads_as(path, 2)
+    doc = json.loads(s3_server.client(s3_endpoint).get_object(Bucket=bucket[5:], Key="ck/hpdcp-commit.json")["Body"]
+                     .read())
+    assert any(k.startswith(f"ck/{doc['data']}/rank") for k in _keys(s3_endpoint, bucket[5:], "ck/"))
+
+
+def test_a_save_whose_files_are_gone_is_never_published(s3_endpoint, s3_bucket):
+    """Another process deleted this save's objects before its commit: publishing would name
+    nothing that loads; the save fails and the old checkpoint stays the one the name loads."""
+    path = f"{s3_bucket}/ck"
+    dcp.save(_sd(1), checkpoint_id=path)
+    client = s3_server.client(s3_endpoint)
+
+    def wipe(**_):
+        doc = json.loads(client.get_object(Bucket=s3_bucket[5:], Key="ck/hpdcp-commit.json")["Body"].read())
+        for k in _keys(s3_endpoint, s3_bucket[5:], "ck/save-"):
+            if not k.startswith(f"ck/{doc['data']}/") and k.endswith(".safetensors"):
+                client.delete_object(Bucket=s3_bucket[5:], Key=k)
+
+    with faults.armed("commit.rename", wipe), pytest.raises(dcp.HpdcpError, match="rank00000.safetensors"):
+        dcp.save(_sd(2), checkpoint_id=path, overwrite=True)
+    assert _loads_as(path, 1)
+
+
+def _fake_commit(client, bucket, name, data, extra, size=10, checksum="0" * 16):
+    body = {"format": "hpdcp-commit", "version": 1, "data": data, "metadata_size": size,
+            "metadata_checksum": checksum, "extra": extra}
+    client.put_object(Bucket=bucket, Key=f"runs/{name}/hpdcp-commit.json", Body=json.dumps(body).encode())
+
+
+def test_a_commit_alone_is_not_a_member_of_a_series(s3_endpoint, s3_bucket):
+    """A commit object naming a save that does not exist (or whose metadata disagrees with it)
+    used to become latest, and retention deleted real checkpoints for it."""
+    root = f"{s3_bucket}/runs"
+    for step in (1, 2):
+        dcp.save(_sd(step), checkpoint_id=f"{root}/step_{step}", extra=series_extra("step_{step}", step))
+    client = s3_server.client(s3_endpoint)
+    _fake_commit(client, s3_bucket[5:], "step_9", "save-20260101T000000-000000000000",
+                 series_extra("step_{step}", 9))
+    # a real save's metadata under a commit that claims another step
+    real = json.loads(client.get_object(Bucket=s3_bucket[5:], Key="runs/step_2/hpdcp-commit.json")["Body"].read())
+    _fake_commit(client, s3_bucket[5:], "step_7", f"../step_2/{real['data']}", series_extra("step_{step}", 7))
+    assert latest_checkpoint(root, "step_{step}") == f"{root}/step_2"
+    assert [e.name for e in list_checkpoints(root, "step_{step}")] == ["step_1", "step_2"]
+    assert apply_retention(root, 2, series="step_{step}") == []
+    assert _loads_as(f"{root}/step_1", 1) and _loads_as(f"{root}/step_2", 2)
+
+
+def test_a_commit_whose_metadata_does_not_match_it_does_not_load(s3_endpoint, s3_bucket):
+    """The commit records the size and checksum of the metadata it published; a reader compares."""
+    path = f"{s3_bucket}/ck"
+    dcp.save(_sd(1), checkpoint_id=path)
+    client = s3_server.client(s3_endpoint)
+    doc = json.loads(client.get_object(Bucket=s3_bucket[5:], Key="ck/hpdcp-commit.json")["Body"].read())
+    key = f"ck/{doc['data']}/metadata.json"
+    md = json.loads(client.get_object(Bucket=s3_bucket[5:], Key=key)["Body"].read())
+    md["extra"] = {"tampered": True}
+    client.put_object(Bucket=s3_bucket[5:], Key=key, Body=json.dumps(md).encode())
+    with pytest.raises(dcp.CorruptCheckpointError, match="metadata.json.*(does not match|differs from) the commit"):
+        _loads_as(path, 1)
+
+
+@pytest.fixture
+def no_grace():
+    object_store.configure(object_store.ObjectStoreOptions(orphan_grace_s=0))
+    yield
+    object_store.configure(object_store.ObjectStoreOptions())
+
+
+def test_clean_up_deletes_only_what_it_can_prove_ours(s3_endpoint, s3_bucket, no_grace):
+    """Class 5: clean-up took every ``save-*`` folder no commit names, a user's own included, and
+    deleting a checkpoint took everything under its name. Only a save with our lease (or the one
+    a commit names) is ours."""
+    client, b = s3_server.client(s3_endpoint), s3_bucket[5:]
+    root = f"{s3_bucket}/runs"
+    mine = {"runs/ck/save-2024-notes/readme.txt": b"a user's folder", "runs/ck/notes.txt": b"beside it",
+            "runs/data/save-x/part0": b"another user's data"}
+    for k, v in mine.items():
+        client.put_object(Bucket=b, Key=k, Body=v)
+    dcp.save(_sd(1), checkpoint_id=f"{root}/ck", extra=series_extra("ck", None))
+    dcp.save(_sd(2), checkpoint_id=f"{root}/ck", overwrite=True, extra=series_extra("ck", None))  # supersedes 1
+    apply_retention(root, 1, series="ck")  # collects the superseded save (it holds our lease), nothing else
+    keys = _keys(s3_endpoint, b, "runs/")
+    assert all(k in keys for k in mine), keys
+    assert sum(1 for k in keys if k.startswith("runs/ck/save-") and k.endswith("rank00000.safetensors")) == 1
+    assert _loads_as(f"{root}/ck", 2)
+    from hpdcp_runner.dcp.storage.object_checkpoint import delete_checkpoint_at
+
+    delete_checkpoint_at(f"{root}/ck")
+    keys = _keys(s3_endpoint, b, "runs/")
+    assert all(k in keys for k in mine) and not any(k.endswith(".safetensors") for k in keys), keys
+
+
+def test_a_cleaner_whose_clock_is_ahead_never_deletes_a_live_save(s3_endpoint, s3_bucket, monkeypatch):
+    """Class 2: clean-up compared the store's last_modified with the local clock; a second saver
+    whose clock ran an hour ahead deleted a live save, which then committed and reported success.
+    The skew is simulated in this process (the store's clock cannot be moved): the local clock is
+    an hour ahead while another save of the name begins."""
+    import datetime as dt
+
+    from hpdcp_runner.dcp.storage import object_checkpoint as oc
+
+    import time
+
+    real_time = time.time
+    object_store.configure(object_store.ObjectStoreOptions(orphan_grace_s=600))
+    path = f"{s3_bucket}/ck"
+    try:
+        dcp.save(_sd(1), checkpoint_id=path)
+
+        def second_saver(**_):
+            ahead = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)
+            monkeypatch.setattr(oc, "_now_utc", lambda: ahead, raising=False)  # the old code's clock
+            monkeypatch.setattr(oc.time, "time", lambda: real_time() + 3600)  # and any use of time.time
+            w = oc.ObjectStoreWriter(path)
+            w.begin(overwrite=True)  # runs clean-up of the name's saves
+            w.abort()
+            monkeypatch.undo()
+
+        with faults.armed("commit.rename", second_saver):
+            dcp.save(_sd(2), checkpoint_id=path, overwrite=True)  # alive while the other begins
+        assert _loads_as(path, 2)
+    finally:
+        object_store.configure(object_store.ObjectStoreOptions())
