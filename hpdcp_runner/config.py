@@ -100,6 +100,10 @@ class StorageConf:
     part_size: Size = "16MiB"  # multipart upload part; a rank buffers about part_size x concurrency
     concurrency: int = 8  # parts uploaded / ranged GETs in flight per rank
     max_retries: int = 5  # per request, with exponential backoff (5xx, throttling, dropped connections)
+    # a request with no answer for this long fails (a dead or hung endpoint: the job ends naming
+    # it instead of waiting); retries of one request stop once this much time has passed
+    request_timeout_s: float = 15.0
+    retry_timeout_s: float = 25.0
     # two ranges of an object closer than this are one GET; auto = the measured request latency x
     # one connection's bandwidth (a gap is read through when that is cheaper than a request)
     coalesce_bytes: Size = "auto"
@@ -682,7 +686,7 @@ def engine_options(c: Config) -> EngineOptions:
         s.max_retries,
         coalesce_bytes=None if s.coalesce_bytes == "auto" else size("dcp.storage.coalesce_bytes", s.coalesce_bytes),
         read_buffer_bytes=size("dcp.storage.read_buffer_bytes", s.read_buffer_bytes, True),
-        orphan_grace_s=s.orphan_grace_s))
+        orphan_grace_s=s.orphan_grace_s, request_timeout_s=s.request_timeout_s, retry_timeout_s=s.retry_timeout_s))
     if problems:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
@@ -695,16 +699,21 @@ def layout_from_file(layout: LayoutConf) -> LayoutConf:
     file's. A key the schema lacks, or a wrong type, is one error naming the file and the key."""
     from . import runtime
 
+    from .user_files import field_names, load_yaml_mapping, unknown_field
+
     path = os.path.normpath(os.path.join(runtime.launch_dir(), os.path.expanduser(layout.file)))
-    try:
-        raw = OmegaConf.load(path)
-    except FileNotFoundError:
-        raise ConfigError(f"layout.file: no file {path}") from None
-    except Exception as e:  # YAML syntax: the parser's first line names the line and column
-        raise ConfigError(f"layout.file: {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(raw, DictConfig):
-        raise ConfigError(f"layout.file: {path} must hold a mapping (name, kind, mesh, rules)")
-    raw.pop("defaults", None)
+    data, lines = load_yaml_mapping(path, "layout.file")  # bounded; errors name lines, never content
+    data.pop("defaults", None)
+    fields = field_names(LayoutConf)
+    for key in data:
+        if key not in fields:
+            raise unknown_field(path, "layout.file", key, lines.get(str(key)), fields)
+    rule_fields = field_names(RuleConf)
+    for i, rule in enumerate(data.get("rules") or []):
+        for key in rule if isinstance(rule, dict) else ():
+            if key not in rule_fields:
+                raise unknown_field(path, "layout.file", key, None, rule_fields, f"rules[{i}].")
+    raw = OmegaConf.create(data)
     base = OmegaConf.structured(layout)
     base.name = os.path.splitext(os.path.basename(path))[0]
     try:

@@ -8,6 +8,7 @@ extra), checked before anything is drawn."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import math
@@ -18,7 +19,13 @@ from .dcp import ConfigError
 MAX_PANELS = 48
 
 
-def check_available() -> None:
+_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+
+
+def check_available(path: str | None = None) -> None:
+    """Before anything is read: matplotlib is there and ``path`` names a format it draws."""
+    if path is not None and os.path.splitext(path)[1].lower() not in _FORMATS:
+        raise ConfigError(f"job.picture: {path}: the picture is drawn as {', '.join(_FORMATS)} (by its extension)")
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("job.picture: drawing needs matplotlib: pip install 'hpdcp_runner[report]'")
 
@@ -96,6 +103,16 @@ def draw(report: dict, path: str, title: str) -> str:
     fig.suptitle(f"{title}: layout {report['name']} at {ranks} ranks, mesh {report['mesh']}{more}", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # drawn to a fresh file beside it, then renamed over the name: a link planted at the name
+    # is replaced, never followed (its target is never written)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            fig.savefig(f, dpi=110, format=_FORMATS[os.path.splitext(path)[1].lower()])
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     plt.close(fig)
     return path

@@ -147,8 +147,10 @@ def config_values(raw: Mapping[str, Any] | None) -> dict[str, int]:
     GPT-2's ``n_embd`` / ``n_head`` / ``n_inner`` under the common names too."""
     if not raw:
         return {}
-    src = dict(raw.get("text_config") or {}) | {k: v for k, v in raw.items() if k != "text_config"}
-    v = {k: x for k, x in src.items() if isinstance(x, int) and not isinstance(x, bool)}
+    text = raw.get("text_config")
+    src = (dict(text) if isinstance(text, Mapping) else {}) | {k: v for k, v in raw.items() if k != "text_config"}
+    # only sizes: a hostile or broken config (zero or negative heads, huge numbers) names nothing
+    v = {k: x for k, x in src.items() if isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1 << 40}
     for common, gpt2 in (("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
                          ("num_hidden_layers", "n_layer")):
         if common not in v and gpt2 in v:
@@ -178,11 +180,13 @@ def read_model_config(path: str | None) -> tuple[dict | None, str | None]:
     if not is_uri(where) and not os.path.isdir(where):
         return None, None
     f = f"{where.rstrip('/')}/{name}"
+    from .user_files import parse_json_bounded
+
     try:
         data = read_side_file(where, name)
-        raw = None if data is None else json.loads(data)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"layout.config: cannot read {f}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"layout.config: cannot read {f}: {e.strerror or e}") from None
+    raw = None if data is None else parse_json_bounded(data, f"layout.config: {f}")
     if data is None:
         return None, None
     if not isinstance(raw, dict):
@@ -194,11 +198,21 @@ _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lamb
         ast.FloorDiv: lambda a, b: a // b}
 
 
+MAX_EXPRESSION_CHARS = 200
+MAX_VALUE = 1 << 50  # no tensor dimension comes near it
+
+
 def evaluate(expr: Any, values: Mapping[str, int], what: str) -> int:
-    """An int, or an expression of config names, ints, + - * // (parsed, never executed)."""
+    """An int, or an expression of config names, ints, + - * // (parsed, never executed), at most
+    ``MAX_EXPRESSION_CHARS`` long and every value inside ``MAX_VALUE`` (a layout file is
+    untrusted input: no unbounded parsing, recursion or big-number arithmetic)."""
     if isinstance(expr, int) and not isinstance(expr, bool):
+        if abs(expr) > MAX_VALUE:
+            raise ConfigError(f"{what}: {expr} is out of range (at most {MAX_VALUE})")
         return expr
     text = str(expr)
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ConfigError(f"{what}: an expression of {len(text)} characters; at most {MAX_EXPRESSION_CHARS}")
     try:
         tree = ast.parse(text, mode="eval").body
     except SyntaxError:
@@ -218,7 +232,10 @@ def evaluate(expr: Any, values: Mapping[str, int], what: str) -> int:
             a, b = walk(n.left), walk(n.right)
             if isinstance(n.op, ast.FloorDiv) and b == 0:
                 raise ConfigError(f"{what}: {text!r} divides by zero")
-            return _OPS[type(n.op)](a, b)
+            out = _OPS[type(n.op)](a, b)
+            if abs(out) > MAX_VALUE:
+                raise ConfigError(f"{what}: {text!r} grows past {MAX_VALUE}")
+            return out
         raise ConfigError(f"{what}: {text!r} may only use config names, integers and + - * //")
 
     return walk(tree)

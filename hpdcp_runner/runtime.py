@@ -11,8 +11,10 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import re
 import secrets
 import signal
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+
+from .dcp import ConfigError
 
 STAMP_ENV = "HPDCP_RUN_STAMP"
 LAUNCH_DIR_ENV = "HPDCP_LAUNCH_DIR"
@@ -40,8 +44,14 @@ def env_rank() -> int:
     """This process's global rank from its launcher (torchrun's RANK, else SLURM's or submitit's
     task id), before any process group exists (Hydra resolves the rank-0-only paths with it)."""
     if "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    sched = scheduler_env()
+        try:
+            return int(os.environ["RANK"])
+        except ValueError:
+            return 0  # a launcher's garbage: the group's own checks say so
+    try:
+        sched = scheduler_env()
+    except ConfigError:  # adopt_scheduler_env reports it
+        return 0
     return int(sched["RANK"]) if sched else 0
 
 
@@ -53,7 +63,11 @@ def first_host(nodelist: str) -> str:
         if ch == "," and depth == 0:
             break
         depth += (ch == "[") - (ch == "]")
+        if depth < 0 or depth > 1:
+            raise ValueError(nodelist)
         entry += ch
+    if depth != 0 or not entry or not re.fullmatch(r"[A-Za-z0-9._\-]+(\[[0-9,\-]+\][A-Za-z0-9._\-]*)*", entry):
+        raise ValueError(nodelist)
     while "[" in entry:
         head, rest = entry.split("[", 1)
         group, tail = rest.split("]", 1)
@@ -69,22 +83,37 @@ def scheduler_env(environ: "os._Environ[str] | dict[str, str] | None" = None) ->
     env = os.environ if environ is None else environ
     if "RANK" in env:
         return None
+    def number(name: str, default: str, least: int = 0) -> str:
+        """A variable that must be a whole number (at least ``least``): ConfigError naming it."""
+        value = env.get(name, default)
+        if not (value.isdigit() and int(value) >= least and len(value) <= 9):
+            raise ConfigError(f"{name}={value!r} is not a number{' >= 1' if least else ''} (as the scheduler sets "
+                              f"it); start the tasks with srun, or set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT")
+        return str(int(value))
+
     if "SUBMITIT_LOCAL_GLOBALID" in env:
-        rank, world = env["SUBMITIT_LOCAL_GLOBALID"], env.get("SUBMITIT_LOCAL_NTASKS", "1")
-        local, node, nodes = env.get("SUBMITIT_LOCAL_LOCALID", rank), env.get("SUBMITIT_LOCAL_NODEID", "0"), \
-            env.get("SUBMITIT_LOCAL_JOB_NUM_NODES", "1")
+        rank, world = number("SUBMITIT_LOCAL_GLOBALID", "0"), number("SUBMITIT_LOCAL_NTASKS", "1", 1)
+        local, node = number("SUBMITIT_LOCAL_LOCALID", rank), number("SUBMITIT_LOCAL_NODEID", "0")
+        nodes = number("SUBMITIT_LOCAL_JOB_NUM_NODES", "1", 1)
         host, job = "127.0.0.1", env.get("SUBMITIT_LOCAL_JOB_ID", "0")
     elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # a task of an srun step
-        rank, world = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-        local, node, nodes = env.get("SLURM_LOCALID", "0"), env.get("SLURM_NODEID", "0"), \
-            env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1"))
-        host = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1")
+        rank, world = number("SLURM_PROCID", "0"), number("SLURM_STEP_NUM_TASKS", "1", 1)
+        local, node = number("SLURM_LOCALID", "0"), number("SLURM_NODEID", "0")
+        nodes = number("SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in env else "SLURM_NNODES", "1", 1)
+        which = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+        try:
+            host = first_host(env.get(which) or "127.0.0.1")
+        except ValueError:
+            raise ConfigError(f"{which}={env.get(which)!r} is not a SLURM node list (e.g. node[03-05,9],gpu7)") \
+                from None
         job = f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}"
     else:
         return None
     # the same port and run stamp on every task of the job, with nothing exchanged (a task of a
     # submitit job inherits the stamp its launcher agreed; srun's tasks derive it from the step)
     port = env.get("MASTER_PORT") or str(20000 + zlib.crc32(job.encode()) % 40000)
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"MASTER_PORT={port!r} is not a port (1-65535)")
     stamp = env.get(STAMP_ENV) or (f"slurm-{job}" if "SUBMITIT_LOCAL_GLOBALID" not in env else "")
     per_node = max(1, int(world) // max(1, int(nodes)))
     return {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": str(per_node),
@@ -106,20 +135,20 @@ def launcher_name() -> str:
 def adopt_scheduler_env() -> bool:
     """Export :func:`scheduler_env` (when a scheduler started this process) so the process group
     forms from it, as under torchrun. True when it did."""
-    sched = scheduler_env()
+    try:
+        sched = scheduler_env()
+    except ConfigError as e:  # a variable that is not what a scheduler sets: one line naming it
+        task = os.environ.get("SUBMITIT_LOCAL_GLOBALID", os.environ.get("SLURM_PROCID", "0"))
+        if not task.isdigit() or int(task) == 0:  # once: task 0 (or every task, when its own id is garbage)
+            sys.stderr.write(f"error: ConfigError: {e}\n")
+        raise SystemExit(2) from None
     if not sched:
         return False
-    try:
-        rank, world, local = int(sched["RANK"]), int(sched["WORLD_SIZE"]), int(sched["LOCAL_RANK"])
-        ok = 0 <= rank < world and 0 <= local < world
-    except ValueError:
-        ok = False
-    if not ok:
+    rank, world, local = int(sched["RANK"]), int(sched["WORLD_SIZE"]), int(sched["LOCAL_RANK"])
+    if not (0 <= rank < world and 0 <= local < world):
         names = ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_NTASKS", "SUBMITIT_LOCAL_LOCALID") \
             if "SUBMITIT_LOCAL_GLOBALID" in os.environ else ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
         shown = ", ".join(f"{n}={os.environ.get(n)!r}" for n in names)
-        import sys
-
         sys.stderr.write(f"error: ConfigError: the scheduler's task variables do not describe a rank of the job "
                          f"({shown}): a task's id must be below the task count; start the tasks with srun (or "
                          f"set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT yourself)\n")

@@ -9,7 +9,7 @@ functions on synthetic plans: ``--tensors`` tensors of max(1024, ranks) x 1024 f
 holds rows of each), 9 of every 10 sharded Shard(0) over all ranks (FSDP: a DTensor on a mesh as
 large as the group, so ``unique``), every 10th replicated on every rank (norms).
 
-* save, any rank (first save): its plan, its ``SaveSummary`` (57 bytes, all-gathered), the
+* save, any rank (first save): its plan, its ``SaveSummary`` (73 bytes, all-gathered), the
   payload it sends if it is the lowest rank of its table/layout (rank 0 here), and after writing
   its ``WrittenRows`` report;
 * save, coordinator, plan: ``layouts_from`` (N summaries + the one distinct table and layout) and

@@ -5,7 +5,7 @@ beside it (``core.columns.encode_frame``); no pickle crosses ranks. A step
 runs on every rank (``local``) or on the coordinator only (``coordinate``); ``Comm`` carries the
 wire forms and turns a failure anywhere into the same error everywhere. Call sequence::
 
-    save:  SaveSteps.summarize: all-gather of 57-byte SaveSummary; all as cached -> cached write lists
+    save:  SaveSteps.summarize: all-gather of 73-byte SaveSummary (ranks that disagree on the checkpoint id or options: one error); all as cached -> cached write lists
            else SaveSteps.local_plan  --table + shared items, from the lowest rank of each digest-->
                 SaveSteps.global_plan  --SaveReply-->  every rank
            SaveSteps.write  --envelope (files, objects, counts)-->  coordinator
@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import json
 import os
 import struct
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from .storage.uri import join
 from .comm.broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers, sendable_devices
 from .comm.collectives import Comm
 from .core import faults
-from .core.errors import KeyMismatchError, MetadataError
+from .core.errors import ConfigError, KeyMismatchError, MetadataError
 from .core.geometry import Box, relative
 from .format.metadata import METADATA_FILE, Metadata, ReportedRows, WrittenRows, chunk_key
 from .format.renames import rename_keys
@@ -47,12 +48,14 @@ from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
 
 # -- messages -------------------------------------------------------------------------------------
 
-SUMMARY_BYTES = 1 + 16 * 3 + 8  # flag, plan digest, table digest, shared-items digest, unique bytes
+SUMMARY_BYTES = 1 + 16 * 3 + 8 + 16  # flag, plan, table, shared-items digests, unique bytes, inputs
 PLAN_BYTES = (0, 17)  # the flag and the plan digest: what a cached plan compares
 TABLE_BYTES = (17, 33)  # ranks with equal bytes here have one key table
 LAYOUT_BYTES = (17, 49)  # ... and here, one key table and the same shared items
 SHARED_BYTES = (33, 49)  # zero: no shared items
 UNIQUE_BYTES = (49, 57)
+ID_BYTES = (57, 65)  # the checkpoint id's digest
+OPTIONS_BYTES = (65, 73)  # the digest of every other input the commit depends on
 
 
 def plan_digest(plan: CompactPlan) -> str:
@@ -74,12 +77,27 @@ class SaveSummary:
     table: str
     shared: str
     unique_bytes: int
+    inputs: bytes = bytes(16)  # ID_BYTES and OPTIONS_BYTES: what every rank must agree on
 
     def encode(self) -> bytes:
         if not self.ok:
             return bytes(SUMMARY_BYTES)
         return (b"\x01" + bytes.fromhex(self.plan) + bytes.fromhex(self.table) + bytes.fromhex(self.shared)
-                + struct.pack("<q", self.unique_bytes))
+                + struct.pack("<q", self.unique_bytes) + self.inputs)
+
+
+def _digest8(value: Any) -> bytes:
+    return hashlib.blake2b(json.dumps(value, sort_keys=True, default=str).encode(), digest_size=8).digest()
+
+
+def disagreeing(summaries: torch.Tensor, lo: int, hi: int) -> list[list[int]]:
+    """The groups of ranks (of those whose summary is valid) with different bytes [lo, hi), or []
+    when they all agree."""
+    groups: dict[bytes, list[int]] = {}
+    for r in range(summaries.shape[0]):
+        if int(summaries[r, 0]) == 1:
+            groups.setdefault(bytes(summaries[r, lo:hi].tolist()), []).append(r)
+    return list(groups.values()) if len(groups) > 1 else []
 
 
 def first_with(summaries: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -253,10 +271,27 @@ class SaveSteps:
     def _summary(self) -> SaveSummary:
         c = self.compact
         shared = self.shared.columns_digest() if self.shared_idx.numel() else "00" * 16
-        return SaveSummary(True, self.digest, c.table_digest(), shared, c.unique_bytes())
+        extra = {k: v for k, v in (self.extra or {}).items() if k != "committed_at_ns"}  # (each rank's clock)
+        options = [self.overwrite, self.allow_pickle, self.verify_replicas, self.cache_plan, self.format_version,
+                   type(self.writer).__name__, extra]
+        inputs = _digest8(str(self.path or self.writer.checkpoint_id)) + _digest8(options)
+        return SaveSummary(True, self.digest, c.table_digest(), shared, c.unique_bytes(), inputs)
+
+    def _check_inputs(self) -> None:
+        """Every rank saves the same checkpoint with the same options, checked before anything is
+        written: two ranks given different ids once both returned normally, rank 0 committing a
+        checkpoint without the other's file. The same decision on every rank (same summaries)."""
+        for (lo, hi), what in ((ID_BYTES, "checkpoint ids"),
+                               (OPTIONS_BYTES, "save options (overwrite, allow_pickle, format_version, extra...)")):
+            groups = disagreeing(self.digests, lo, hi)
+            if groups:
+                shown = "; ".join("ranks " + ", ".join(map(str, g)) for g in groups)
+                raise ConfigError(f"the ranks do not save one checkpoint: they give different {what} ({shown}; this "
+                                  f"is rank {self.comm.rank}, saving {self.path or self.writer.checkpoint_id}); every "
+                                  f"rank must pass the same; nothing was written")
 
     def summarize(self) -> bool:
-        """Every rank's fixed-size ``SaveSummary``, all-gathered (N x 57 bytes, nothing decoded).
+        """Every rank's fixed-size ``SaveSummary``, all-gathered (N x 73 bytes, nothing decoded).
         With ``cache_plan``, a repeated structure stops here: when every plan digest equals the
         cached save's, each rank reuses its cached write list and rank 0 opens the staging area
         (returns True). Any difference, or a failure while planning on any rank, goes to the
@@ -268,6 +303,7 @@ class SaveSteps:
         except Exception:  # raised again, and agreed, by the full round's local_plan
             row = bytes(SUMMARY_BYTES)
         self.digests = self.comm.all_gather_bytes(row, "save: plan digests")
+        self._check_inputs()
         if not self.cache_plan:
             return False
         cached = self._cache

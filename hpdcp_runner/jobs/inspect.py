@@ -131,7 +131,7 @@ def run(ctx: JobContext) -> dict:
         if job.picture:
             from ..layout_picture import check_available
 
-            check_available()
+            check_available(ctx.abspath(job.picture))
         d["layout"] = layout_report(ctx, md, job.ranks or ctx.info.world_size, path)
         if job.picture:
             from ..layout_picture import draw

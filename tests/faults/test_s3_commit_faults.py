@@ -179,3 +179,27 @@ def test_a_cleaner_whose_clock_is_ahead_never_deletes_a_live_save(s3_endpoint, s
         assert _loads_as(path, 2)
     finally:
         object_store.configure(object_store.ObjectStoreOptions())
+
+
+def _save_with_own_id(rank, world_size, root):
+    from hpdcp_runner import dcp as d
+
+    try:
+        d.save({"w": torch.full((4,), float(rank))}, checkpoint_id=f"{root}/ck_{rank}")
+    except d.ConfigError as e:
+        return str(e)
+    return "saved"
+
+
+def test_ranks_that_disagree_on_the_checkpoint_are_refused_before_anything_is_written(tmp_path):
+    """Class 11: two ranks given different checkpoint ids both returned from save normally; rank 0
+    committed a checkpoint that lacked rank 1's file. Now every rank gets one error naming the
+    ranks, and nothing is written anywhere."""
+    import os
+
+    from tests.multiproc.harness import run_ranks
+
+    out = run_ranks(2, _save_with_own_id, str(tmp_path))
+    assert all(m.startswith("the ranks do not save one checkpoint: they give different checkpoint ids (ranks 0; "
+                            "ranks 1;") for m in out), out
+    assert os.listdir(tmp_path) == []

@@ -66,6 +66,11 @@ class ObjectStoreOptions:
 
 def parse_uri(uri: str) -> tuple[str, str, str]:
     """(scheme, bucket, key prefix without slashes at either end) of ``s3://bucket/prefix``."""
+    from .uri import credentials_refused
+
+    why = credentials_refused(uri)
+    if why:
+        raise ConfigError(why)
     scheme, _, rest = uri.partition("://")
     bucket, _, key = rest.partition("/")
     if not _BUCKET.match(bucket or ""):
@@ -216,7 +221,7 @@ class Bucket:
         if why is not None:  # the library's one line says only "error sending request"
             endpoint = self.options.endpoint or os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint"
             return StorageAccessError(f"{what}: cannot reach the object store at {endpoint} for {where}: {why} "
-                                      f"(after {self.options.max_retries} retries; check AWS_ENDPOINT_URL or "
+                                      f"(retried for up to {self.options.retry_timeout_s:g} s; check AWS_ENDPOINT_URL or "
                                       f"dcp.storage.endpoint, and that the server is up)")
         if "connect" in text.lower() or "timed out" in text.lower() or "dns" in text.lower():
             return StorageAccessError(f"{what}: cannot reach the object store for {where} after "

@@ -28,8 +28,29 @@ def is_uri(path: str | os.PathLike | None) -> bool:
     return path is not None and scheme_of(path) is not None
 
 
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)[^/@]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of any URI in it (``s3://KEY:SECRET@bucket``) replaced."""
+    return re.sub(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s]*@", r"\1***@", text)
+
+
+def credentials_refused(path: str) -> str | None:
+    """Why a URI that carries credentials is refused (None: it carries none). They would reach
+    error messages, logs and the run's saved config; the store's own environment holds them."""
+    if _USERINFO.match(path):
+        return (f"{redact(path)}: credentials in a URI are refused (they would be recorded in logs and the run's "
+                f"config); give them through the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE)")
+    return None
+
+
 def check_uri(path: str) -> str:
-    """``path`` if its scheme is one we serve, else a ConfigError naming the scheme."""
+    """``path`` if its scheme is one we serve (and it carries no credentials), else a ConfigError
+    naming the scheme."""
+    why = credentials_refused(path)
+    if why:
+        raise ConfigError(why)
     s = scheme_of(path)
     if s is not None and s not in SCHEMES:
         raise ConfigError(f"{path}: the {s}:// scheme is not supported; a checkpoint location is a local directory "
