@@ -104,6 +104,9 @@ class StorageConf:
     # it instead of waiting); retries of one request stop once this much time has passed
     request_timeout_s: float = 15.0
     retry_timeout_s: float = 25.0
+    # a store that ignores conditional writes is refused (two saves of one name could both succeed
+    # and one be lost); true runs there anyway, with a warning: never two saves of one name at once
+    unconditional_ok: bool = False
     # two ranges of an object closer than this are one GET; auto = the measured request latency x
     # one connection's bandwidth (a gap is read through when that is cheaper than a request)
     coalesce_bytes: Size = "auto"
@@ -686,7 +689,8 @@ def engine_options(c: Config) -> EngineOptions:
         s.max_retries,
         coalesce_bytes=None if s.coalesce_bytes == "auto" else size("dcp.storage.coalesce_bytes", s.coalesce_bytes),
         read_buffer_bytes=size("dcp.storage.read_buffer_bytes", s.read_buffer_bytes, True),
-        orphan_grace_s=s.orphan_grace_s, request_timeout_s=s.request_timeout_s, retry_timeout_s=s.retry_timeout_s))
+        orphan_grace_s=s.orphan_grace_s, request_timeout_s=s.request_timeout_s, retry_timeout_s=s.retry_timeout_s,
+        unconditional_ok=s.unconditional_ok))
     if problems:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,

@@ -27,6 +27,7 @@ class Proxy:
         self.drop = 0  # connections to drop (request read, nothing answered)
         self.lose = 0  # replies to lose: the request reaches the server, its answer never the client
         self.lose_path = ""  # ... only for requests whose path contains this
+        self.strip_conditions = False  # forward without If-None-Match / If-Match (a store that ignores them)
         self.only: str | None = None  # faults apply to methods of this name only (None: all)
         self.requests = 0
         self.last_authorization = ""  # to check which credentials a client signed with
@@ -104,7 +105,8 @@ class Proxy:
             h.wfile.write(msg)
             return
         conn = http.client.HTTPConnection(self.up_host, self.up_port, timeout=60)
-        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection",)}
+        dropped = ("connection", "if-none-match", "if-match") if self.strip_conditions else ("connection",)
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in dropped}
         conn.request(h.command, h.path, body=body if n or h.command in ("PUT", "POST") else None, headers=headers)
         resp = conn.getresponse()
         data = resp.read()

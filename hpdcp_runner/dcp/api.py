@@ -114,6 +114,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
     except BaseException:
         if comm.rank == 0 and steps.token is not None:
             writer.abort()
+        writer.discard_own()
         raise
     source = join(path, METADATA_FILE) if path else METADATA_FILE
     opener = writer.committed_opener() if hasattr(writer, "committed_opener") else \

@@ -73,9 +73,26 @@ def interrupted(e: KeyboardInterrupt, run_dir: str | None) -> None:
     from ..dcp.tools import save_in_flight
 
     background = " (the checkpoint being written in the background is finished first)" if save_in_flight() else ""
+    store = (" (in an object store, an upload that was still in flight may leave objects under the save's own "
+             "save-* prefix, never under the name: the next save of that name, or retention, removes them after "
+             "dcp.storage.orphan_grace_s)")
     _fail(f"interrupted by {sig}: the job stopped before it finished; nothing is left half-written under a "
-          f"checkpoint's name{background}", code,
+          f"checkpoint's name{background}{store if _saving_to_a_store() else ''}", code,
           run_dir=run_dir or _hydra_run_dir(), logged=True)
+
+
+def _saving_to_a_store() -> bool:
+    """Whether this job writes checkpoints to an object store (what the interrupt message says)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        from ..dcp.tools import is_uri
+
+        overrides = HydraConfig.get().overrides.task
+    except Exception:
+        return False
+    return any(is_uri(o.split("=", 1)[1]) for o in overrides if "=" in o and
+               o.lstrip("+~").split("=", 1)[0] in ("checkpoint.dir", "checkpoint.path", "job.output"))
 
 
 def _hydra_run_dir() -> str | None:

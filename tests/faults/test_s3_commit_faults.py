@@ -203,3 +203,46 @@ def test_ranks_that_disagree_on_the_checkpoint_are_refused_before_anything_is_wr
     assert all(m.startswith("the ranks do not save one checkpoint: they give different checkpoint ids (ranks 0; "
                             "ranks 1;") for m in out), out
     assert os.listdir(tmp_path) == []
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused_unless_allowed(proxied):
+    """Class 3: some S3-compatible stores ignore If-None-Match/If-Match: two concurrent saves both
+    reported success and one was silently lost. The proxy forwards without those headers (what
+    such a store does); the first save probes once and refuses, naming the knob."""
+    from hpdcp_runner.dcp.storage import object_checkpoint as oc
+
+    p, bucket = proxied
+    p.strip_conditions = True
+    oc._HONOURS_CONDITIONS.clear()
+    try:
+        with pytest.raises(dcp.ConfigError, match="ignores conditional writes.*dcp.storage.unconditional_ok=true"):
+            dcp.save(_sd(1), checkpoint_id=f"{bucket}/ck")
+        assert not _keys_under(bucket, "ck/")
+        object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint, unconditional_ok=True))
+        dcp.save(_sd(1), checkpoint_id=f"{bucket}/ck")  # allowed: runs, with a warning
+        assert _loads_as(f"{bucket}/ck", 1)
+    finally:
+        oc._HONOURS_CONDITIONS.clear()
+
+
+def _keys_under(bucket, prefix):
+    import os
+
+    return _keys(os.environ["AWS_ENDPOINT_URL"], bucket[5:], prefix)
+
+
+def test_a_rank_removes_its_own_uploads_when_a_save_fails(s3_endpoint, s3_bucket, monkeypatch):
+    """Class 12: Ctrl-C during a save to a bucket left a rank's 43 MB file behind when its upload
+    completed after the coordinator's abort had listed the save. Each rank now removes what it
+    uploaded; here the abort is made to see nothing (as when it listed before the upload landed)."""
+    from hpdcp_runner.dcp.storage import object_checkpoint as oc
+
+    monkeypatch.setattr(oc.ObjectStoreWriter, "abort", lambda self: self._stop_lease())
+
+    def interrupted(**_):
+        raise KeyboardInterrupt
+
+    with faults.armed("save.written", interrupted), pytest.raises(KeyboardInterrupt):
+        dcp.save(_sd(1), checkpoint_id=f"{s3_bucket}/ck")
+    keys = _keys(s3_endpoint, s3_bucket[5:], "ck/")
+    assert not [k for k in keys if k.endswith((".safetensors", ".json"))], keys

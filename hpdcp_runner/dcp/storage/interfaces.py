@@ -106,6 +106,11 @@ class StorageWriter(ABC):
     def abort(self) -> None:
         """Coordinator only, best effort: remove the staging area; never touches a committed checkpoint."""
 
+    def discard_own(self) -> None:
+        """Every rank of a failed save, best effort: remove what this rank wrote, where the
+        coordinator's ``abort`` may not see it (an upload that completed after the abort ran).
+        Never touches a committed checkpoint."""
+
 
 class StorageReader(ABC):
     """Where one load's bytes come from. Call sequence::

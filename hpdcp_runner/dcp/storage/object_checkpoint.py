@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import shutil
 import threading
 import time
@@ -170,6 +171,36 @@ class _Lease:
         self.stop.set()
 
 
+_HONOURS_CONDITIONS: dict[tuple, bool] = {}  # (endpoint, bucket) -> probed once per process
+
+
+def check_conditional_writes(bucket: Bucket, probe_key: str) -> None:
+    """The commit's safety rests on conditional writes: probed once per store and bucket (two
+    creates of one fresh key; the second must be refused). A store that ignores them is refused
+    unless ``unconditional_ok`` (then a warning says what is no longer guaranteed)."""
+    o = bucket.options
+    key = (o.endpoint or os.environ.get("AWS_ENDPOINT_URL"), bucket.bucket)
+    if key not in _HONOURS_CONDITIONS:
+        bucket.put(probe_key, b"{}", mode="create")
+        try:
+            bucket.put(probe_key, b"{}", mode="create")
+            honoured = False
+        except FileExistsError:
+            honoured = True
+        finally:
+            bucket.delete([probe_key])
+        _HONOURS_CONDITIONS[key] = honoured
+    if _HONOURS_CONDITIONS[key]:
+        return
+    if not o.unconditional_ok:
+        raise ConfigError(f"{bucket.url(probe_key.rsplit('/', 1)[0])}: the store at {key[0] or 'the default endpoint'} "
+                          f"ignores conditional writes (If-None-Match), so two saves of one name could both report "
+                          f"success and one be lost; use a store that honours them, or set "
+                          f"dcp.storage.unconditional_ok=true and never run two saves of one name at once")
+    log.warning("%s ignores conditional writes: a concurrent save of the same name can silently replace this one "
+                "(dcp.storage.unconditional_ok=true)", bucket.url(bucket.root))
+
+
 class ObjectStoreWriter(StorageWriter):
     """Per-rank safetensors objects streamed under a save prefix unique to this save, published
     by the conditional write of the commit object (module docstring)."""
@@ -185,6 +216,7 @@ class ObjectStoreWriter(StorageWriter):
         self.rank = 0
         self._replaces: str | None = None  # the ETag of the commit this save replaces
         self._lease: _Lease | None = None
+        self._written: list[str] = []  # keys this rank wrote (or may have: an upload in flight)
 
     @property
     def checkpoint_id(self) -> str:  # type: ignore[override]
@@ -201,6 +233,7 @@ class ObjectStoreWriter(StorageWriter):
         self._replaces = got[1]["e_tag"] if got else None
         self.overwrite = overwrite
         self.save_id = f"{SAVE_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}"
+        check_conditional_writes(self.bucket, self._key(".probe"))
         self._lease = _Lease(self.bucket, self._key(LEASE_OBJECT))
         # the lease's own time is "now" on the store's clock (never this machine's)
         clean_orphans(self.bucket, self.name_key, got, server_now(self.bucket, self._key(LEASE_OBJECT), written=True),
@@ -216,6 +249,7 @@ class ObjectStoreWriter(StorageWriter):
         files, chunks, objs = [], {}, {}
         if tensors:
             name = rank_file(self.rank, "safetensors")
+            self._written.append(self._key(name))
             w = SafetensorsStreamWriter(self.bucket.url(self._key(name)),
                                         [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors],
                                         meta={"format": "pt"}, sink=self.bucket.writer(self._key(name)))
@@ -233,6 +267,7 @@ class ObjectStoreWriter(StorageWriter):
         if objects:
             name = rank_file(self.rank, "objects.json")
             body, digests = encode_object_file(objects)
+            self._written.append(self._key(name))
             self.bucket.put(self._key(name), body)
             files.append(FileMeta(name, len(body), digest(body), self.rank))
             objs.update((k, (name, d)) for k, d in digests.items())
@@ -300,9 +335,27 @@ class ObjectStoreWriter(StorageWriter):
                 if got is not None and got[0].get("data") == self.save_id:  # published after all: never ours to delete
                     log.warning("not removing %s/%s: the commit names it", self.uri, self.save_id)
                     return
-                self.bucket.delete([o["path"] for o in self.bucket.list(f"{self.name_key}/{self.save_id}")])
+                # the lease stays: an upload of another rank that completes after this listing lands
+                # beside it, provably ours, and a later clean-up collects both after the grace
+                lease = self._key(LEASE_OBJECT)
+                self.bucket.delete([o["path"] for o in self.bucket.list(f"{self.name_key}/{self.save_id}")
+                                    if o["path"] != lease])
             except Exception as e:  # best effort: a later save removes what is left
                 log.warning("could not remove the aborted save %s: %s", self.uri, e)
+
+    def discard_own(self) -> None:
+        """This rank's uploads go (an upload can complete after the coordinator's abort listed
+        the save), unless a commit names this save after all."""
+        keys, self._written = self._written, []
+        if not keys or not self.save_id:
+            return
+        try:
+            got = read_commit(self.bucket, self.name_key)
+            if got is not None and got[0].get("data") == self.save_id:
+                return
+            self.bucket.delete(keys)
+        except Exception as e:  # best effort: the save's lease marks it for a later clean-up
+            log.warning("could not remove this rank's uploads of the failed save %s: %s", self.uri, e)
 
     def _stop_lease(self) -> None:
         if self._lease is not None:

@@ -48,6 +48,9 @@ class ObjectStoreOptions:
     coalesce_bytes: int | None = None  # None: auto, the measured latency x per-connection bandwidth
     read_buffer_bytes: int = 256 << 20
     orphan_grace_s: float = 900.0
+    # a store that ignores conditional writes (If-None-Match / If-Match) cannot keep two saves of
+    # one name from both reporting success; true runs on such a store anyway (one saver per name)
+    unconditional_ok: bool = False
 
     def __post_init__(self) -> None:
         if self.part_size < 5 << 20:
