@@ -167,7 +167,8 @@ def test_a_layout_that_splits_attention_in_part_says_so(cli, tmp_path):
            "q_b_proj.weight fall to the default" in warned[0] and "recognised from key names" in warned[0], warned
     with open(tmp_path / "a" / "metrics.json") as f:
         partly = json.load(f)["result"]["partly_split"]
-    assert partly["first"] == "model.layers.0.self_attn" and partly["split"] == ["model.layers.0.self_attn.o_proj.weight"]
+    assert partly["first"] == "model.layers.0.self_attn"
+    assert partly["split"] == ["model.layers.0.self_attn.o_proj.weight"]
     r = _hpdcp(["--nproc-per-node=2", *args, "layout.strict=true", f"hydra.run.dir={tmp_path}/b"], tmp_path)
     assert r.returncode == 2 and "layout.strict: layout 'moe_ep_tp' splits 1 block(s) only in part" in r.stderr, \
         r.stderr[-3000:]

@@ -45,7 +45,7 @@ def _keys(endpoint, bucket, prefix):
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_commit_whose_reply_is_lost_after_it_landed_is_a_success(proxied, s3_endpoint, overwrite):
+def test_a_commit_whose_reply_is_lost_after_it_landed_is_a_success(proxied, s3_endpoint, overwrite, fault_row):
     """The store applied the commit; the reply was lost; the client's retry got 412. The save used
     to say 'nothing was committed' and delete the objects the name now pointed at."""
     p, bucket = proxied
@@ -59,9 +59,19 @@ def test_a_commit_whose_reply_is_lost_after_it_landed_is_a_success(proxied, s3_e
     doc = json.loads(s3_server.client(s3_endpoint).get_object(Bucket=bucket[5:], Key="ck/hpdcp-commit.json")["Body"]
                      .read())
     assert any(k.startswith(f"ck/{doc['data']}/rank") for k in _keys(s3_endpoint, bucket[5:], "ck/"))
+    fault_row(
+        f"object store: the commit's reply lost after the store applied it "
+        f"({'overwrite' if overwrite else 'new name'}; proxy)",
+        "object-store commit",
+        "the save reads the commit back, sees its own save named, and succeeds; the checkpoint loads bitwise",
+        None,
+        None,
+        True if overwrite else None,
+        None,
+        None)
 
 
-def test_a_save_whose_files_are_gone_is_never_published(s3_endpoint, s3_bucket):
+def test_a_save_whose_files_are_gone_is_never_published(s3_endpoint, s3_bucket, fault_row):
     """Another process deleted this save's objects before its commit: publishing would name
     nothing that loads; the save fails and the old checkpoint stays the one the name loads."""
     path = f"{s3_bucket}/ck"
@@ -77,6 +87,16 @@ def test_a_save_whose_files_are_gone_is_never_published(s3_endpoint, s3_bucket):
     with faults.armed("commit.rename", wipe), pytest.raises(dcp.HpdcpError, match="rank00000.safetensors"):
         dcp.save(_sd(2), checkpoint_id=path, overwrite=True)
     assert _loads_as(path, 1)
+    fault_row(
+        "object store: another process deletes a save's files just before its commit",
+        "object-store commit",
+        "one listing before the commit finds the file missing; nothing is published; the old checkpoint "
+        "stays the one the name loads",
+        "CheckpointChangedError",
+        "file",
+        True,
+        None,
+        None)
 
 
 def _fake_commit(client, bucket, name, data, extra, size=10, checksum="0" * 16):
@@ -85,7 +105,7 @@ def _fake_commit(client, bucket, name, data, extra, size=10, checksum="0" * 16):
     client.put_object(Bucket=bucket, Key=f"runs/{name}/hpdcp-commit.json", Body=json.dumps(body).encode())
 
 
-def test_a_commit_alone_is_not_a_member_of_a_series(s3_endpoint, s3_bucket):
+def test_a_commit_alone_is_not_a_member_of_a_series(s3_endpoint, s3_bucket, fault_row):
     """A commit object naming a save that does not exist (or whose metadata disagrees with it)
     used to become latest, and retention deleted real checkpoints for it."""
     root = f"{s3_bucket}/runs"
@@ -101,9 +121,18 @@ def test_a_commit_alone_is_not_a_member_of_a_series(s3_endpoint, s3_bucket):
     assert [e.name for e in list_checkpoints(root, "step_{step}")] == ["step_1", "step_2"]
     assert apply_retention(root, 2, series="step_{step}") == []
     assert _loads_as(f"{root}/step_1", 1) and _loads_as(f"{root}/step_2", 2)
+    fault_row(
+        "object store: a commit object naming a save that does not exist",
+        "object-store commit",
+        "never latest, never counted by retention; the real checkpoints stay and load bitwise",
+        None,
+        None,
+        True,
+        None,
+        None)
 
 
-def test_a_commit_whose_metadata_does_not_match_it_does_not_load(s3_endpoint, s3_bucket):
+def test_a_commit_whose_metadata_does_not_match_it_does_not_load(s3_endpoint, s3_bucket, fault_row):
     """The commit records the size and checksum of the metadata it published; a reader compares."""
     path = f"{s3_bucket}/ck"
     dcp.save(_sd(1), checkpoint_id=path)
@@ -115,6 +144,15 @@ def test_a_commit_whose_metadata_does_not_match_it_does_not_load(s3_endpoint, s3
     client.put_object(Bucket=s3_bucket[5:], Key=key, Body=json.dumps(md).encode())
     with pytest.raises(dcp.CorruptCheckpointError, match="metadata.json.*(does not match|differs from) the commit"):
         _loads_as(path, 1)
+    fault_row(
+        "object store: metadata.json replaced after its commit",
+        "object-store commit",
+        "the load compares it with the size and checksum the commit recorded and refuses it",
+        "CorruptCheckpointError",
+        "file",
+        None,
+        None,
+        None)
 
 
 @pytest.fixture
@@ -124,7 +162,7 @@ def no_grace():
     object_store.configure(object_store.ObjectStoreOptions())
 
 
-def test_clean_up_deletes_only_what_it_can_prove_ours(s3_endpoint, s3_bucket, no_grace):
+def test_clean_up_deletes_only_what_it_can_prove_ours(s3_endpoint, s3_bucket, no_grace, fault_row):
     """Class 5: clean-up took every ``save-*`` folder no commit names, a user's own included, and
     deleting a checkpoint took everything under its name. Only a save with our lease (or the one
     a commit names) is ours."""
@@ -146,9 +184,18 @@ def test_clean_up_deletes_only_what_it_can_prove_ours(s3_endpoint, s3_bucket, no
     delete_checkpoint_at(f"{root}/ck")
     keys = _keys(s3_endpoint, b, "runs/")
     assert all(k in keys for k in mine) and not any(k.endswith(".safetensors") for k in keys), keys
+    fault_row(
+        "object store: a user's own save-* folder and files under a checkpoint name",
+        "object-store commit",
+        "clean-up and deletion take only saves holding our lease or named by a commit; the user's objects stay",
+        None,
+        None,
+        True,
+        None,
+        None)
 
 
-def test_a_cleaner_whose_clock_is_ahead_never_deletes_a_live_save(s3_endpoint, s3_bucket, monkeypatch):
+def test_a_cleaner_whose_clock_is_ahead_never_deletes_a_live_save(s3_endpoint, s3_bucket, monkeypatch, fault_row):
     """Class 2: clean-up compared the store's last_modified with the local clock; a second saver
     whose clock ran an hour ahead deleted a live save, which then committed and reported success.
     The skew is simulated in this process (the store's clock cannot be moved): the local clock is
@@ -179,6 +226,16 @@ def test_a_cleaner_whose_clock_is_ahead_never_deletes_a_live_save(s3_endpoint, s
         assert _loads_as(path, 2)
     finally:
         object_store.configure(object_store.ObjectStoreOptions())
+    fault_row(
+        "object store: a second saver whose clock is an hour ahead cleans up during a live save (skew simulated)",
+        "object-store commit",
+        "ages are judged on the store's clock (the lease's own time); the live save is untouched, commits "
+        "and loads bitwise",
+        None,
+        None,
+        None,
+        None,
+        None)
 
 
 def _save_with_own_id(rank, world_size, root):
@@ -191,7 +248,7 @@ def _save_with_own_id(rank, world_size, root):
     return "saved"
 
 
-def test_ranks_that_disagree_on_the_checkpoint_are_refused_before_anything_is_written(tmp_path):
+def test_ranks_that_disagree_on_the_checkpoint_are_refused_before_anything_is_written(tmp_path, fault_row):
     """Class 11: two ranks given different checkpoint ids both returned from save normally; rank 0
     committed a checkpoint that lacked rank 1's file. Now every rank gets one error naming the
     ranks, and nothing is written anywhere."""
@@ -203,9 +260,18 @@ def test_ranks_that_disagree_on_the_checkpoint_are_refused_before_anything_is_wr
     assert all(m.startswith("the ranks do not save one checkpoint: they give different checkpoint ids (ranks 0; "
                             "ranks 1;") for m in out), out
     assert os.listdir(tmp_path) == []
+    fault_row(
+        "two ranks given different checkpoint ids",
+        "object-store commit",
+        "one error on every rank naming the groups of ranks, before anything is written",
+        "ConfigError",
+        "rank",
+        None,
+        None,
+        None)
 
 
-def test_a_store_that_ignores_conditional_writes_is_refused_unless_allowed(proxied):
+def test_a_store_that_ignores_conditional_writes_is_refused_unless_allowed(proxied, fault_row):
     """Class 3: some S3-compatible stores ignore If-None-Match/If-Match: two concurrent saves both
     reported success and one was silently lost. The proxy forwards without those headers (what
     such a store does); the first save probes once and refuses, naming the knob."""
@@ -223,6 +289,15 @@ def test_a_store_that_ignores_conditional_writes_is_refused_unless_allowed(proxi
         assert _loads_as(f"{bucket}/ck", 1)
     finally:
         oc._HONOURS_CONDITIONS.clear()
+    fault_row(
+        "object store: a store that ignores If-None-Match / If-Match (proxy)",
+        "object-store commit",
+        "a once-per-bucket probe finds it; the save is refused unless dcp.storage.unconditional_ok=true",
+        "ConfigError",
+        "config key",
+        None,
+        None,
+        None)
 
 
 def _keys_under(bucket, prefix):
@@ -231,7 +306,7 @@ def _keys_under(bucket, prefix):
     return _keys(os.environ["AWS_ENDPOINT_URL"], bucket[5:], prefix)
 
 
-def test_a_rank_removes_its_own_uploads_when_a_save_fails(s3_endpoint, s3_bucket, monkeypatch):
+def test_a_rank_removes_its_own_uploads_when_a_save_fails(s3_endpoint, s3_bucket, monkeypatch, fault_row):
     """Class 12: Ctrl-C during a save to a bucket left a rank's 43 MB file behind when its upload
     completed after the coordinator's abort had listed the save. Each rank now removes what it
     uploaded; here the abort is made to see nothing (as when it listed before the upload landed)."""
@@ -246,3 +321,12 @@ def test_a_rank_removes_its_own_uploads_when_a_save_fails(s3_endpoint, s3_bucket
         dcp.save(_sd(1), checkpoint_id=f"{s3_bucket}/ck")
     keys = _keys(s3_endpoint, s3_bucket[5:], "ck/")
     assert not [k for k in keys if k.endswith((".safetensors", ".json"))], keys
+    fault_row(
+        "object store: a rank's upload lands after the coordinator's abort listed the save",
+        "object-store commit",
+        "each rank removes its own uploads; nothing of the failed save is left but its lease",
+        "KeyboardInterrupt",
+        None,
+        None,
+        None,
+        None)
