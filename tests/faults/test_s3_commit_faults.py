@@ -330,3 +330,53 @@ def test_a_rank_removes_its_own_uploads_when_a_save_fails(s3_endpoint, s3_bucket
         None,
         None,
         None)
+
+def test_an_hf_export_into_a_bucket_replaces_only_what_it_wrote(s3_endpoint, s3_bucket, fault_row):
+    """Class 5: an HF export into a prefix without overwrite deleted unrelated objects there,
+    unpublished one of our checkpoints, or destroyed its own source. Now: anything there needs
+    overwrite; a prefix holding our checkpoint, or the source, is never written; an overwrite
+    deletes only what the previous export recorded in its manifest."""
+    from hpdcp_runner.dcp import tools
+
+    client, b = s3_server.client(s3_endpoint), s3_bucket[5:]
+    src = f"{s3_bucket}/runs/ck"
+    dcp.save({"w": torch.ones(64, 32), "v": torch.zeros(64, 32)}, checkpoint_id=src)
+    client.put_object(Bucket=b, Key="out/notes.txt", Body=b"mine")
+    with pytest.raises(dcp.CheckpointExistsError, match="already holds 1 object"):
+        tools.export_hf(src, f"{s3_bucket}/out")
+    assert _keys(s3_endpoint, b, "out/") == ["out/notes.txt"]
+    for dst in (f"{s3_bucket}/runs", src, f"{src}/inner"):  # holds our checkpoint / is / lies in the source
+        with pytest.raises(dcp.HpdcpError, match="hpdcp checkpoint|its source"):
+            tools.export_hf(src, dst, overwrite=True)
+    got = {"w": torch.zeros(64, 32), "v": torch.ones(64, 32)}
+    dcp.load(got, checkpoint_id=src)
+    assert torch.equal(got["w"], torch.ones(64, 32)) and torch.equal(got["v"], torch.zeros(64, 32))
+    tools.export_hf(src, f"{s3_bucket}/out", overwrite=True)
+    client.put_object(Bucket=b, Key="out/model-00009-of-00009.safetensors", Body=b"a user's, not ours")
+    tools.export_hf(src, f"{s3_bucket}/out", overwrite=True, max_shard_size=64 * 32 * 4)  # now 2 shards
+    keys = _keys(s3_endpoint, b, "out/")
+    assert "out/notes.txt" in keys and "out/model-00009-of-00009.safetensors" in keys
+    assert "out/model.safetensors" not in keys and "out/model.safetensors.index.json" in keys, keys
+    fault_row("object store: an HF export into a prefix holding other objects, a checkpoint, or its source",
+              "object-store commit", "refused without overwrite; never over a checkpoint or the source; an "
+              "overwrite deletes only what the previous export's manifest lists", "CheckpointExistsError",
+              "file", True, None, None)
+
+
+def test_a_save_never_shadows_an_uploaded_checkpoint_without_overwrite(s3_endpoint, s3_bucket):
+    """Class 5: a save over a checkpoint uploaded as a plain directory (metadata.json, no commit
+    object) shadowed it without overwrite."""
+    import os
+    import subprocess
+
+    path = f"{s3_bucket}/ck"
+    local = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"up-{s3_bucket[5:]}")
+    dcp.save(_sd(1), checkpoint_id=local)
+    client = s3_server.client(s3_endpoint)
+    for name in os.listdir(local):
+        client.upload_file(os.path.join(local, name), s3_bucket[5:], f"ck/{name}")
+    subprocess.run(["rm", "-rf", local], check=True)
+    assert _loads_as(path, 1)
+    with pytest.raises(dcp.CheckpointExistsError, match="already exists"):
+        dcp.save(_sd(2), checkpoint_id=path)
+    assert _loads_as(path, 1)

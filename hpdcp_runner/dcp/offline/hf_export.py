@@ -129,7 +129,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
                    "each rank holds one whole output shard at a time: use more hosts or a smaller max_shard_size "
                    "(a single tensor larger than memory cannot be exported)")
     side_dir = resolve_side_dir(files_from, src if kind == "hf" else None)
-    store_out = ObjectDirectoryOutput(dst, overwrite) if remote else None
+    store_out = ObjectDirectoryOutput(dst, overwrite, source=src if is_uri(src) else None) if remote else None
     weights = files + ([HF_INDEX] if n > 1 else [])
 
     def begin() -> Any:

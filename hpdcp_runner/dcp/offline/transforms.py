@@ -158,7 +158,8 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     shards = [list(names)] if single_file else plan_hf_shards(sizes, max_shard_size)
     n = len(shards)
     files = [HF_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    store = ObjectDirectoryOutput(normalize(dst), overwrite) if is_uri(dst) else None
+    store = ObjectDirectoryOutput(normalize(dst), overwrite, source=normalize(src) if is_uri(src) else None) \
+        if is_uri(dst) else None
     out = StagedDir(dst, overwrite) if store is None else None
     before = store.begin() if store is not None else []
     for name, data in side.items() if store is not None else ():  # first: the weights make it usable

@@ -227,7 +227,8 @@ class ObjectStoreWriter(StorageWriter):
 
     def begin(self, *, overwrite: bool) -> str:
         got = read_commit(self.bucket, self.name_key)
-        if got is not None and not overwrite:
+        uploaded = got is None and self.bucket.head(f"{self.name_key}/{METADATA_FILE}") is not None
+        if (got is not None or uploaded) and not overwrite:  # an uploaded directory is a checkpoint too
             raise CheckpointExistsError(f"checkpoint {self.uri} already exists; pass overwrite=True to replace it "
                                         f"(the old one stays loadable until the new one commits)")
         self._replaces = got[1]["e_tag"] if got else None
@@ -435,27 +436,49 @@ class ObjectDirectoryOutput:
     the weight files as each rank finishes them, and the file that makes the directory usable
     last (the shard index, or the one ``model.safetensors``), so a reader never finds an index
     naming a shard not yet uploaded. The format has fixed file names and no commit object: an
-    overwrite replaces the files in place (never atomic), then deletes what the old one had that
-    the new one lacks. Without overwrite an existing directory is refused."""
+    overwrite replaces the files in place (never atomic), then deletes what the old export wrote
+    (its manifest, ``.hpdcp-export.json``, says) that the new one lacks: nothing else there is
+    ours to delete. Anything already under the prefix needs overwrite; a prefix holding one of
+    our checkpoints, or the export's own source, is never written."""
 
     MARKERS = ("model.safetensors", "model.safetensors.index.json")
+    MANIFEST = ".hpdcp-export.json"
 
-    def __init__(self, uri: str, overwrite: bool) -> None:
-        self.uri, self.overwrite = uri.rstrip("/"), overwrite
+    def __init__(self, uri: str, overwrite: bool, source: str | None = None) -> None:
+        self.uri, self.overwrite, self.source = uri.rstrip("/"), overwrite, source
         self.bucket = Bucket(self.uri)
         self.prefix = self.bucket.root
         if not self.prefix:
             raise ConfigError(f"{uri}: the output needs a name under the bucket (s3://bucket/name)")
 
     def begin(self) -> list[str]:
-        """Coordinator: refuse an existing output (unless overwrite); returns the keys there now."""
-        _, objs = self.bucket.list_dir(self.prefix)
-        names = [o["path"].rsplit("/", 1)[-1] for o in objs]
-        if any(n in self.MARKERS for n in names) and not self.overwrite:
-            raise CheckpointExistsError(f"{self.uri} already holds a Hugging Face model; pass overwrite to replace it "
-                                        f"(its files are replaced in place, not atomically: a reader during the "
-                                        f"export may see old and new files mixed)")
-        return [o["path"] for o in objs]
+        """Coordinator: refuse what the output must not replace; returns the keys a previous export
+        of ours wrote there (what ``finish`` may delete)."""
+        src = (self.source or "").rstrip("/")
+        if src and (src == self.uri or src.startswith(self.uri + "/") or self.uri.startswith(src + "/")):
+            raise ConfigError(f"{self.uri}: the export's output is (or holds, or lies inside) its source {src}")
+        objs = list(self.bucket.list(self.prefix))
+        rel = [o["path"][len(self.prefix) + 1:] for o in objs]
+        ours = [r for r in rel if r == COMMIT_OBJECT or r.endswith("/" + COMMIT_OBJECT)]
+        if ours:
+            found = self.bucket.url(self.key_of(ours[0]))
+            raise CheckpointExistsError(f"{self.uri} holds an hpdcp checkpoint ({found}); a Hugging Face export never "
+                                        f"replaces one: pick another output")
+        if rel and not self.overwrite:
+            what = "a Hugging Face model" if any(r in self.MARKERS for r in rel) else \
+                f"{len(rel)} object(s), e.g. {rel[0]}"
+            raise CheckpointExistsError(f"{self.uri} already holds {what}; pass overwrite to replace it (its files are "
+                                        f"replaced in place, not atomically: a reader during the export may see old "
+                                        f"and new files mixed)")
+        got = self.bucket.get(self.key_of(self.MANIFEST), max_bytes=1 << 20) if self.MANIFEST in rel else None
+        try:
+            listed = json.loads(got[0]).get("files", []) if got else []
+        except (ValueError, AttributeError):
+            listed = []
+        return [self.key_of(n) for n in listed if isinstance(n, str) and n in rel]
+
+    def key_of(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{check_file_name(name)}"
@@ -467,7 +490,10 @@ class ObjectDirectoryOutput:
         self.bucket.put(self.key(name), data)
 
     def finish(self, before: list[str], written: list[str]) -> None:
-        """Coordinator, after the last file: delete what an overwritten output had and this one lacks."""
+        """Coordinator, after the last file: record what this export wrote (its manifest), then
+        delete what the previous export of ours wrote and this one lacks."""
+        self.bucket.put(self.key_of(self.MANIFEST), json.dumps({"format": "hpdcp-export", "files": sorted(written)})
+                        .encode())
         keep = {self.key(n) for n in written}
         self.bucket.delete([k for k in before if k not in keep])
 
