@@ -380,3 +380,46 @@ def test_a_save_never_shadows_an_uploaded_checkpoint_without_overwrite(s3_endpoi
     with pytest.raises(dcp.CheckpointExistsError, match="already exists"):
         dcp.save(_sd(2), checkpoint_id=path)
     assert _loads_as(path, 1)
+
+
+def test_what_cannot_be_listed_or_read_is_skipped_and_our_own_files_are_not_side_files(
+        s3_endpoint, s3_bucket, tmp_path):
+    """Class 13: a '..' key segment under a series made retention fail; a 2 MiB commit object made
+    latest raise; files_from at one of our checkpoints copied its commit object into an HF output;
+    a side file with spaces in its name was copied locally but refused in a bucket."""
+    from hpdcp_runner.dcp import tools
+
+    client, b = s3_server.client(s3_endpoint), s3_bucket[5:]
+    root = f"{s3_bucket}/runs"
+    for step in (1, 2):
+        dcp.save(_sd(step), checkpoint_id=f"{root}/step_{step}", extra=series_extra("step_{step}", step))
+    client.put_object(Bucket=b, Key="runs/step_3/../x", Body=b"x")
+    client.put_object(Bucket=b, Key="runs/step_9/hpdcp-commit.json", Body=b"{" + b" " * (2 << 20) + b"}")
+    assert latest_checkpoint(root, "step_{step}") == f"{root}/step_2"
+    assert apply_retention(root, 1, series="step_{step}") == ["step_1"]
+    assert _loads_as(f"{root}/step_2", 2)
+    client.put_object(Bucket=b, Key="runs/step_2/tokenizer config.json", Body=b"{}")
+    tools.export_hf(f"{root}/step_2", f"{s3_bucket}/hf", files_from=f"{root}/step_2")
+    tools.export_hf(f"{root}/step_2", str(tmp_path / "hf"), files_from=f"{root}/step_2")
+    keys = [k[3:] for k in _keys(s3_endpoint, b, "hf/")]
+    assert "tokenizer config.json" in keys and (tmp_path / "hf" / "tokenizer config.json").is_file(), keys
+    assert not any(k in ("hpdcp-commit.json", "metadata.json") or k.startswith("rank") for k in keys), keys
+    assert not any(n.startswith(("hpdcp-commit", "rank")) for n in __import__("os").listdir(tmp_path / "hf"))
+
+
+def test_a_commit_claiming_another_step_than_its_metadata_is_not_a_member(s3_endpoint, s3_bucket):
+    """Class 4: a commit object rewritten to claim step 7 for the save of step 2 (its metadata
+    size and checksum intact) became latest. The metadata's own series and step must agree."""
+    root = f"{s3_bucket}/runs"
+    for step in (1, 2):
+        dcp.save(_sd(step), checkpoint_id=f"{root}/step_{step}", extra=series_extra("step_{step}", step))
+    client, b = s3_server.client(s3_endpoint), s3_bucket[5:]
+    doc = json.loads(client.get_object(Bucket=b, Key="runs/step_2/hpdcp-commit.json")["Body"].read())
+    doc["extra"] = series_extra("step_{step}", 7)
+    for k in _keys(s3_endpoint, b, "runs/step_2/"):  # the same save, copied under step_7 with a forged commit
+        body = client.get_object(Bucket=b, Key=k)["Body"].read()
+        if k.endswith("hpdcp-commit.json"):
+            body = json.dumps(doc).encode()
+        client.put_object(Bucket=b, Key=k.replace("step_2", "step_7"), Body=body)
+    assert latest_checkpoint(root, "step_{step}") == f"{root}/step_2"
+    assert apply_retention(root, 2, series="step_{step}") == []

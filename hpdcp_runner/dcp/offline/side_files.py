@@ -13,9 +13,10 @@ from ..core.utils import get_logger
 from ..storage.uri import is_uri, normalize
 
 log = get_logger(__name__)
-# weights and checkpoint metadata never travel as side files; everything else small does
+# weights and checkpoint metadata never travel as side files (ours included: a commit object, a
+# rank's objects file); everything else small does
 _NOT_SIDE_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|distcp|ckpt|h5|msgpack)|\..*|metadata\.json|"
-                             r".*\.index\.json")
+                             r".*\.index\.json|hpdcp-commit\.json|rank\d+\.objects\.json")
 MAX_SIDE_FILE_BYTES = 256 << 20
 
 

@@ -58,6 +58,7 @@ LEASE_OBJECT = ".lease"
 SAVE_PREFIX = "save-"
 _COMMIT_FORMAT = "hpdcp-commit"
 _MAX_COMMIT_BYTES = 1 << 20
+_MAX_SCAN_BYTES = 256 << 20  # a metadata.json larger than this is not read while listing a series
 
 
 def server_now(bucket: Bucket, key: str, written: bool = False) -> _dt.datetime:
@@ -100,6 +101,26 @@ def check_commit_matches(doc: dict, body: bytes, where: str) -> None:
         raise CorruptCheckpointError(f"{where} does not match the commit that published it (it records "
                                      f"{size} bytes, checksum {checksum}; the object is {len(body)} bytes, checksum "
                                      f"{digest(body)}): modified after the commit")
+
+
+def _commit_disagrees(bucket: Bucket, key: str, doc: dict) -> str | None:
+    """Why the metadata a commit names does not back it (None: it does)."""
+    try:
+        got = bucket.get(key, max_bytes=_MAX_SCAN_BYTES)
+    except StorageAccessError as e:
+        return f"whose metadata cannot be read ({e})"
+    if got is None:
+        return "which holds no metadata"
+    try:
+        check_commit_matches(doc, got[0], bucket.url(key))
+        recorded = json.loads(got[0]).get("extra") or {}
+    except (CorruptCheckpointError, ValueError, AttributeError) as e:
+        return f"whose metadata does not match it ({str(e)[:200]})"
+    mine = doc.get("extra") if isinstance(doc.get("extra"), dict) else {}
+    for field in ("series", "step"):
+        if recorded.get(field) != mine.get(field):
+            return f"whose metadata records {field} {recorded.get(field)!r}, not the commit's {mine.get(field)!r}"
+    return None
 
 
 def clean_orphans(bucket: Bucket, name_key: str, commit: tuple[dict, dict] | None, now: _dt.datetime,
@@ -373,8 +394,9 @@ class ObjectStoreWriter(StorageWriter):
 
 def committed_extras(directory: str, name_ok: Callable[[str], Any]) -> list[tuple[str, dict | None]]:
     """(name, the ``extra`` its commit records) of each committed checkpoint under ``directory``
-    whose name passes ``name_ok``: one listing, then one small GET and one HEAD per candidate. A
-    commit is not trusted alone: the save it names must hold the metadata it records (that size),
+    whose name passes ``name_ok``: one listing, then two GETs per candidate (the commit, the
+    metadata it names). A commit is not trusted alone: the save it names must hold the metadata
+    it records (size and checksum), and that metadata must record the same series and step,
     else the name is left out (never latest, never counted by retention)."""
     bucket = Bucket(directory)
     out = []
@@ -388,12 +410,12 @@ def committed_extras(directory: str, name_ok: Callable[[str], Any]) -> list[tupl
         if got is None:
             continue
         doc = got[0]
-        meta = bucket.head(bucket.key(name, doc["data"], METADATA_FILE))
-        if meta is None or ("metadata_size" in doc and meta["size"] != doc["metadata_size"]):
-            log.warning("%s: its commit names %s, which holds no metadata of the size it records; not counted as a "
-                        "checkpoint", bucket.url(bucket.key(name)), doc["data"])
-            continue
         extra = doc.get("extra")
+        why = _commit_disagrees(bucket, bucket.key(name, doc["data"], METADATA_FILE), doc)
+        if why:
+            log.warning("%s is not counted as a checkpoint: its commit names %s, %s", bucket.url(bucket.key(name)),
+                        doc["data"], why)
+            continue
         out.append((name, extra if isinstance(extra, dict) else None))
     return out
 
@@ -409,7 +431,9 @@ def clean_directory_orphans(directory: str, keep: Iterable[str] = ()) -> None:
         try:
             clean_orphans(bucket, bucket.key(name), read_commit(bucket, bucket.key(name)), now)
         except MetadataError:
-            continue
+            continue  # not one of ours
+        except StorageAccessError as e:  # e.g. a key the client cannot list (a '..' segment): skip it
+            log.warning("retention skipped %s: %s", bucket.url(bucket.key(name)), e)
 
 
 def delete_checkpoint_at(uri: str) -> None:
@@ -481,7 +505,10 @@ class ObjectDirectoryOutput:
         return f"{self.prefix}/{rel}"
 
     def key(self, name: str) -> str:
-        return f"{self.prefix}/{check_file_name(name)}"
+        """The key of a file of the output: a plain name (side files may have spaces, as locally)."""
+        if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not name.isprintable():
+            raise MetadataError(f"{name!r} is not a plain file name for {self.uri}")
+        return f"{self.prefix}/{name}"
 
     def sink(self, name: str) -> Any:
         return self.bucket.writer(self.key(name))
