@@ -180,13 +180,13 @@ def read_model_config(path: str | None) -> tuple[dict | None, str | None]:
     if not is_uri(where) and not os.path.isdir(where):
         return None, None
     f = f"{where.rstrip('/')}/{name}"
-    from .user_files import parse_json_bounded
+    from .dcp.tools import parse_json
 
     try:
         data = read_side_file(where, name)
     except OSError as e:
         raise ConfigError(f"layout.config: cannot read {f}: {e.strerror or e}") from None
-    raw = None if data is None else parse_json_bounded(data, f"layout.config: {f}")
+    raw = None if data is None else parse_json(data, f"layout.config: {f}", ConfigError)  # strict, depth-bounded
     if data is None:
         return None, None
     if not isinstance(raw, dict):

@@ -1,13 +1,13 @@
-"""Files a user hands the runner (``layout.file``, a model's ``config.json``) are untrusted input:
-read with a size bound, YAML without anchors or aliases (a few lines of nested aliases expand to
-gigabytes: the "billion laughs"), JSON with a depth bound, and errors that name a line, never
-echo content (a file that holds, or links to, a secret must not print it)."""
+"""Files a user hands the runner (``layout.file``) are untrusted input: read with a size bound,
+YAML without anchors or aliases (a few lines of nested aliases expand to gigabytes: the "billion
+laughs") and with a depth bound, and errors that name a line, never echo content (a file that
+holds, or links to, a secret must not print it). A model's ``config.json`` goes through the
+engine's strict JSON parser (``tools.parse_json``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 from typing import Any
 
 from .dcp import ConfigError
@@ -74,31 +74,3 @@ def unknown_field(path: str, what: str, key: Any, line: int | None, fields: list
 
 def field_names(cls: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
-
-
-def parse_json_bounded(data: bytes, where: str) -> Any:
-    """JSON of a user's file with a nesting bound (deep nesting is a RecursionError otherwise)."""
-    depth = peak = 0
-    in_str = esc = False
-    for ch in data.decode("utf-8", errors="replace"):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-            continue
-        if ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            peak = max(peak, depth)
-            if peak > MAX_DEPTH:
-                raise ConfigError(f"{where}: nested deeper than {MAX_DEPTH}; not a model config")
-        elif ch in "]}":
-            depth -= 1
-    try:
-        return json.loads(data)
-    except ValueError as e:
-        raise ConfigError(f"{where} is not valid JSON: {str(e).splitlines()[0]}") from None

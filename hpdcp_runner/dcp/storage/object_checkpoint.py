@@ -113,7 +113,7 @@ def _commit_disagrees(bucket: Bucket, key: str, doc: dict) -> str | None:
         return "which holds no metadata"
     try:
         check_commit_matches(doc, got[0], bucket.url(key))
-        recorded = json.loads(got[0]).get("extra") or {}
+        recorded = jsondoc.parse(got[0], bucket.url(key), CorruptCheckpointError).get("extra") or {}
     except (CorruptCheckpointError, ValueError, AttributeError) as e:
         return f"whose metadata does not match it ({str(e)[:200]})"
     mine = doc.get("extra") if isinstance(doc.get("extra"), dict) else {}
