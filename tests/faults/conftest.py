@@ -72,3 +72,19 @@ def fault_row():
                                     "marker_absent": marker_absent, "verify": verify}) + "\n")
 
     return record
+
+
+@pytest.fixture
+def proxied(s3_endpoint, s3_bucket):
+    """(the loopback proxy in front of the S3 test server, a fresh bucket), with the object-store
+    client pointed at the proxy (tests/s3_proxy.py: faults the real server will not produce)."""
+    from hpdcp_runner.dcp.storage import object_store
+    from tests.s3_proxy import Proxy
+
+    p = Proxy(s3_endpoint)
+    object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint, max_retries=3, retry_timeout_s=20))
+    try:
+        yield p, s3_bucket
+    finally:
+        object_store.configure(object_store.ObjectStoreOptions())
+        p.close()

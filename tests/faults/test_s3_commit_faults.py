@@ -15,7 +15,6 @@ from hpdcp_runner.dcp import faults
 from hpdcp_runner.dcp.storage import object_store
 from hpdcp_runner.dcp.storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
 from tests import s3_server
-from tests.s3_proxy import Proxy
 
 
 def _sd(v):
@@ -26,17 +25,6 @@ def _loads_as(path, v):
     got = {"w": torch.zeros(64, 32), "step": -1}
     dcp.load(got, checkpoint_id=path)
     return got["step"] == v and torch.equal(got["w"], _sd(v)["w"])
-
-
-@pytest.fixture
-def proxied(s3_endpoint, s3_bucket):
-    p = Proxy(s3_endpoint)
-    object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint, max_retries=3, retry_timeout_s=20))
-    try:
-        yield p, s3_bucket
-    finally:
-        object_store.configure(object_store.ObjectStoreOptions())
-        p.close()
 
 
 def _keys(endpoint, bucket, prefix):

@@ -15,17 +15,6 @@ from tests import s3_server
 from tests.s3_proxy import Proxy
 
 
-@pytest.fixture
-def proxied(s3_endpoint, s3_bucket):
-    p = Proxy(s3_endpoint)
-    object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint, max_retries=3, retry_timeout_s=20))
-    try:
-        yield p, s3_bucket
-    finally:
-        object_store.configure(object_store.ObjectStoreOptions())
-        p.close()
-
-
 def _sd(v):
     return {"w": torch.full((300, 1000), float(v)), "step": int(v)}
 
