@@ -9,6 +9,8 @@ each family is three torchrun launches.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -68,10 +70,14 @@ def _round_trip(cli, tmp_path, model, first, second, n_first=2, n_second=4):
                  f"job.output={tmp_path}/a")
     b = _reshard(cli, tmp_path, "b", n_second, f"job.source.path={tmp_path}/a", *second, "layout.strict=true",
                  f"job.output={tmp_path}/b")
-    # no job.hf_files_from: the config.json recorded since the first reshard travels to the output
+    # no job.hf_files_from: the config.json (and generation_config.json, where the model has one)
+    # recorded since the first reshard travel to the output
     c = _reshard(cli, tmp_path, "c", 2, f"job.source.path={tmp_path}/b", "job.output_format=hf",
                  f"job.output={tmp_path}/out")
-    assert c["copied"] == ["config.json"]
+    gen = tmp_path / "hf" / "generation_config.json"
+    assert c["copied"] == ["config.json"] + (["generation_config.json"] if gen.exists() else [])
+    if gen.exists():
+        assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == json.loads(gen.read_text())
     from transformers import AutoModelForCausalLM
 
     back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
