@@ -39,10 +39,10 @@ def _first_comment(path: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _entry(name: str, text: str, width: int) -> list[str]:
+def _entry(name: str, text: str, width: int, pad: int = 22) -> list[str]:
     """``  name   description`` with the description wrapped at word boundaries under itself."""
-    body = textwrap.wrap(text, max(30, width - 25), break_on_hyphens=False) or [""]
-    return [f"  {name:<22} {body[0]}"] + [f"  {'':<22} {line}" for line in body[1:]]
+    body = textwrap.wrap(text, max(30, width - pad - 3), break_on_hyphens=False) or [""]
+    return [f"  {name:<{pad}} {body[0]}"] + [f"  {'':<{pad}} {line}" for line in body[1:]]
 
 
 def group_choices(conf_dir: str, group: str) -> list[tuple[str, str]]:
@@ -71,8 +71,7 @@ def render_help(prog: str) -> str:
              "  Launcher options (--nproc-per-node, --nnodes, --rdzv-endpoint, ...) come first; the rest is the job's.",
              "", "Jobs (+job=<name>):"]
     for name, text in JOB_HELP.items():
-        body = textwrap.wrap(text, max(30, width - 13), break_on_hyphens=False) or [""]
-        lines += [f"  {name:<10} {body[0]}"] + [f"  {'':<10} {ln}" for ln in body[1:]]
+        lines += _entry(name, text, width, pad=10)
     for group in GROUPS_SHOWN:
         choices = group_choices(conf, group)
         if not choices:

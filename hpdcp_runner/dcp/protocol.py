@@ -92,12 +92,17 @@ def _digest8(value: Any) -> bytes:
 
 def disagreeing(summaries: torch.Tensor, lo: int, hi: int) -> list[list[int]]:
     """The groups of ranks (of those whose summary is valid) with different bytes [lo, hi), or []
-    when they all agree."""
-    groups: dict[bytes, list[int]] = {}
-    for r in range(summaries.shape[0]):
-        if int(summaries[r, 0]) == 1:
-            groups.setdefault(bytes(summaries[r, lo:hi].tolist()), []).append(r)
-    return list(groups.values()) if len(groups) > 1 else []
+    when they all agree (``first_with`` groups them, vectorised)."""
+    valid = torch.nonzero(summaries[:, 0] == 1).flatten()
+    if valid.numel() < 2:
+        return []
+    first = first_with(summaries[valid], lo, hi)
+    if bool((first == first[0]).all()):
+        return []
+    groups: dict[int, list[int]] = {}
+    for r, f in zip(valid.tolist(), first.tolist()):
+        groups.setdefault(f, []).append(r)
+    return list(groups.values())
 
 
 def first_with(summaries: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -96,10 +96,7 @@ class JobContext:
         if not self.show_progress():
             yield
             return
-        from tqdm import tqdm
-
-        bar = tqdm(desc=f"{desc} (rank 0)", unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False,
-                   **_terminal_size())
+        bar = _byte_bar(f"{desc} (rank 0)")
         stop = threading.Event()
         started = time.monotonic()
 
@@ -138,10 +135,7 @@ class JobContext:
         if not self.show_progress():
             yield None
             return
-        from tqdm import tqdm
-
-        bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False,
-                   **_terminal_size())
+        bar = _byte_bar(desc)
 
         def report(done: int, total: int) -> None:
             if bar.total != total:
@@ -426,6 +420,13 @@ def layout_overrides() -> list[str]:
     """The ``layout.*`` overrides that change the layout (rules, mesh...), for the summary."""
     return section_overrides("layout", ("layout.strict", "layout.config", "layout.parallel", "layout.family",
                                         "layout.file"))
+
+
+def _byte_bar(desc: str) -> Any:
+    """A tqdm bar of bytes (KiB, MiB... of a total when it is set), shown once it ran for 2 s."""
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False, **_terminal_size())
 
 
 def _terminal_size() -> dict:

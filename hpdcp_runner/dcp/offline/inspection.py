@@ -244,9 +244,9 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
     dfd = os.open(abspath, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:  # every file opened inside this directory, never through a link (no check-then-open window)
         for name, fm in sorted(md.files.items()):
+            if on_bytes is not None:
+                on_bytes(done, total)  # the files before this one
             done += fm.size
-            if on_bytes is not None and done > fm.size:
-                on_bytes(done - fm.size, total)  # the files before this one
             file_chunks, file_blocks = next(per_file)
             full = os.path.join(abspath, name)
             try:
