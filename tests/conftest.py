@@ -1,10 +1,11 @@
-"""Session-wide fixtures: a real S3-compatible server on loopback (see tests/s3_server.py)."""
+"""Session-wide fixtures: real object stores on loopback: S3 (moto, tests/s3_server.py), Azure Blob
+(azurite) and GCS (fake-gcs-server) (tests/emulators.py)."""
 
 import os
 
 import pytest
 
-from tests import s3_server
+from tests import emulators, s3_server
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +38,50 @@ def s3_endpoint():
 def s3_bucket(s3_endpoint):
     """A fresh bucket's URI, ``s3://<bucket>``."""
     return f"s3://{s3_server.new_bucket(s3_endpoint)}"
+
+
+def _session_store(unavailable, start, env_of):
+    """Start an emulator (or take the one .ci/run started), with its environment set for this
+    process and the subprocesses it starts; skip without it, fail under HPDCP_REQUIRE_S3=1 (CI)."""
+    why = unavailable()
+    if why:
+        if os.environ.get("HPDCP_REQUIRE_S3"):
+            pytest.fail(why)
+        pytest.skip(why)
+    endpoint, proc = start()
+    env = env_of(endpoint)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield endpoint
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        emulators.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def az_endpoint():
+    """The blob endpoint of a loopback azurite (Azure Blob Storage's emulator)."""
+    yield from _session_store(emulators.azure_unavailable, emulators.start_azurite, emulators.azure_env)
+
+
+@pytest.fixture
+def az_container(az_endpoint):
+    """A fresh container's URI, ``az://<container>``."""
+    return f"az://{emulators.new_container(az_endpoint)}"
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint():
+    """The endpoint of a loopback fake-gcs-server (reads through GCS's XML API; see tests/emulators.py)."""
+    yield from _session_store(emulators.gcs_unavailable, emulators.start_gcs, emulators.gcs_env)
+
+
+@pytest.fixture
+def gcs_bucket(gcs_endpoint):
+    """A fresh bucket's name (``gs://<name>``): written through the emulator's JSON API."""
+    return emulators.new_gcs_bucket(gcs_endpoint)

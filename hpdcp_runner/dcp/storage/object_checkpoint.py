@@ -235,7 +235,7 @@ class ObjectStoreWriter(StorageWriter):
         self.counters = IOCounters()
         self.save_id: str | None = None
         self.rank = 0
-        self._replaces: str | None = None  # the ETag of the commit this save replaces
+        self._replaces: dict | None = None  # the meta (ETag, generation) of the commit this save replaces
         self._lease: _Lease | None = None
         self._written: list[str] = []  # keys this rank wrote (or may have: an upload in flight)
 
@@ -252,7 +252,7 @@ class ObjectStoreWriter(StorageWriter):
         if (got is not None or uploaded) and not overwrite:  # an uploaded directory is a checkpoint too
             raise CheckpointExistsError(f"checkpoint {self.uri} already exists; pass overwrite=True to replace it "
                                         f"(the old one stays loadable until the new one commits)")
-        self._replaces = got[1]["e_tag"] if got else None
+        self._replaces = got[1] if got else None
         self.overwrite = overwrite
         self.save_id = f"{SAVE_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}"
         check_conditional_writes(self.bucket, self._key(".probe"))

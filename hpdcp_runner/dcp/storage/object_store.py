@@ -1,11 +1,15 @@
 """The object-store client: one maintained library (obstore, the Python binding of Rust's
-``object_store``) behind a few calls the checkpoint storage needs, with errors turned into one
-line naming the bucket and key.
+``object_store``) behind a few calls the checkpoint storage needs, for every store of the
+registry (``stores.KINDS``: S3 and S3-compatible, Google Cloud Storage, Azure Blob), with errors
+turned into one line naming the bucket and key.
 
-Configuration comes from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
-``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_ALLOW_HTTP=true``
-for an http endpoint), read by the library itself, with :class:`ObjectStoreOptions` overriding
-endpoint and region. Credentials are never stored here, never logged and never part of an error.
+Configuration comes from each cloud's standard environment, read by the library itself: AWS
+(``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, profiles),
+Google (``GOOGLE_APPLICATION_CREDENTIALS``, ``GOOGLE_SERVICE_ACCOUNT``, ``GOOGLE_BASE_URL``), Azure
+(``AZURE_STORAGE_ACCOUNT_NAME``, ``AZURE_STORAGE_ACCOUNT_KEY`` or ``AZURE_STORAGE_SAS_TOKEN``,
+``AZURE_STORAGE_ENDPOINT``); ``<AWS|GOOGLE|AZURE>_ALLOW_HTTP=true`` for an http endpoint.
+:class:`ObjectStoreOptions` overrides endpoint and region. Credentials are never stored here,
+never logged and never part of an error.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..core.errors import CheckpointNotFoundError, ConfigError, StorageAccessError
 from .interfaces import IOCounters
+from .stores import KINDS
 
 INSTALL_HINT = 'pip install "hpdcp_runner[s3]"'
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
 @dataclass(frozen=True)
@@ -69,15 +73,14 @@ class ObjectStoreOptions:
 
 def parse_uri(uri: str) -> tuple[str, str, str]:
     """(scheme, bucket, key prefix without slashes at either end) of ``s3://bucket/prefix``."""
-    from .uri import credentials_refused
+    from .uri import check_uri
 
-    why = credentials_refused(uri)
-    if why:
-        raise ConfigError(why)
+    check_uri(uri)  # credentials, a scheme we serve
     scheme, _, rest = uri.partition("://")
     bucket, _, key = rest.partition("/")
-    if not _BUCKET.match(bucket or ""):
-        raise ConfigError(f"{uri}: {bucket!r} is not a valid bucket name (3-63 lower-case letters, digits, '.', '-')")
+    why = KINDS[scheme.lower()].check_container(uri, bucket)
+    if why:
+        raise ConfigError(why)
     return scheme.lower(), bucket, key.strip("/")
 
 
@@ -86,7 +89,8 @@ def _obstore() -> Any:
         import obstore
         import obstore.store  # noqa: F401
     except ImportError:
-        raise ConfigError(f"s3:// checkpoints need the object-store client: {INSTALL_HINT}") from None
+        raise ConfigError(f"checkpoints in an object store ({', '.join(s + '://' for s in KINDS)}) need the "
+                          f"object-store client: {INSTALL_HINT}") from None
     return obstore
 
 
@@ -107,37 +111,61 @@ _STORES: dict[tuple, Any] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def _store(bucket: str, o: ObjectStoreOptions) -> Any:
-    """One client per bucket and options in a process (its connection pool is reused)."""
-    key = (bucket, o.endpoint, o.region, o.allow_http, o.max_retries, o.retry_timeout_s, o.request_timeout_s)
+def _store(scheme: str, bucket: str, o: ObjectStoreOptions) -> Any:
+    """One client per store, bucket and options in a process (its connection pool is reused)."""
+    key = (scheme, bucket, o.endpoint, o.region, o.allow_http, o.max_retries, o.retry_timeout_s, o.request_timeout_s)
     with _STORES_LOCK:
         if key not in _STORES:
-            obs = _obstore()
-            # The body is not hashed into the request's signature (SigV4 UNSIGNED-PAYLOAD, as AWS's
-            # own SDKs do over TLS): hashing every byte on the client cost ~20% of a PUT's time, and
-            # every chunk carries our own checksum, verified on every load.
-            config: dict[str, Any] = {"unsigned_payload": True}
-            if o.endpoint:
-                config["endpoint"] = o.endpoint
-            if o.region:
-                config["region"] = o.region
+            kind = KINDS[scheme]
             client: dict[str, Any] = {"timeout": f"{int(o.request_timeout_s)}s", "connect_timeout": "10s"}
             allow_http = o.allow_http
             if allow_http is None:  # client options given here replace the library's reading of it
-                allow_http = os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes")
+                allow_http = os.environ.get(kind.allow_http_env, "").lower() in ("1", "true", "yes") or \
+                    os.environ.get("AZURE_STORAGE_USE_EMULATOR", "").lower() in ("1", "true") and scheme == "az"
             client["allow_http"] = allow_http
             retry = {"max_retries": o.max_retries, "retry_timeout": _dt.timedelta(seconds=o.retry_timeout_s),
                      "backoff": {"init_backoff": _dt.timedelta(milliseconds=100),
                                  "max_backoff": _dt.timedelta(seconds=15), "base": 2.0}}
-            provider = _profile_credentials()
-            extra = {"credential_provider": provider} if provider is not None else {}
             try:
-                _STORES[key] = obs.store.S3Store(bucket, config=config, client_options=client, retry_config=retry,
-                                                 **extra)
+                _STORES[key] = _CLIENTS[scheme](_obstore(), bucket, o, client, retry)
+            except ConfigError:
+                raise
             except Exception as e:  # a malformed endpoint or option: the library says which
-                raise ConfigError(f"s3://{bucket}: cannot configure the object-store client: "
+                raise ConfigError(f"{scheme}://{bucket}: cannot configure the object-store client: "
                                   f"{_first_line(e)}") from None
         return _STORES[key]
+
+
+def _s3_client(obs: Any, bucket: str, o: ObjectStoreOptions, client: dict, retry: dict) -> Any:
+    # The body is not hashed into the request's signature (SigV4 UNSIGNED-PAYLOAD, as AWS's own
+    # SDKs do over TLS): hashing every byte on the client cost ~20% of a PUT's time, and every
+    # chunk carries our own checksum, verified on every load.
+    config: dict[str, Any] = {"unsigned_payload": True}
+    if o.endpoint:
+        config["endpoint"] = o.endpoint
+    if o.region:
+        config["region"] = o.region
+    provider = _profile_credentials()
+    extra = {"credential_provider": provider} if provider is not None else {}
+    return obs.store.S3Store(bucket, config=config, client_options=client, retry_config=retry, **extra)
+
+
+def _gcs_client(obs: Any, bucket: str, o: ObjectStoreOptions, client: dict, retry: dict) -> Any:
+    if o.region:
+        raise ConfigError(f"gs://{bucket}: dcp.storage.region applies to S3 only (a GCS bucket's location is its own)")
+    config: dict[str, Any] = {"base_url": o.endpoint} if o.endpoint else {}
+    return obs.store.GCSStore(bucket, config=config, client_options=client, retry_config=retry)
+
+
+def _azure_client(obs: Any, bucket: str, o: ObjectStoreOptions, client: dict, retry: dict) -> Any:
+    if o.region:
+        raise ConfigError(f"az://{bucket}: dcp.storage.region applies to S3 only")
+    config: dict[str, Any] = {"endpoint": o.endpoint} if o.endpoint else {}
+    return obs.store.AzureStore(bucket, config=config, client_options=client, retry_config=retry)
+
+
+#: the client constructor of each store of the registry (``stores.KINDS``)
+_CLIENTS: dict[str, Callable[..., Any]] = {"s3": _s3_client, "gs": _gcs_client, "az": _azure_client}
 
 
 def _profile_credentials() -> Any:
@@ -184,6 +212,11 @@ def _unreachable(text: str) -> str | None:
     return "the request could not be sent"
 
 
+_NO_CONTAINER = ("NoSuchBucket", "ContainerNotFound")
+_REFUSED = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled",
+            "AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch")
+
+
 def _code(e: BaseException) -> str | None:
     m = re.search(r"<Code>([A-Za-z]+)</Code>", str(e))
     return m.group(1) if m else None
@@ -195,7 +228,8 @@ class Bucket:
     def __init__(self, uri: str, options: ObjectStoreOptions | None = None) -> None:
         self.options = options or _DEFAULT[0]
         self.scheme, self.bucket, self.root = parse_uri(uri)
-        self.store = _store(self.bucket, self.options)
+        self.kind = KINDS[self.scheme]
+        self.store = _store(self.scheme, self.bucket, self.options)
         self.obs = _obstore()
 
     # -- names ----------------------------------------------------------------------------
@@ -210,22 +244,23 @@ class Bucket:
         """One line for a failed call on ``key``; the library's multi-line text is cut."""
         code = _code(e)
         where = self.url(key)
-        if code == "NoSuchBucket":
-            return StorageAccessError(f"{what}: bucket {self.bucket!r} does not exist at the configured endpoint "
-                                      f"(check the URI, AWS_ENDPOINT_URL or dcp.storage.endpoint)")
-        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled") \
-                or type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
+        kind = self.kind
+        if code in _NO_CONTAINER:
+            return StorageAccessError(f"{what}: {kind.container} {self.bucket!r} does not exist at the configured "
+                                      f"endpoint (check the URI, {kind.endpoint_env} or dcp.storage.endpoint)")
+        if code in _REFUSED or type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
             return StorageAccessError(f"{what}: access to {where} was refused ({code or type(e).__name__}; check the "
-                                      f"AWS credentials in the environment and the bucket's policy)")
+                                      f"credentials in the environment ({kind.credentials}) and the "
+                                      f"{kind.container}'s policy)")
         if isinstance(e, FileNotFoundError):
             return CheckpointNotFoundError(f"{what}: {where} does not exist")
         text = _first_line(e)
         why = _unreachable(str(e))
         if why is not None:  # the library's one line says only "error sending request"
-            endpoint = self.options.endpoint or os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint"
+            endpoint = self.options.endpoint or os.environ.get(kind.endpoint_env) or f"the {kind.title} default endpoint"
             return StorageAccessError(f"{what}: cannot reach the object store at {endpoint} for {where}: {why} "
-                                      f"(retried for up to {self.options.retry_timeout_s:g} s; check AWS_ENDPOINT_URL or "
-                                      f"dcp.storage.endpoint, and that the server is up)")
+                                      f"(retried for up to {self.options.retry_timeout_s:g} s; check {kind.endpoint_env} "
+                                      f"or dcp.storage.endpoint, and that the server is up)")
         if "connect" in text.lower() or "timed out" in text.lower() or "dns" in text.lower():
             return StorageAccessError(f"{what}: cannot reach the object store for {where} after "
                                       f"{self.options.max_retries} retries ({text})")
@@ -237,7 +272,7 @@ class Bucket:
         try:
             return self.obs.head(self.store, key)
         except FileNotFoundError as e:
-            if _code(e) == "NoSuchBucket":
+            if _code(e) in _NO_CONTAINER:
                 raise self.error(e, "reading", key) from None
             return None
         except Exception as e:
@@ -253,7 +288,7 @@ class Bucket:
                 raise StorageAccessError(f"{self.url(key)} is {meta['size']} bytes, over the {max_bytes}-byte limit")
             return bytes(r.bytes()), meta
         except FileNotFoundError as e:
-            if _code(e) == "NoSuchBucket":
+            if _code(e) in _NO_CONTAINER:
                 raise self.error(e, "reading", key) from None
             return None
         except StorageAccessError:
@@ -269,10 +304,14 @@ class Bucket:
             raise self.error(e, f"reading bytes {start}..{end}", key) from None
 
     def put(self, key: str, data: bytes | memoryview, *, mode: Any = None) -> dict:
-        """Write a whole object; ``mode``: None (replace), "create" (only if absent: If-None-Match)
-        or an ETag (only if it is still that object: If-Match). A failed condition raises
-        FileExistsError."""
-        put_mode = "overwrite" if mode is None else ("create" if mode == "create" else {"e_tag": mode})
+        """Write a whole object; ``mode``: None (replace), "create" (only if absent) or the meta of
+        the object it replaces, as ``head`` gave it (only if it is still that object: S3 and Azure
+        match its ETag, GCS its generation). A failed condition raises FileExistsError."""
+        if mode is None or mode == "create":
+            put_mode: Any = "overwrite" if mode is None else "create"
+        else:
+            put_mode = {"e_tag": mode.get("e_tag"), "version": mode.get("version")} \
+                if self.kind.replace_by == "version" else {"e_tag": mode["e_tag"]}
         try:
             return self.obs.put(self.store, key, data, mode=put_mode)
         except Exception as e:

@@ -1,8 +1,9 @@
-"""Checkpoint locations: a local directory path or an object-store URI (``s3://bucket/prefix``).
+"""Checkpoint location names: a local directory path or a store URI (``s3://bucket/prefix``,
+``gs://``, ``az://``; the schemes are ``stores.KINDS``).
 
-Every place a checkpoint path goes asks :func:`is_uri` before treating it as a local path, so a
-URI never becomes a directory named ``s3:`` under the working directory, and a scheme we do not
-serve is refused in one line naming it.
+Only storage code asks :func:`is_uri`; tools go through ``location.locate``. A URI never becomes a
+directory named ``s3:`` under the working directory, and a scheme we do not serve is refused in
+one line naming it.
 """
 
 from __future__ import annotations
@@ -13,20 +14,7 @@ import re
 
 from ..core.errors import ConfigError
 
-SCHEMES = ("s3",)
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
-
-
-def scheme_of(path: str | os.PathLike) -> str | None:
-    """The URI scheme of ``path`` (lower case), or None for a local path."""
-    m = _SCHEME.match(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None
-    return m.group(1).lower() if m else None
-
-
-def is_uri(path: str | os.PathLike | None) -> bool:
-    """True for a URI of any scheme (supported or not): never to be used as a local path."""
-    return path is not None and scheme_of(path) is not None
-
+from .stores import SCHEMES, examples, is_remote as is_uri, scheme_of  # noqa: F401  (re-exported)
 
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)[^/@]*@")
 
@@ -41,7 +29,8 @@ def credentials_refused(path: str) -> str | None:
     error messages, logs and the run's saved config; the store's own environment holds them."""
     if _USERINFO.match(path):
         return (f"{redact(path)}: credentials in a URI are refused (they would be recorded in logs and the run's "
-                f"config); give them through the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE)")
+                f"config); give them through the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE; GOOGLE_APPLICATION_CREDENTIALS; "
+                f"AZURE_STORAGE_ACCOUNT_KEY)")
     return None
 
 
@@ -54,7 +43,7 @@ def check_uri(path: str) -> str:
     s = scheme_of(path)
     if s is not None and s not in SCHEMES:
         raise ConfigError(f"{path}: the {s}:// scheme is not supported; a checkpoint location is a local directory "
-                          f"or {' / '.join(f'{x}://bucket/prefix' for x in SCHEMES)}")
+                          f"or {examples()}")
     return path
 
 
