@@ -148,7 +148,7 @@ def unknown_choices(argv: list[str], conf_dir: str | None = None) -> list[str]:
 def unsupported_locations(argv: list[str]) -> list[str]:
     """One line per ``key=<scheme>://...`` override whose scheme no storage serves: refused before
     any rank starts (the launcher asks) or composes a config, naming the key."""
-    from .dcp.tools import STORE_SCHEMES as SCHEMES, credentials_refused, scheme_of
+    from .dcp.tools import location_refused
 
     out = []
     for a in argv:
@@ -158,13 +158,9 @@ def unsupported_locations(argv: list[str]) -> list[str]:
             continue
         for v in value.split(","):  # a sweep lists several
             v = v.strip().strip("'\"")
-            s = scheme_of(v)
-            secret = credentials_refused(v) if s is not None else None
-            if secret:
-                out.append(f"ConfigError: {key}={secret}")
-            elif s is not None and s not in SCHEMES:
-                out.append(f"ConfigError: {key}={v}: the {s}:// scheme is not supported; a location is a "
-                           f"local path or {' / '.join(f'{x}://bucket/prefix' for x in SCHEMES)}")
+            why = location_refused(v)
+            if why:
+                out.append(f"ConfigError: {key}={why}")
     return out
 
 

@@ -171,19 +171,19 @@ def read_model_config(path: str | None) -> tuple[dict | None, str | None]:
     (None, None) when there is none."""
     if not path:
         return None, None
-    from .dcp.tools import is_uri, read_side_file
+    from .dcp.tools import locate, parse_json, read_side_file
 
-    if path.endswith(".json") or (not is_uri(path) and os.path.isfile(path)):
-        where, name = (path.rsplit("/", 1) if is_uri(path) else os.path.split(path))
+    loc = locate(path)
+    if path.endswith(".json") or (loc.local_path and loc.is_file()):
+        where, name = loc.parent(), loc.name
     else:
-        where, name = path, "config.json"
-    if not is_uri(where) and not os.path.isdir(where):
+        where, name = loc, "config.json"
+    if where.local_path and not where.is_dir():
         return None, None
-    f = f"{where.rstrip('/')}/{name}"
-    from .dcp.tools import parse_json
+    f = f"{where.url.rstrip('/')}/{name}"
 
     try:
-        data = read_side_file(where, name)
+        data = read_side_file(where.url, name)
     except OSError as e:
         raise ConfigError(f"layout.config: cannot read {f}: {e.strerror or e}") from None
     raw = None if data is None else parse_json(data, f"layout.config: {f}", ConfigError)  # strict, depth-bounded

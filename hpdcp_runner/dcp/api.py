@@ -23,9 +23,10 @@ from .planning.interfaces import LoadPlanner, SavePlanner
 from .planning.standard import StandardLoadPlanner, StandardSavePlanner
 from .protocol import LoadSteps, SaveSteps, metadata_source
 from .state_dict import restore_stateful, stateful_to_state_dict
-from .storage.filesystem import DEFAULT_FILES_KEPT, FileSystemWriter, open_regular
+from .storage.filesystem import DEFAULT_FILES_KEPT
 from .storage.locations import open_reader, open_writer
-from .storage.uri import is_uri, join, normalize
+from .storage.location import spelled
+from .storage.uri import join
 from .storage.interfaces import StorageReader, StorageWriter
 
 log = get_logger(__name__)
@@ -46,7 +47,7 @@ def _checkpoint_path(checkpoint_id: str | os.PathLike | None, storage: Any) -> s
     if checkpoint_id is None and storage is None:
         raise ConfigError("give checkpoint_id (a directory) or a storage writer/reader")
     if checkpoint_id is not None:
-        return os.fspath(checkpoint_id) if not is_uri(checkpoint_id) else normalize(checkpoint_id)
+        return spelled(checkpoint_id)
     # a storage given alone: its own path names the checkpoint in logs and errors
     path = getattr(storage, "checkpoint_id", None) or getattr(storage, "path", None)
     return os.fspath(path) if path is not None else None
@@ -117,8 +118,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
         writer.discard_own()
         raise
     source = join(path, METADATA_FILE) if path else METADATA_FILE
-    opener = writer.committed_opener() if hasattr(writer, "committed_opener") else \
-        (lambda name: open_regular(os.path.join(path, name))) if path else None
+    opener = writer.committed_opener()
     metadata = steps.committed if comm.rank == 0 else DeferredMetadata(text, source=source, open_file=opener)
     # (nothing here may touch ``metadata``'s fields on other ranks: that would parse it)
     log.debug("saved %s: %d bytes written here", path, writer.counters.bytes_written)

@@ -42,7 +42,6 @@ from .planning.load_replicas import Batch, CompactShards, batch_ops
 from .planning.plans import CompactPlan, GlobalSavePlan, parse_table
 from .planning.save_dedup import SaveLayouts
 from .planning.standard import build_metadata
-from .storage.filesystem import FileSystemReader
 from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
 
 
@@ -221,8 +220,8 @@ def unrequested(keys: Sequence[str], bitmaps: Sequence[str]) -> list[str]:
 
 def metadata_source(reader: StorageReader, path: Any) -> str:
     """What a metadata error names: our metadata.json, or the foreign checkpoint directory."""
-    if isinstance(reader, FileSystemReader) and reader.format_name != "hpdcp":
-        return f"{reader.path} (as {reader.format_name})"  # type: ignore[attr-defined]
+    if reader.format_name != "hpdcp" and reader.checkpoint_id:
+        return f"{reader.checkpoint_id} (as {reader.format_name})"
     return join(os.fspath(path), METADATA_FILE) if path else METADATA_FILE
 
 

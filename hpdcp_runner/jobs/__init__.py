@@ -86,12 +86,12 @@ def _saving_to_a_store() -> bool:
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        from ..dcp.tools import is_uri
+        from ..dcp.tools import is_local
 
         overrides = HydraConfig.get().overrides.task
     except Exception:
         return False
-    return any(is_uri(o.split("=", 1)[1]) for o in overrides if "=" in o and
+    return any(not is_local(o.split("=", 1)[1]) for o in overrides if "=" in o and
                o.lstrip("+~").split("=", 1)[0] in ("checkpoint.dir", "checkpoint.path", "job.output"))
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..dcp import ConfigError, HpdcpError
-from ..dcp.tools import is_uri, remove_checkpoint
+from ..dcp.tools import is_local, remove_checkpoint
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
@@ -50,7 +50,7 @@ def _stats(xs: list[float]) -> dict:
 
 def _peer(ctx: JobContext, state, target, path: str) -> tuple[float, float]:
     import torch.distributed.checkpoint as tdcp  # numpy checked by the config validation
-    if is_uri(path):  # the peer's own object-store path: its fsspec writer and reader (s3fs)
+    if not is_local(path):  # the peer's own object-store path: its fsspec writer and reader (s3fs)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
         try:
@@ -99,7 +99,7 @@ def run(ctx: JobContext) -> dict:
         _check_peer_can_read(state, ctx.cfg.layout.name)
     times = {"save": [], "load": [], "peer_save": [], "peer_load": []}
     scratch = ctx.checkpoint_dir  # where the timed checkpoints go and are removed again
-    made = not is_uri(scratch) and not os.path.lexists(scratch)
+    made = is_local(scratch) and not os.path.lexists(scratch)
     for i in ctx.progress(range(job.warmup + job.repeats), "bench"):
         path = ctx.checkpoint_path(f"bench_{i}")
         # warm-up runs are timed under their own phases, which the summary table leaves out

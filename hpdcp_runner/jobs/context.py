@@ -17,9 +17,9 @@ import torch
 from .. import dcp
 from .. import runtime
 from ..config import Config, EngineOptions, checkpoint_series, engine_options
-from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, configure_object_store, is_uri,
+from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, configure_object_store,
                          join_location, local_pieces,
-                         METADATA_FILE, normalize_location, series_extra, series_outsiders)
+                         METADATA_FILE, resolve_location, series_extra, series_outsiders)
 from ..dcp import open_reader, open_writer, rename_keys
 from ..layouts import Placer, problems as layout_problems, read_model_config, resolve_auto
 from ..metrics import Metrics
@@ -51,9 +51,7 @@ class JobContext:
         """A user-given path: relative paths are from the directory the command was run in, as
         with every CLI tool (Hydra's run directory is only for the run's own outputs). A URI
         (``s3://bucket/prefix``) stays a URI; an unsupported scheme is refused."""
-        if is_uri(p):
-            return normalize_location(p)
-        return os.path.normpath(os.path.join(runtime.launch_dir(), os.path.expanduser(p)))
+        return resolve_location(p, runtime.launch_dir())
 
     @property
     def checkpoint_dir(self) -> str:

@@ -369,10 +369,10 @@ def test_an_output_the_reader_would_refuse_is_never_reported_done(tmp_path):
 
 def test_an_import_header_declaring_too_many_tensors_is_refused_before_work(tmp_path, monkeypatch):
     from hpdcp_runner.dcp import CorruptCheckpointError
-    from hpdcp_runner.dcp.offline import sources as offline_sources
     from hpdcp_runner.dcp.offline.transforms import import_checkpoint
+    from hpdcp_runner.dcp.storage import foreign
 
-    monkeypatch.setattr(offline_sources, "MAX_IMPORT_ENTRIES", 100)
+    monkeypatch.setattr(foreign, "MAX_ENTRIES_PER_FILE", 100)  # the engine's reader: the import's too
     src = tmp_path / "many.safetensors"
     _safetensors_file(src, {f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
                             for i in range(101)}, b"\0" * 404)

@@ -71,7 +71,7 @@ def test_dropped_connections_mid_upload(proxied):
 def test_refusals_name_the_key_and_say_check_credentials(proxied, code):
     p, bucket = proxied
     p.fail_next(50, 403, code)
-    with pytest.raises(dcp.StorageAccessError, match=f"refused \\({code}; check the AWS credentials") as ei:
+    with pytest.raises(dcp.StorageAccessError, match=f"refused \\({code}; check the credentials in the environment \\(AWS_ACCESS_KEY_ID") as ei:
         dcp.save(_sd(1), checkpoint_id=f"{bucket}/ck")
     assert f"{bucket}/ck" in str(ei.value)
     _no_secret(ei.value)

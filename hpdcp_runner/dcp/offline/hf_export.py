@@ -1,8 +1,9 @@
 """Any checkpoint -> a Hugging Face directory ``from_pretrained`` opens, written by every rank at
 once: the output files are split among the ranks by bytes, each rank loads the whole tensors of
 its files (the distributed load: partial reads, replica broadcast) and writes them, and the
-coordinator writes the index, copies ``config.json``/tokenizer files and commits the directory in
-one rename. Memory per rank: one output file (``max_shard_size``), never the whole model.
+coordinator copies ``config.json``/tokenizer files, writes the index and commits the directory as
+its storage allows (``storage.outputs``: one rename locally, the index last in a store). Memory
+per rank: one output file (``max_shard_size``), never the whole model.
 """
 
 from __future__ import annotations
@@ -11,25 +12,24 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..api import Timeout, load
 from ..protocol import metadata_source
-from ..format.safetensors_io import write_file
 from ..comm.collectives import Comm
 from ..core.memory import check_together
 from ..core.errors import ConfigError
 from .side_files import check_side_dir, read_side_files, resolve_side_dir
-from ..storage.object_checkpoint import ObjectDirectoryOutput
-from ..storage.uri import is_uri, normalize
-from ..storage.commit import StagedDir
+from ..storage.location import resolve
+from ..storage.outputs import DirectoryOutput, open_output
 from ..storage.foreign import HF_INDEX, HF_SINGLE
 from ..storage.locations import open_reader
 from ..format.metadata import Metadata, dtype_from_name, element_size
 from .model_weights import describe_split, split_model_weights
-from .transforms import check_with_safetensors, plan_hf_shards, select_keys
+from .transforms import plan_hf_shards, select_keys
 from ..format.renames import rename_keys
 from ..storage.interfaces import StorageReader
 from ..core.utils import get_logger
@@ -69,16 +69,10 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     floating tensors cast to it."""
     if max_shard_size <= 0:
         raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
-    remote = is_uri(output)  # a store: see storage.object_checkpoint.ObjectDirectoryOutput
-    src = normalize(checkpoint_id) if is_uri(checkpoint_id) else os.path.abspath(os.fspath(checkpoint_id))
-    dst = normalize(output) if remote else os.path.abspath(os.fspath(output))
+    src, dst = resolve(checkpoint_id), resolve(output)
     comm = Comm.create(process_group, timeout)
-
-    def reader() -> StorageReader:
-        return reader_factory() if reader_factory else open_reader(src, format, allow_pickle=allow_pickle)
-
     # one reader per rank for every round: a foreign checkpoint is described once, not per round
-    source_reader = reader()
+    source_reader = reader_factory() if reader_factory else open_reader(src, format, allow_pickle=allow_pickle)
     kind, where = source_reader.format_name, metadata_source(source_reader, src)
 
     def describe() -> str:
@@ -89,6 +83,67 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
 
     text = comm.agree_root("export_hf: metadata", describe)
     md = rename_keys(Metadata.from_json(text, source=where, open_file=source_reader.open_file), rename, source=src)
+    plan = _plan(md, src, comm, max_shard_size, model_only, include, exclude, dtype)
+    _check_before_reading(comm, source_reader, md, plan, src)
+    side_dir = resolve_side_dir(files_from, src if kind == "hf" else None)
+    out = open_output(dst, overwrite, source=src, fsync=fsync)
+
+    def begin() -> Any:
+        check_side_dir(side_dir)
+        token = out.begin()
+        side = _with_recorded_config(read_side_files(side_dir) if side_dir else {}, md)
+        for name, data in side.items():  # first: the weights' arrival makes a store's directory usable
+            out.put(name, data)
+        return {"token": token, "copied": sorted(side)}
+
+    began = comm.agree_root("export_hf: begin", begin)
+    if comm.rank != 0:
+        out.adopt(began["token"])
+    weights = plan.files + ([HF_INDEX] if len(plan.files) > 1 else [])
+    try:
+        counters = _write_rounds(comm, out, source_reader, md, plan, process_group, allow_pickle, timeout, rename,
+                                 load_kwargs)
+
+        def commit() -> None:
+            if len(plan.files) > 1:  # last: it names shards all written by now
+                doc = {"metadata": {"total_size": sum(s for _, s in plan.sizes)},
+                       "weight_map": {plan.out_name[k]: plan.files[i] for i, sh in enumerate(plan.shards) for k in sh}}
+                out.put(HF_INDEX, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+            out.commit(weights + began["copied"])
+
+        comm.agree_root("export_hf: commit", commit)
+    except BaseException:
+        if comm.rank == 0:
+            out.abort(weights)
+        raise
+    copied = began["copied"]
+    if comm.rank == 0 and "config.json" not in copied:
+        log.warning("%s has no config.json (the source is not a Hugging Face directory): from_pretrained needs "
+                    "one; pass files_from=<a Hugging Face model directory>", dst)
+    return {"output": dst, "files": plan.files, "tensors": len(plan.names),
+            "total_size": sum(s for _, s in plan.sizes), "files_written_here": [plan.files[i] for i in plan.mine],
+            "copied": copied, "skipped_objects": sorted(md.objects), "left_out": plan.left_out,
+            "names": plan.out_name, "counters": counters}
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export writes and who writes it (the same on every rank)."""
+
+    names: list[str]  # tensor keys in output order
+    out_name: dict[str, str]  # key -> name in the output
+    sizes: list[tuple[str, int]]  # (key, bytes in the output dtype)
+    shards: list[list[str]]  # the keys of each output file
+    files: list[str]
+    owners: list[int]  # the writing rank of each file
+    mine: list[int]  # the files this rank writes
+    rounds: int  # writing rounds: the most files any rank writes
+    cast: torch.dtype | None
+    left_out: str | None
+
+
+def _plan(md: Metadata, src: str, comm: Comm, max_shard_size: int, model_only: bool, include: str | None,
+          exclude: str | None, dtype: str | None) -> ExportPlan:
     split = split_model_weights(md.tensors) if model_only else None
     base = split.names if split is not None else {k: k for k in md.tensors}
     out_name = _output_names(select_keys(sorted(base), include=include, exclude=exclude, names=base), src)
@@ -99,7 +154,7 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
 
     def out_dtype(key: str) -> str:
         d = md.tensors[key].dtype
-        return dtype if cast is not None and dtype_from_name(d).is_floating_point else d
+        return dtype if cast is not None and dtype_from_name(d).is_floating_point else d  # type: ignore[return-value]
 
     names = sorted(out_name, key=lambda k: natural_key(out_name[k]))
     sizes = [(k, math.prod(md.tensors[k].shape) * element_size(out_dtype(k))) for k in names]
@@ -110,9 +165,14 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
     owners = assign_files([sum(size_of[k] for k in s) for s in shards], comm.world_size)
     mine = [i for i in range(n) if owners[i] == comm.rank]
     rounds = max(owners.count(r) for r in range(comm.world_size))
+    return ExportPlan(names, out_name, sizes, shards, files, owners, mine, rounds, cast, left_out)
+
+
+def _check_before_reading(comm: Comm, source_reader: StorageReader, md: Metadata, plan: ExportPlan, src: str) -> None:
+    """Before a byte is allocated: the files hold what the metadata claims (rank 0, once), and
+    every rank has memory for the largest file it writes."""
 
     def check_claims() -> None:
-        """Before a byte is allocated: the files hold what the metadata claims (rank 0, once)."""
         if hasattr(source_reader, "check_claims"):  # a custom reader checks its own
             try:
                 source_reader.check_claims(md)
@@ -120,90 +180,42 @@ def export_hf(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, fo
                 source_reader.close()
 
     comm.agree_root("export_hf: sizes", check_claims)
+    size_of = dict(plan.sizes)
+    mine, shards = plan.mine, plan.shards
     big = max(mine, key=lambda i: sum(size_of[k] for k in shards[i])) if mine else None
     # loaded in the source's dtypes, then cast one tensor at a time
     held = sum(math.prod(md.tensors[k].shape) * element_size(md.tensors[k].dtype) for k in shards[big]) + \
-        (max(size_of[k] for k in shards[big]) if cast is not None else 0) if mine else 0
+        (max(size_of[k] for k in shards[big]) if plan.cast is not None else 0) if big is not None else 0
     check_together(comm, held, "cpu",
-                   f"export_hf of {src} (writing {files[big] if mine else 'nothing'})",
+                   f"export_hf of {src} (writing {plan.files[big] if big is not None else 'nothing'})",
                    "each rank holds one whole output shard at a time: use more hosts or a smaller max_shard_size "
                    "(a single tensor larger than memory cannot be exported)")
-    side_dir = resolve_side_dir(files_from, src if kind == "hf" else None)
-    store_out = ObjectDirectoryOutput(dst, overwrite, source=src if is_uri(src) else None) if remote else None
-    weights = files + ([HF_INDEX] if n > 1 else [])
 
-    def begin() -> Any:
-        check_side_dir(side_dir)
-        if store_out is None:
-            return StagedDir(dst, overwrite).tmp
-        before = store_out.begin()
-        side = _with_recorded_config(read_side_files(side_dir) if side_dir else {}, md)
-        for name, data in side.items():  # first: the weights' arrival makes the directory usable
-            store_out.put(name, data)
-        return {"before": before, "copied": sorted(side)}
 
-    began = comm.agree_root("export_hf: begin", begin)
-    staging = began if store_out is None else None
-    out = StagedDir.adopt(dst, staging, overwrite) if store_out is None else None  # rank 0 commits or aborts it
+def _write_rounds(comm: Comm, out: DirectoryOutput, source_reader: StorageReader, md: Metadata, plan: ExportPlan,
+                  process_group: Any, allow_pickle: bool, timeout: Timeout, rename: Sequence[Any],
+                  load_kwargs: dict | None) -> dict[str, int]:
+    """Every rank loads the whole tensors of one of its files per round (a collective load) and
+    writes it; returns the reader's counters (cumulative over the rounds)."""
     counters: dict[str, int] = {}
-    try:
-        for r in range(rounds):
-            i = mine[r] if r < len(mine) else None
-            keys = shards[i] if i is not None else []
-            state = {k: torch.empty(md.tensors[k].shape, dtype=dtype_from_name(md.tensors[k].dtype)) for k in keys}
-            res = load(state, storage_reader=source_reader, process_group=process_group, strict=False,
-                       allow_pickle=allow_pickle, timeout=timeout, rename=rename, **(load_kwargs or {}))
-            counters = dict(res.counters)  # the reader's counters: cumulative over the rounds
+    for r in range(plan.rounds):
+        i = plan.mine[r] if r < len(plan.mine) else None
+        keys = plan.shards[i] if i is not None else []
+        state = {k: torch.empty(md.tensors[k].shape, dtype=dtype_from_name(md.tensors[k].dtype)) for k in keys}
+        res = load(state, storage_reader=source_reader, process_group=process_group, strict=False,
+                   allow_pickle=allow_pickle, timeout=timeout, rename=rename, **(load_kwargs or {}))
+        counters = dict(res.counters)
 
-            def write(i: int | None = i, keys: list = keys, state: dict = state) -> None:
-                for k in keys:  # one tensor at a time: the shard is never held twice
-                    if cast is not None and state[k].is_floating_point():
-                        state[k] = state[k].to(cast)
-                pairs = [(out_name[k], state[k]) for k in keys]
-                if i is not None and store_out is not None:
-                    write_file(f"{dst}/{files[i]}", pairs, meta={"format": "pt"}, sink=store_out.sink(files[i]))
-                elif i is not None:
-                    path = os.path.join(staging, files[i])
-                    write_file(path, pairs, meta={"format": "pt"}, fsync=fsync)
-                    check_with_safetensors(path)  # what we publish is what the real reader accepts
+        def write(i: int | None = i, keys: list = keys, state: dict = state) -> None:
+            for k in keys:  # one tensor at a time: the shard is never held twice
+                if plan.cast is not None and state[k].is_floating_point():
+                    state[k] = state[k].to(plan.cast)
+            if i is not None:
+                out.write_safetensors(plan.files[i], [(plan.out_name[k], state[k]) for k in keys], {"format": "pt"})
 
-            comm.agree(f"export_hf: write round {r}", write)
-            state = write = None  # this round's tensors go before the next round allocates
-
-        def commit() -> list[str]:
-            if n > 1:
-                doc = {"metadata": {"total_size": sum(s for _, s in sizes)},
-                       "weight_map": {out_name[k]: files[i] for i, s in enumerate(shards) for k in s}}
-                text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-                if store_out is not None:
-                    store_out.put(HF_INDEX, text.encode())  # last: it names shards all uploaded by now
-                else:
-                    with open(os.path.join(staging, HF_INDEX), "w") as f:
-                        f.write(text)
-            if store_out is not None:
-                store_out.finish(began["before"], weights + began["copied"])
-                return began["copied"]
-            side = _with_recorded_config(read_side_files(side_dir) if side_dir else {}, md)
-            for name, data in side.items():  # the bytes read from the checked descriptor
-                with open(os.path.join(staging, name), "xb") as f:
-                    f.write(data)
-            copied = sorted(side)
-            out.commit(fsync=fsync)
-            return copied
-
-        copied = comm.agree_root("export_hf: commit", commit)
-    except BaseException:
-        if comm.rank == 0 and out is not None:
-            out.abort()
-        elif comm.rank == 0:
-            store_out.abort(weights)
-        raise
-    if comm.rank == 0 and not any(name == "config.json" for name in copied):
-        log.warning("%s has no config.json (the source is not a Hugging Face directory): from_pretrained needs "
-                    "one; pass files_from=<a Hugging Face model directory>", dst)
-    return {"output": dst, "files": files, "tensors": len(names), "total_size": sum(s for _, s in sizes),
-            "files_written_here": [files[i] for i in mine], "copied": copied, "skipped_objects": sorted(md.objects),
-            "left_out": left_out, "names": out_name, "counters": counters}
+        comm.agree(f"export_hf: write round {r}", write)
+        state = write = None  # type: ignore[assignment]  # this round's tensors go before the next round allocates
+    return counters
 
 
 RECORDED_SIDE_FILES = {"config.json": "model_config", "generation_config.json": "generation_config"}

@@ -27,12 +27,13 @@ from ..core.geometry import Box, narrow
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from ..storage.interfaces import ReadRequest, StorageReader
 from ..storage.locations import open_reader
-from ..storage.uri import is_uri, join, normalize
+from ..storage.location import is_local, resolve
+from ..storage.uri import join
 
 
 def commit_state(path: str | os.PathLike) -> str:
     """'committed', 'uncommitted' (a staging dir or a dir without metadata) or 'missing'."""
-    if is_uri(path):
+    if not is_local(path):
         return "committed"  # described through its commit object: nothing else is readable
     path = os.path.abspath(os.fspath(path))
     name = os.path.basename(path)
@@ -219,8 +220,8 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
     """Recompute every checksum and cross-check files against the metadata; collect all problems.
     ``on_file(name, size)`` is called after each file; ``on_bytes(done, total)`` as bytes are
     checked (progress)."""
-    if is_uri(path):
-        return _verify_in_store(normalize(path), on_file, on_bytes)
+    if not is_local(path):  # a store: every byte through the verifying reader
+        return _verify_in_store(resolve(path), on_file, on_bytes)
     problems: list[str] = []
     abspath = os.path.abspath(os.fspath(path))
     if not os.path.isfile(os.path.join(abspath, METADATA_FILE)):

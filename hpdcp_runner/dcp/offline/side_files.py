@@ -10,7 +10,7 @@ import re
 from ..core.errors import ConfigError, HpdcpError
 from ..core.rafile import open_regular_file
 from ..core.utils import get_logger
-from ..storage.uri import is_uri, normalize
+from ..storage.location import locate
 
 log = get_logger(__name__)
 # weights and checkpoint metadata never travel as side files (ours included: a commit object, a
@@ -32,16 +32,14 @@ def resolve_side_dir(files_from: str | os.PathLike | None, default: str | None) 
     where = files_from or default
     if not where:
         return None
-    where = normalize(where) if is_uri(where) else os.path.abspath(os.fspath(where))
-    if not is_uri(where) and os.path.isfile(where):
-        return os.path.dirname(where)
-    if is_uri(where) and where.endswith(".safetensors"):
-        return where.rsplit("/", 1)[0]
-    return where
+    loc = locate(where)
+    if (loc.local_path and loc.is_file()) or (not loc.local_path and loc.url.endswith(".safetensors")):
+        return loc.parent().url
+    return loc.url
 
 
 def check_side_dir(where: str | None) -> None:
-    if where is not None and not is_uri(where) and not os.path.isdir(where):
+    if where is not None and locate(where).local_path and not locate(where).is_dir():
         raise ConfigError(f"{where}: the directory to copy config/tokenizer files from does not exist")
 
 
@@ -51,7 +49,8 @@ def read_side_files(where: str, names_only: bool = False) -> dict[str, bytes]:
     inside the directory without following links and checked on the descriptor, then read from
     it: a link swapped in after the listing is refused, never followed (what is copied is what
     was checked)."""
-    if not is_uri(where):
+    loc = locate(where)
+    if loc.local_path:
         out = {}
         dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -70,31 +69,17 @@ def read_side_files(where: str, names_only: bool = False) -> dict[str, bytes]:
         finally:
             os.close(dfd)
         return out
-    from ..storage.object_store import Bucket
-
-    bucket = Bucket(where)
     out = {}
-    for o in bucket.list_dir(bucket.root)[1]:
-        name = o["path"].rsplit("/", 1)[-1]
-        if _NOT_SIDE_FILES.fullmatch(name) or o["size"] > MAX_SIDE_FILE_BYTES:
+    for name, size in loc.files().items():
+        if _NOT_SIDE_FILES.fullmatch(name) or size > MAX_SIDE_FILE_BYTES:
             continue
-        got = bucket.get(o["path"], max_bytes=MAX_SIDE_FILE_BYTES)
+        got = b"" if names_only else loc.read_small(name, MAX_SIDE_FILE_BYTES)
         if got is not None:
-            out[name] = got[0]
+            out[name] = got
     return out
 
 
 def read_side_file(where: str, name: str) -> bytes | None:
     """One side file (``config.json``) of a local directory or of a directory in a store, or None
     when there is none: what a layout sized by the model's config reads, without the tokenizer."""
-    if not is_uri(where):
-        path = os.path.join(where, name)
-        if not os.path.isfile(path):
-            return None
-        with open_regular_file(path, what="side file") as f:
-            return f.read(MAX_SIDE_FILE_BYTES + 1)[:MAX_SIDE_FILE_BYTES]
-    from ..storage.object_store import Bucket
-
-    bucket = Bucket(normalize(where))
-    got = bucket.get(bucket.key(name), max_bytes=MAX_SIDE_FILE_BYTES)
-    return None if got is None else got[0]
+    return locate(where).read_small(name, MAX_SIDE_FILE_BYTES)

@@ -4,11 +4,10 @@ Every source exposes ``specs`` ({key: (dtype name, shape)}), ``objects()`` (non-
 ``read(key, box)`` (the region ``box`` of tensor ``key``, or all of it) and ``close()``, so an
 import never needs more memory than one tensor. Sources:
 
-* ``SafetensorsSource``: a Hugging Face directory (``model.safetensors.index.json`` or
-  ``model.safetensors``) or one ``.safetensors`` file; boxes are read with safetensors' slices.
+* ``ReaderSource``: what the engine reads in place, on any store: a Hugging Face directory (or
+  one ``.safetensors`` file), a ``torch.distributed.checkpoint`` directory (its ``.metadata`` is a
+  pickle, so reading it needs ``allow_pickle=True``), ours. The engine's reader of the format.
 * ``TorchFileSource``: a ``.pt``/``.bin`` file through ``torch.load(weights_only=True)`` only.
-* ``TorchDcpSource``: a ``torch.distributed.checkpoint`` directory. Its ``.metadata`` is a
-  pickle, so reading it needs ``allow_pickle=True``.
 * ``HyperParallelSource``: a hyper-parallel checkpoint (``_rank{N}_.safetensors`` + pickled
   ``.metadata``). The metadata goes through a restricted unpickler that admits only their
   metadata classes (mapped to plain records); anything else in the pickle is refused. Behind
@@ -26,17 +25,13 @@ import torch
 
 from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from ..core.geometry import Box, intersect, narrow, relative, whole
-from ..format import jsondoc
+from ..format.metadata import Metadata
+from ..storage.foreign import HF_INDEX, HF_SINGLE
+from ..storage.interfaces import ReadRequest
+from ..storage.location import resolve
 from ..core.rafile import open_regular, open_regular_file
 from ..format.metadata import dtype_from_name, dtype_name
 from ..core.utils import flatten_state_dict
-
-HF_INDEX = "model.safetensors.index.json"
-HF_SINGLE = "model.safetensors"
-MAX_INDEX_BYTES = 64 << 20
-# Real shards hold at most a few thousand tensors; a hostile header of 300k entries took ~55 s and
-# 1 GiB to import. Raise it here for a genuinely larger file.
-MAX_IMPORT_ENTRIES = 65536
 
 
 class TensorSource:
@@ -59,81 +54,52 @@ class TensorSource:
         pass
 
 
-class SafetensorsSource(TensorSource):
-    def __init__(self, path: str | os.PathLike) -> None:
+class ReaderSource(TensorSource):
+    """A checkpoint the engine reads in place (Hugging Face safetensors, torch DCP, ours), on any
+    location, through the engine's own reader of that format: the offline tools have no second
+    implementation of a format. Regions are read with partial reads (a box of a tensor costs
+    that box's bytes)."""
 
-        self.path = os.path.abspath(os.fspath(path))
-        self._open = safe_open_pinned
-        self.files: dict[str, str] = {}  # key -> file path
-        if os.path.isdir(self.path):
-            index = os.path.join(self.path, HF_INDEX)
-            single = os.path.join(self.path, HF_SINGLE)
-            if os.path.isfile(index):
-                self._from_index(index)
-            elif os.path.isfile(single):
-                self._scan([single])
-            else:
-                raise CheckpointNotFoundError(f"{self.path}: neither {HF_INDEX} nor {HF_SINGLE} (not a Hugging Face "
-                                              f"model directory)")
-        elif os.path.isfile(self.path):
-            self._scan([self.path])
-        else:
-            raise CheckpointNotFoundError(f"{self.path} does not exist")
-        self._handles: dict[str, Any] = {}
+    def __init__(self, path: str | os.PathLike, fmt: str, *, allow_pickle: bool = False) -> None:
+        from ..protocol import metadata_source
+        from ..storage.locations import open_reader
 
-    def _from_index(self, index: str) -> None:
-        if os.path.getsize(index) > MAX_INDEX_BYTES:
-            raise MetadataError(f"{index} is larger than {MAX_INDEX_BYTES} bytes")
-        with open_regular_file(index, what="index file") as f:
-            doc = jsondoc.parse(f.read(), index)
-        wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-            raise MetadataError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")
-        names = sorted(set(wm.values()))
-        for n in names:
-            if os.path.basename(n) != n or n.startswith("."):
-                raise MetadataError(f"{index}: file name {n!r} must be a plain name inside the directory")
-        self._scan([os.path.join(self.path, n) for n in names], claimed=wm)
+        self.path = resolve(path)
+        self.allow_pickle = allow_pickle
+        self.reader = open_reader(self.path, fmt, allow_pickle=allow_pickle, files_kept=4)
+        try:
+            self.md = Metadata.from_json(self.reader.read_metadata_text(),
+                                         source=metadata_source(self.reader, self.path), open_file=self.reader.open_file)
+            self.reader.attach_metadata(self.md)
+            self.reader.check_files(sorted(self.md.files))  # every file there, of its recorded size
+        except BaseException:
+            self.reader.close()
+            raise
+        self.format_name = self.reader.format_name
+        self.specs = {k: (t.dtype, tuple(t.shape)) for k, t in self.md.tensors.items()}
 
-    def _scan(self, files: list[str], claimed: dict[str, str] | None = None) -> None:
-        from ..format.safetensors_io import read_header
-
-        self.specs = {}
-        for fp in files:
-            if not os.path.isfile(fp):
-                raise CheckpointNotFoundError(f"{fp} is listed in {HF_INDEX} but missing")
-            _, entries = read_header(fp, max_entries=MAX_IMPORT_ENTRIES)
-            for e in entries:
-                if e.key in self.files:
-                    raise MetadataError(f"tensor {e.key!r} appears in both {self.files[e.key]} and {fp}")
-                self.files[e.key] = fp
-                self.specs[e.key] = (e.dtype, e.shape)
-        if claimed is not None:
-            for key, name in claimed.items():
-                where = self.files.get(key)
-                if where is None or os.path.basename(where) != name:
-                    raise MetadataError(f"{HF_INDEX} maps {key!r} to {name} but "
-                                        f"{'no file holds it' if where is None else 'it is in ' + where}")
-            extra = sorted(set(self.files) - set(claimed))
-            if extra:
-                raise MetadataError(f"{HF_INDEX} does not list {len(extra)} tensor(s) found in the shards: {extra[:5]}")
+    def objects(self) -> dict[str, Any]:
+        if not self.md.objects:
+            return {}
+        return self.reader.read_objects(self.md.objects, allow_pickle=self.allow_pickle)
 
     def read(self, key: str, box: Box | None = None) -> torch.Tensor:
-        fp = self.files[key]
-        try:
-            h = self._handles.get(fp)
-            if h is None:
-                h = self._handles[fp] = self._open(fp, framework="pt")
-            if box is None or box == whole(self.specs[key][1]) or not box.sizes:
-                return h.get_tensor(key)
-            sl = h.get_slice(key)
-            return sl[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].contiguous()
-        except Exception as e:  # safetensors' own errors carry no file name
-            raise CorruptCheckpointError(f"{fp}: cannot read tensor {key!r} ({type(e).__name__}: "
-                                         f"{str(e)[:200]})") from None
+        tm = self.md.tensors[key]
+        box = box if box is not None else whole(tm.shape)
+        out = torch.empty(box.sizes, dtype=dtype_from_name(tm.dtype))
+        requests = []
+        for c in tm.chunks:
+            inter = intersect(box, Box(tuple(c.offsets), tuple(c.sizes)))
+            if inter is None or inter.numel == 0:
+                continue
+            sub = Box(relative(inter, Box(tuple(c.offsets), tuple(c.sizes))), inter.sizes)
+            requests.append(ReadRequest(c, tm.dtype, sub, narrow(out, relative(inter, box), inter.sizes)))
+        if requests:
+            self.reader.read_tensors(requests)
+        return out
 
     def close(self) -> None:
-        self._handles.clear()
+        self.reader.close()
 
 
 class TorchFileSource(TensorSource):
@@ -196,48 +162,6 @@ def _require_pickle(path: str, allow_pickle: bool, what: str) -> None:
         raise PickleNotAllowedError(f"{path}: {what} stores its metadata as a pickle, and unpickling runs code chosen "
                                     f"by whoever wrote the file; pass allow_pickle=true (transform.allow_pickle) "
                                     f"only for a checkpoint you trust")
-
-
-class TorchDcpSource(TensorSource):
-    """A torch.distributed.checkpoint directory, read with torch's own reader (no process group)."""
-
-    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False) -> None:
-        import torch.distributed.checkpoint as tdcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        self.path = os.path.abspath(os.fspath(path))
-        if not os.path.isfile(os.path.join(self.path, ".metadata")):
-            raise CheckpointNotFoundError(f"{self.path}: no .metadata (not a torch.distributed.checkpoint directory)")
-        _require_pickle(os.path.join(self.path, ".metadata"), allow_pickle, "torch.distributed.checkpoint")
-        self._tdcp = tdcp
-        self.md = tdcp.FileSystemReader(self.path).read_metadata()
-        self.specs, self._bytes = {}, []
-        for key, m in self.md.state_dict_metadata.items():
-            if isinstance(m, TensorStorageMetadata):
-                self.specs[key] = (dtype_name(m.properties.dtype), tuple(m.size))
-            else:
-                self._bytes.append(key)
-        self._cache: tuple[str, torch.Tensor] | None = None
-
-    def objects(self) -> dict[str, Any]:
-        if not self._bytes:
-            return {}
-        out: dict[str, Any] = {k: None for k in self._bytes}
-        self._tdcp.load(out, storage_reader=self._tdcp.FileSystemReader(self.path), no_dist=True)
-        return out
-
-    def read(self, key: str, box: Box | None = None) -> torch.Tensor:
-        if self._cache is None or self._cache[0] != key:
-            dtype, shape = self.specs[key]
-            self._cache = None
-            full = {key: torch.empty(shape, dtype=dtype_from_name(dtype))}
-            self._tdcp.load(full, storage_reader=self._tdcp.FileSystemReader(self.path), no_dist=True)
-            self._cache = (key, full[key])
-        t = self._cache[1]
-        return t if box is None else narrow(t, box.offsets, box.sizes).contiguous()
-
-    def close(self) -> None:
-        self._cache = None
 
 
 # -- hyper-parallel ------------------------------------------------------------------------------
@@ -379,29 +303,26 @@ class HyperParallelSource(TensorSource):
 
 
 def open_source(path: str | os.PathLike, fmt: str = "auto", *, allow_pickle: bool = False) -> TensorSource:
-    """A source for ``path``; ``fmt`` is auto | hf | safetensors | pt | torch_dcp | hyper_parallel."""
-    p = os.fspath(path)
-    if fmt == "auto":
-        if os.path.isdir(p):
-            names = set(os.listdir(p))
-            if HF_INDEX in names or HF_SINGLE in names:
-                fmt = "hf"
-            elif ".metadata" in names and any(n.startswith("_rank") and n.endswith("_.safetensors") for n in names):
-                fmt = "hyper_parallel"
-            elif ".metadata" in names:
-                fmt = "torch_dcp"
-            else:
-                raise CheckpointNotFoundError(f"{p}: cannot tell the checkpoint format (no {HF_INDEX}, {HF_SINGLE} "
-                                              f"or .metadata)")
-        else:
-            fmt = "safetensors" if p.endswith(".safetensors") else "pt"
-    if fmt in ("hf", "safetensors"):
-        return SafetensorsSource(p)
-    if fmt == "pt":
-        return TorchFileSource(p)
-    if fmt == "torch_dcp":
-        return TorchDcpSource(p, allow_pickle=allow_pickle)
-    if fmt == "hyper_parallel":
-        return HyperParallelSource(p, allow_pickle=allow_pickle)
-    raise ConfigError(f"unknown source format {fmt!r} (auto, hf, safetensors, pt, torch_dcp, hyper_parallel)")
+    """A source for ``path`` on any location; ``fmt`` is auto | hf | safetensors | pt | torch_dcp |
+    hpdcp | hyper_parallel. Formats the engine reads go through its reader (any store); a torch
+    file and a hyper-parallel checkpoint are read from a local path."""
+    from ..storage.foreign import detect_format
+    from ..storage.location import locate
 
+    kinds = ("auto", "hf", "safetensors", "pt", "torch_dcp", "hpdcp", "hyper_parallel")
+    if fmt not in kinds:
+        raise ConfigError(f"unknown source format {fmt!r} ({', '.join(kinds)})")
+    loc = locate(path)
+    if fmt == "auto":
+        fmt = detect_format(loc)
+        if fmt == "hpdcp" and not loc.is_dir() and not loc.is_file():
+            raise CheckpointNotFoundError(f"{loc.url} does not exist")
+        if fmt == "hpdcp" and loc.is_dir() and not (set(loc.files()) & {"metadata.json", "hpdcp-commit.json"}):
+            raise CheckpointNotFoundError(f"{loc.url}: cannot tell the checkpoint format (no {HF_INDEX}, {HF_SINGLE} "
+                                          f"or .metadata)")
+    if fmt in ("pt", "hyper_parallel"):
+        if loc.local_path is None:
+            raise ConfigError(f"{loc.url}: a {fmt} source is read from a local path (download it first); Hugging Face, "
+                              f"torch DCP and our checkpoints are read in place from any store")
+        return TorchFileSource(loc.url) if fmt == "pt" else HyperParallelSource(loc.url, allow_pickle=allow_pickle)
+    return ReaderSource(loc.url, "hf" if fmt == "safetensors" else fmt, allow_pickle=allow_pickle)

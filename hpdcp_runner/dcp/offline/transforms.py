@@ -28,11 +28,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ..format import objects as objcodec
-from ..format.safetensors_io import SafetensorsStreamWriter
-from ..core.errors import ConfigError, CorruptCheckpointError
-from ..storage.commit import StagedDir
-from ..storage.object_checkpoint import ObjectDirectoryOutput
-from ..storage.uri import is_uri, join, normalize
+from ..core.errors import ConfigError
+from ..storage.location import locate, resolve
+from ..storage.outputs import RenameOutput, open_output
+from ..storage.uri import join
 from ..storage.filesystem import FileSystemReader, FileSystemWriter
 from ..core.geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
@@ -80,20 +79,6 @@ def select_keys(keys: Iterable[str], *, include: str | None = None, exclude: str
     return out
 
 
-def check_with_safetensors(path: str) -> None:
-    """Open ``path`` with the safetensors library itself (header only): an output file it would
-    refuse is an error here, never a transform reported as done."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                f.get_slice(key).get_shape()
-    except Exception as e:
-        raise CorruptCheckpointError(f"{path}: the safetensors library refuses the file written "
-                                     f"({type(e).__name__}: {str(e)[:200]}); nothing was published") from None
-
-
 def _read_our_metadata(src: str | os.PathLike) -> tuple[FileSystemReader, Metadata]:
     from ..storage.locations import open_reader
 
@@ -126,7 +111,7 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
                 fsync: bool = True, progress: Progress | None = None, model_only: bool = True,
                 files_from: str | os.PathLike | None = None) -> dict[str, Any]:
     """Write our checkpoint ``src`` as a Hugging Face safetensors directory ``dst`` (either may be
-    an object-store URI; a store's output is written as ``ObjectDirectoryOutput`` describes).
+    in any store; the output is made visible as its storage allows, see ``storage.outputs``).
     ``model_only``: of a model+optimizer checkpoint, only the model's weights under the model's
     own names (``model_weights.split_model_weights``; the result's ``left_out`` says what was
     not written). ``files_from``: a Hugging Face directory whose config/tokenizer files are copied."""
@@ -158,64 +143,42 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     shards = [list(names)] if single_file else plan_hf_shards(sizes, max_shard_size)
     n = len(shards)
     files = [HF_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    store = ObjectDirectoryOutput(normalize(dst), overwrite, source=normalize(src) if is_uri(src) else None) \
-        if is_uri(dst) else None
-    out = StagedDir(dst, overwrite) if store is None else None
-    before = store.begin() if store is not None else []
-    for name, data in side.items() if store is not None else ():  # first: the weights make it usable
-        store.put(name, data)
-    progress = progress or _no_progress
-    weight_map: dict[str, str] = {}
+    written = files + ([HF_INDEX] if n > 1 else []) + sorted(side)
+    out = open_output(dst, overwrite, source=resolve(src), fsync=fsync)
+    out.begin()
+    total = sum(s for _, s in sizes)
     try:
-        order = [k for shard in shards for k in shard]
-        tensors = iter_full_tensors(src, order, reuse_buffer=True)
+        for name, data in side.items():  # first: in a store, the weights' arrival makes it usable
+            out.put(name, data)
+        tensors = iter_full_tensors(src, [k for shard in shards for k in shard], reuse_buffer=True)
         cast_buf = torch.empty(max(s for k, s in sizes) if cast is not None else 0, dtype=torch.uint8)
         for fname, shard in zip(files, shards):
-            w = SafetensorsStreamWriter(join(out.tmp if out else normalize(dst), fname),
-                                        [(names[k], out_dtype(k), md.tensors[k].shape) for k in shard],
-                                        meta={"format": "pt"}, fsync=fsync,
-                                        sink=store.sink(fname) if store is not None else None)
+            w = out.stream_safetensors(fname, [(names[k], out_dtype(k), md.tensors[k].shape) for k in shard],
+                                       {"format": "pt"})
             try:
-                for key, full in progress(_take(tensors, len(shard)), len(shard), f"merge {fname}"):
+                for key, full in (progress or _no_progress)(_take(tensors, len(shard)), len(shard), f"merge {fname}"):
                     if cast is not None and full.is_floating_point():
-                        nbytes = full.numel() * element_size(dtype)
-                        full = cast_buf[:nbytes].view(cast).view(full.shape).copy_(full)
+                        full = cast_buf[:full.numel() * element_size(dtype)].view(cast).view(full.shape).copy_(full)
                     w.append(names[key], full)
-                    weight_map[names[key]] = fname
                     del full
             except BaseException:
                 w.abort()
                 raise
             w.close()
-        total = sum(s for _, s in sizes)
-        for fname in files if out is not None else ():  # what we write must be what the real reader accepts
-            check_with_safetensors(os.path.join(out.tmp, fname))
-        if n > 1:
+            out.check_safetensors(fname)  # what we write must be what the real reader accepts
+        if n > 1:  # last: it names shards all written by now
+            weight_map = {names[k]: fname for fname, shard in zip(files, shards) for k in shard}
             doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-            if store is not None:
-                store.put(HF_INDEX, text.encode())  # last: it names shards all uploaded by now
-            else:
-                with open(os.path.join(out.tmp, HF_INDEX), "w") as f:
-                    f.write(text)
-        for name, data in side.items() if out is not None else ():  # bytes read from the checked descriptors
-            with open(os.path.join(out.tmp, name), "xb") as f:
-                f.write(data)
-        if store is not None:
-            store.finish(before, files + ([HF_INDEX] if n > 1 else []) + sorted(side))
-        else:
-            out.commit()
+            out.put(HF_INDEX, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+        out.commit(written)
     except BaseException:
-        if out is not None:
-            out.abort()
-        else:
-            store.abort(files + ([HF_INDEX] if n > 1 else []) + sorted(side))
+        out.abort(written)
         raise
     skipped = sorted(md.objects)
     if not any(name == "config.json" for name in side):
         log.warning("%s has no config.json: from_pretrained needs one; pass files_from=<the model's Hugging Face "
                     "directory>", dst)
-    return {"dst": out.dst if out is not None else normalize(dst), "files": files, "tensors": len(names), "total_size": total,
+    return {"dst": out.url, "files": files, "tensors": len(names), "total_size": total,
             "skipped_objects": skipped, "copied": sorted(side),
             "left_out": describe_split(split) if split is not None and split.split else None}
 
@@ -246,15 +209,40 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source_
     """Convert ``src`` into our checkpoint ``dst`` with ``world_size`` rank files laid out by
     ``boxes(fqn, shape, rank) -> boxes that rank holds`` (chunks held by several ranks are
     written once, by the lowest rank). Returns the committed metadata."""
-    refuse_uris(src, dst)
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    out = locate(dst)
     source = open_source(src, source_format, allow_pickle=allow_pickle)
+    args = (world_size, boxes or shard_dim0(world_size), allow_pickle, rename, include, exclude)
     try:
-        return _import(source, dst, world_size, boxes or shard_dim0(world_size), allow_pickle, rename, include,
-                       exclude, overwrite, fsync, progress or _no_progress)
+        if out.local_path is not None:
+            return _import(source, out.url, *args, overwrite, fsync, progress or _no_progress)
+        return _import_to_store(source, out.url, args, overwrite, progress or _no_progress)
     finally:
         source.close()
+
+
+def _import_to_store(source: TensorSource, uri: str, args: tuple, overwrite: bool, progress: Progress) -> Metadata:
+    """An import into a store: the rank files are written in a local scratch directory (``TMPDIR``),
+    then uploaded unchanged under a new save of ``uri`` and committed as a save commits. An
+    existing checkpoint is refused before any work, and stays loadable until the commit."""
+    import tempfile
+
+    from ..storage.locations import open_writer
+
+    writer = open_writer(uri)
+    writer.attach(writer.begin(overwrite=overwrite), rank=0, world_size=args[0])
+    try:
+        with tempfile.TemporaryDirectory(prefix="hpdcp-import-") as tmp:
+            local = os.path.join(tmp, "checkpoint")
+            md = _import(source, local, *args, False, False, progress)
+            for name in sorted(md.files):
+                writer.upload_file(name, os.path.join(local, name))  # type: ignore[attr-defined]
+            writer.commit(md)
+        return md
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _import(source: TensorSource, dst: Any, world_size: int, boxes: BoxRule, allow_pickle: bool,
@@ -318,7 +306,8 @@ def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: 
     """Write our checkpoint as a ``torch.distributed.checkpoint`` directory (full tensors,
     loadable by ``torch.distributed.checkpoint.load`` under any sharding). Holds the whole
     checkpoint in memory: torch's writer takes a single state dict."""
-    refuse_uris(src, dst)
+    import tempfile
+
     import torch.distributed.checkpoint as tdcp
 
     reader, md = _read_our_metadata(src)
@@ -332,25 +321,26 @@ def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: 
     progress = progress or _no_progress
     for key, full in progress(iter_full_tensors(src, list(names)), len(names), "export"):
         sd[names[key]] = full
-    out = StagedDir(dst, overwrite)
+    out = open_output(dst, overwrite, source=resolve(src))
+    out.begin()
+    written: list[str] = []
     try:
-        tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(out.tmp), no_dist=True)
-        out.commit()
+        if isinstance(out, RenameOutput):  # torch writes into the staging directory itself
+            tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(out.staging), no_dist=True)
+        else:  # torch writes locally (TMPDIR), the files go up with its .metadata last
+            with tempfile.TemporaryDirectory(prefix="hpdcp-export-") as tmp:
+                tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(tmp), no_dist=True)
+                names = sorted(os.listdir(tmp), key=lambda n: (n == ".metadata", n))
+                for name in names:
+                    written.append(name)
+                    out.put_file(name, os.path.join(tmp, name))
+        out.commit(written)
     except BaseException:
-        out.abort()
+        out.abort(written)
         raise
-    return {"dst": out.dst, "tensors": len(names), "objects": len(onames),
+    return {"dst": out.url, "tensors": len(names), "objects": len(onames),
             "total_size": sum(md.tensors[k].nbytes for k in names)}
 
 
 __all__ = ["merge_to_hf", "import_checkpoint", "export_torch_dcp", "select_keys", "plan_hf_shards", "shard_dim0",
            "open_source"]
-
-
-def refuse_uris(*paths: str | os.PathLike | None) -> None:
-    """The import and torch DCP export transforms read and write local directories only: a URI is
-    refused in one line instead of becoming a local directory named after its scheme."""
-    for p in paths:
-        if p is not None and is_uri(p):
-            raise ConfigError(f"{p}: this transform works on local directories; +job=reshard reads Hugging Face and "
-                              f"torch DCP checkpoints from s3:// and writes ours (or job.output_format=hf) there")

@@ -194,6 +194,10 @@ class FileSystemWriter(StorageWriter):
                 self._release_lock()
         self.staging = None
 
+    def committed_opener(self) -> Callable[[str], Any]:
+        path = self.path
+        return lambda name: open_regular(os.path.join(path, check_file_name(name)))
+
     def abort(self) -> None:
         if self.staging and os.path.isdir(self.staging):
             shutil.rmtree(self.staging, ignore_errors=True)

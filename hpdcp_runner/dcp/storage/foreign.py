@@ -28,7 +28,7 @@ import pickle
 import stat
 import zipfile
 import zlib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -41,6 +41,9 @@ from ..format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, Obje
 from ..core.utils import byte_view
 from .interfaces import ReadRequest, StorageReader
 
+if TYPE_CHECKING:
+    from .location import Location
+
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 DCP_METADATA = ".metadata"
@@ -50,24 +53,43 @@ FORMATS = ("auto", "hpdcp", "hf", "torch_dcp")
 _DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 
 
-def detect_format(path: str) -> str:
-    """``hpdcp`` | ``hf`` | ``torch_dcp`` from the files present, or a ``CheckpointNotFoundError``
-    saying what was found."""
-    if os.path.isfile(path) and path.endswith(".safetensors"):
+def detect_format(path: "str | os.PathLike | Location") -> str:
+    """``hpdcp`` | ``hf`` | ``torch_dcp`` | ``hyper_parallel`` | ``pt`` from what is there, on any
+    location (one listing of a store's prefix): the one format detector of the engine and the
+    offline tools."""
+    from .location import locate
+    from .object_checkpoint import COMMIT_OBJECT
+
+    loc = locate(path)
+    if loc.url.endswith(".safetensors") and (loc.local_path is None or loc.is_file()):
         return "hf"
-    if not os.path.isdir(path):
-        return "hpdcp"  # our reader names the problem (missing, a file, a displaced overwrite)
-    names = set(os.listdir(path))
-    if METADATA_FILE in names:
+    if loc.local_path is not None and not loc.is_dir():
+        # a torch file is read by the import alone; our reader names any other problem (missing,
+        # a file, a displaced overwrite)
+        return "pt" if loc.url.endswith((".pt", ".pth", ".bin")) else "hpdcp"
+    names = set(loc.files())
+    if METADATA_FILE in names or COMMIT_OBJECT in names:
         return "hpdcp"
     if HF_INDEX in names or HF_SINGLE in names:
         return "hf"
     if DCP_METADATA in names:
         if any(n.startswith("_rank") and n.endswith("_.safetensors") for n in names):
-            raise CheckpointNotFoundError(f"{path} is a hyper-parallel checkpoint; convert it first with "
-                                          f"transform=import_hyper_parallel")
+            return "hyper_parallel"
         return "torch_dcp"
     return "hpdcp"
+
+
+def engine_format(path: "str | os.PathLike | Location", format: str) -> str:
+    """The format the engine reads ``path`` as (``format``, or detected): one it reads in place."""
+    fmt = detect_format(path) if format == "auto" else format
+    if fmt == "hyper_parallel":
+        raise CheckpointNotFoundError(f"{path} is a hyper-parallel checkpoint; convert it first with "
+                                      f"transform=import_hyper_parallel")
+    if fmt not in FORMATS or fmt == "auto":
+        raise MetadataError(f"{path}: a {fmt!r} checkpoint is read by the import only (transform=import), "
+                            f"not in place" if fmt == "pt" else f"unknown checkpoint format {format!r} "
+                            f"(one of {', '.join(FORMATS)})")
+    return fmt
 
 
 def open_local_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
@@ -75,7 +97,7 @@ def open_local_reader(path: str | os.PathLike, format: str = "auto", *, allow_pi
     """The reader for a local ``path`` in ``format`` (auto: from the files present); for any
     location (a URI too) use ``storage.locations.open_reader``."""
     p = os.path.abspath(os.fspath(path))
-    fmt = detect_format(p) if format == "auto" else format
+    fmt = engine_format(p, format)
     if fmt == "hpdcp":
         return FileSystemReader(p, **reader_kwargs)
     if fmt == "hf":

@@ -106,6 +106,11 @@ class StorageWriter(ABC):
     def abort(self) -> None:
         """Coordinator only, best effort: remove the staging area; never touches a committed checkpoint."""
 
+    def committed_opener(self) -> Callable[[str], Any] | None:
+        """How every rank opens a file of the committed checkpoint by name (a format-v2 chunk
+        index is read lazily, the rows each rank needs); None: the storage cannot."""
+        return None
+
     def discard_own(self) -> None:
         """Every rank of a failed save, best effort: remove what this rank wrote, where the
         coordinator's ``abort`` may not see it (an upload that completed after the abort ran).

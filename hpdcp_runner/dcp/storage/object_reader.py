@@ -17,7 +17,7 @@ from ..core.geometry import flat_span
 from ..format.metadata import DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, Metadata, check_file_name, element_size
 from .filesystem import DEFAULT_FILES_KEPT, FileSystemReader
 from .interfaces import ReadRequest
-from .object_checkpoint import COMMIT_OBJECT, SAVE_PREFIX, check_commit_matches, read_commit
+from .object_checkpoint import SAVE_PREFIX, check_commit_matches, read_commit
 from .object_store import Bucket, ObjectStoreOptions, RemoteFile
 
 
@@ -373,20 +373,10 @@ def open_object_reader(uri: str, format: str, *, allow_pickle: bool = False, opt
                        **reader_kwargs: Any) -> FileSystemReader:
     """The reader of a checkpoint in a store: ours (a commit object, or an uploaded directory
     with ``metadata.json``) or a Hugging Face directory, by ``format`` or (auto) by what is there."""
-    fmt = format
-    if fmt == "auto":
-        if uri.endswith(".safetensors"):
-            fmt = "hf"
-        else:
-            bucket = Bucket(uri, options)
-            _, objs = bucket.list_dir(bucket.root)
-            names = {o["path"].rsplit("/", 1)[-1] for o in objs}
-            if names & {"model.safetensors", "model.safetensors.index.json"}:
-                fmt = "hf"
-            elif ".metadata" in names and not names & {COMMIT_OBJECT, METADATA_FILE}:
-                fmt = "torch_dcp"
-            else:
-                fmt = "hpdcp"
+    from .foreign import engine_format
+    from .location import ObjectLocation
+
+    fmt = engine_format(ObjectLocation(uri, options), format)
     if fmt == "hpdcp":
         return ObjectStoreReader(uri, options=options, **reader_kwargs)
     if fmt in ("hf", "torch_dcp"):

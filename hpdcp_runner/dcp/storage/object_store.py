@@ -26,7 +26,7 @@ from ..core.errors import CheckpointNotFoundError, ConfigError, StorageAccessErr
 from .interfaces import IOCounters
 from .stores import KINDS
 
-INSTALL_HINT = 'pip install "hpdcp_runner[s3]"'
+INSTALL_HINT = 'pip install "hpdcp_runner[s3]" (or [gcs], [azure]: the same client)'
 
 
 @dataclass(frozen=True)

@@ -65,14 +65,16 @@ def test_a_failed_export_publishes_nothing_and_leaves_no_staging(tmp_path, monke
     _checkpoint(tmp_path)
     calls = []
 
-    def failing(path, entries, **kw):
-        calls.append(path)
+    def failing(self, name, pairs, meta):
+        calls.append(name)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return real(path, entries, **kw)
+        return real(self, name, pairs, meta)
 
-    real = hf_export.write_file
-    monkeypatch.setattr(hf_export, "write_file", failing)
+    from hpdcp_runner.dcp.storage import outputs
+
+    real = outputs.RenameOutput.write_safetensors
+    monkeypatch.setattr(outputs.RenameOutput, "write_safetensors", failing)
     with pytest.raises(Exception, match="No space left"):
         export_hf(tmp_path / "ours", tmp_path / "hf", max_shard_size=200)
     assert not (tmp_path / "hf").exists()

@@ -109,14 +109,14 @@ def test_malformed_hf_inputs_name_the_file(tmp_path):
         import_checkpoint(hf, tmp_path / "o1")
     (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors",
                                                                                  "b": "s2.safetensors"}}))
-    with pytest.raises(MetadataError, match=r"'a' appears in both .*s1.safetensors and .*s2.safetensors"):
+    with pytest.raises(MetadataError, match=r"'a' is stored twice: in .*s1.safetensors and .*s2.safetensors"):
         import_checkpoint(hf, tmp_path / "o2")
     (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors",
                                                                                  "b": "gone.safetensors"}}))
-    with pytest.raises(CheckpointNotFoundError, match="gone.safetensors is listed in model.safetensors.index.json"):
+    with pytest.raises(CheckpointNotFoundError, match="gone.safetensors is listed in .*model.safetensors.index.json"):
         import_checkpoint(hf, tmp_path / "o3")
     (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../s1.safetensors"}}))
-    with pytest.raises(MetadataError, match="must be a plain name"):
+    with pytest.raises(MetadataError, match="must be a plain (file )?name"):
         import_checkpoint(hf, tmp_path / "o4")
     (hf / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{oops")
     with pytest.raises(HpdcpError, match="bad.safetensors"):

@@ -1,5 +1,5 @@
-"""One protocol suite for every storage: a local directory and an S3-compatible object store (a real
-moto server on loopback). Each test states a promise of the commit protocol; both storages must
+"""One protocol suite for every storage: a local directory, S3 (a real moto server on loopback) and
+Azure Blob (azurite on loopback). Each test states a promise of the commit protocol; both storages must
 keep it, so they cannot drift."""
 
 import os
@@ -13,7 +13,6 @@ from hpdcp_runner.dcp import faults, tools
 from hpdcp_runner.dcp.storage import object_store
 from hpdcp_runner.dcp.storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
 from hpdcp_runner.dcp.storage.uri import join
-from tests import s3_server
 
 
 class Local:
@@ -33,37 +32,35 @@ class Local:
         return any(n.startswith(f".{name}.tmp-") for n in os.listdir(self.root))
 
 
-class S3:
-    kind = "s3"
+class ObjectStore:
+    """A store of the registry (S3 on moto, Azure Blob on azurite), written and listed through
+    its own client so the debris is what a crashed save of that store leaves."""
 
-    def __init__(self, endpoint):
-        self.endpoint = endpoint
-        self.bucket = s3_server.new_bucket(endpoint)
-        self.root = f"s3://{self.bucket}/runs"
-        self.client = s3_server.client(endpoint)
+    def __init__(self, kind, container):
+        self.kind = kind
+        self.root = f"{container}/runs"
+        self.bucket = object_store.Bucket(container)
 
     def debris(self, name):
         """What a save killed before its commit leaves: its lease (written at begin, before any
         rank writes) and a partial rank file."""
         base = f"runs/{name}/save-19700101T000000-deadbeef0000"
-        self.client.put_object(Bucket=self.bucket, Key=f"{base}/.lease", Body=b"{}")
-        self.client.put_object(Bucket=self.bucket, Key=f"{base}/rank00000.safetensors", Body=b"partial")
+        self.bucket.put(f"{base}/.lease", b"{}")
+        self.bucket.put(f"{base}/rank00000.safetensors", b"partial")
 
     def debris_left(self, name):
-        keys = [o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=f"runs/{name}/")
-                .get("Contents", [])]
-        return any("deadbeef0000" in k for k in keys)
+        return any("deadbeef0000" in k for k in self.keys(name))
 
     def keys(self, name):
-        return sorted(o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=f"runs/{name}/")
-                      .get("Contents", []))
+        return sorted(o["path"] for o in self.bucket.list(f"runs/{name}"))
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "az"])
 def store(request, tmp_path):
     if request.param == "local":
         return Local(tmp_path)
-    return S3(request.getfixturevalue("s3_endpoint"))
+    container = request.getfixturevalue({"s3": "s3_bucket", "az": "az_container"}[request.param])
+    return ObjectStore(request.param, container)
 
 
 @pytest.fixture
@@ -156,7 +153,7 @@ def test_failed_write_publishes_nothing(store):
         dcp.save(_state(1), checkpoint_id=path)
     with pytest.raises(dcp.CheckpointNotFoundError, match="no committed checkpoint"):
         dcp.load(_zeros(), checkpoint_id=path)
-    if store.kind == "s3":
+    if store.kind != "local":
         # the aborted save removed its uploads (its lease stays: a late upload beside it is ours to collect)
         assert [k for k in store.keys("ck") if not k.endswith("/.lease")] == []
 
@@ -166,7 +163,7 @@ def test_crash_debris_is_never_read_and_is_cleaned_by_a_later_save(store, no_gra
     with pytest.raises(dcp.CheckpointNotFoundError, match="uncommitted|no committed"):
         dcp.load(_zeros(), checkpoint_id=join(store.root, "ck"))
     dcp.save(_state(1), checkpoint_id=join(store.root, "other"), extra=series_extra("ck", None))
-    if store.kind == "s3":  # the next save of that name cleans it (locally: retention, below)
+    if store.kind != "local":  # the next save of that name cleans it (locally: retention, below)
         dcp.save(_state(1), checkpoint_id=join(store.root, "ck"))
         assert not store.debris_left("ck")
         got = _zeros()

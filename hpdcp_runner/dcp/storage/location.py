@@ -1,0 +1,236 @@
+"""Locations: a directory of files on some storage, the one seam every store is a peer behind.
+
+A :class:`Location` is a local directory or a prefix in an object store. It lists its files,
+sizes them, reads small ones whole and large ones by ranges, writes and deletes them, and says
+what the storage can do (an atomic rename, a conditional create), which decides how a checkpoint
+or an offline tool's output is made visible (``commit``). :func:`locate` is the only function that
+turns a user's path into one: it asks the store registry (``stores``), so nothing outside
+``storage/`` looks at a URI's scheme.
+
+``PosixLocation`` keeps the file system's protections: files are opened inside a pinned directory
+descriptor, never through a link. ``ObjectLocation`` is a key prefix of a bucket, through the one
+object-store client (``object_store.Bucket``).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..core.rafile import RandomAccessFile
+from .stores import is_remote, kind_of
+from .uri import check_uri, join, normalize, split
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a storage offers the commit: how a finished directory becomes visible."""
+
+    #: files can be staged under another name and renamed into place in one step (POSIX)
+    atomic_rename: bool
+    #: a create-if-absent / replace-if-unchanged write (object stores with preconditions)
+    conditional_write: bool
+    #: where it is slow to reach (a network store): replica broadcast pays off even on one node
+    remote: bool
+
+
+class Location(ABC):
+    """A directory of files: local, or a key prefix in a store."""
+
+    url: str
+    capabilities: Capabilities
+
+    @property
+    def local_path(self) -> str | None:
+        """The POSIX path of a local directory (None in a store): for what only a file system
+        does (a tool that writes through torch's own file writer)."""
+        return None
+
+    @property
+    def name(self) -> str:
+        return split(self.url)[1]
+
+    def parent(self) -> "Location":
+        return locate(split(self.url)[0])
+
+    def child(self, *names: str) -> "Location":
+        return locate(join(self.url, *names))
+
+    def __str__(self) -> str:
+        return self.url
+
+    @abstractmethod
+    def is_dir(self) -> bool:
+        """True when something is there as a directory (a store: any object under the prefix)."""
+
+    @abstractmethod
+    def is_file(self) -> bool:
+        """True when this location is itself one regular file (a store: one object)."""
+
+    @abstractmethod
+    def files(self) -> dict[str, int]:
+        """The regular files right under this directory: {name: size} (links are not files)."""
+
+    @abstractmethod
+    def read_small(self, name: str, max_bytes: int) -> bytes | None:
+        """The file ``name`` here read whole (None when there is none); over ``max_bytes`` is cut
+        (POSIX) or refused (store) before the body is read."""
+
+    @abstractmethod
+    def open_range(self, name: str) -> RandomAccessFile:
+        """The file ``name`` here for reads by range (``pread``, ``size``, ``close``)."""
+
+    @abstractmethod
+    def put(self, name: str, data: bytes) -> None:
+        """Write the file ``name`` here whole (not atomic: ``commit`` makes sets of files visible)."""
+
+    @abstractmethod
+    def delete(self, names: Iterable[str]) -> None:
+        """Remove these files (those already gone are not an error)."""
+
+
+class PosixLocation(Location):
+    """A local directory."""
+
+    capabilities = Capabilities(atomic_rename=True, conditional_write=False, remote=False)
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.url = os.path.abspath(os.fspath(path))
+
+    @property
+    def local_path(self) -> str:
+        return self.url
+
+    def is_dir(self) -> bool:
+        return os.path.isdir(self.url)
+
+    def is_file(self) -> bool:
+        return os.path.isfile(self.url) and not os.path.islink(self.url)
+
+    def files(self) -> dict[str, int]:
+        out = {}
+        with os.scandir(self.url) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    out[e.name] = e.stat(follow_symlinks=False).st_size
+        return out
+
+    def read_small(self, name: str, max_bytes: int) -> bytes | None:
+        from ..core.rafile import open_regular_file
+
+        path = os.path.join(self.url, name)
+        if not os.path.isfile(path):
+            return None
+        with open_regular_file(path, what="file") as f:  # inside its directory, never through a link
+            return f.read(max_bytes + 1)[:max_bytes]
+
+    def open_range(self, name: str) -> RandomAccessFile:
+        from ..core.rafile import as_random_access, open_regular
+
+        return as_random_access(open_regular(os.path.join(self.url, name)))
+
+    def put(self, name: str, data: bytes) -> None:
+        os.makedirs(self.url, exist_ok=True)
+        with open(os.path.join(self.url, name), "wb") as f:
+            f.write(data)
+
+    def delete(self, names: Iterable[str]) -> None:
+        for n in names:
+            try:
+                os.unlink(os.path.join(self.url, n))
+            except FileNotFoundError:
+                pass
+
+
+class ObjectLocation(Location):
+    """A key prefix in a bucket (``s3://``, ``gs://``, ``az://``) through the object-store client."""
+
+    capabilities = Capabilities(atomic_rename=False, conditional_write=True, remote=True)
+
+    def __init__(self, uri: str, options: object = None) -> None:
+        from .object_store import Bucket
+
+        self.url = normalize(uri)
+        self.bucket = Bucket(self.url, options)  # type: ignore[arg-type]
+
+    def is_dir(self) -> bool:
+        return next(iter(self.bucket.list(self.bucket.root)), None) is not None
+
+    def is_file(self) -> bool:
+        return bool(self.bucket.root) and self.bucket.head(self.bucket.root) is not None
+
+    def files(self) -> dict[str, int]:
+        return {o["path"].rsplit("/", 1)[-1]: o["size"] for o in self.bucket.list_dir(self.bucket.root)[1]}
+
+    def read_small(self, name: str, max_bytes: int) -> bytes | None:
+        got = self.bucket.get(self.bucket.key(name), max_bytes=max_bytes)
+        return None if got is None else got[0]
+
+    def open_range(self, name: str) -> RandomAccessFile:
+        from .object_store import RemoteFile
+
+        return RemoteFile(self.bucket, self.bucket.key(name), None)
+
+    def put(self, name: str, data: bytes) -> None:
+        self.bucket.put(self.bucket.key(name), data)
+
+    def delete(self, names: Iterable[str]) -> None:
+        self.bucket.delete([self.bucket.key(n) for n in names])
+
+
+def locate(path: str | os.PathLike | Location, base: str | None = None) -> Location:
+    """The location ``path`` names: a store URI of a registered scheme (checked: a scheme we do
+    not serve, or credentials in it, is a ConfigError naming it), or a local path (relative ones
+    from ``base``, default the working directory)."""
+    if isinstance(path, Location):
+        return path
+    p = os.fspath(path)
+    if is_remote(p):
+        check_uri(p)
+        return ObjectLocation(p)
+    return PosixLocation(os.path.join(base, os.path.expanduser(p)) if base else p)
+
+
+def is_local(path: str | os.PathLike) -> bool:
+    """True for a local path; False for a URI (of a scheme we serve or not: never a local path)."""
+    return not is_remote(path)
+
+
+def resolve(path: str | os.PathLike, base: str | None = None) -> str:
+    """A user's path made canonical without touching the storage: a URI checked and normalised,
+    a local path absolute (relative ones from ``base``)."""
+    p = os.fspath(path)
+    if is_remote(p):
+        return normalize(check_uri(p))
+    return os.path.normpath(os.path.join(base, os.path.expanduser(p))) if base else os.path.abspath(p)
+
+
+def store_title(path: str | os.PathLike) -> str:
+    """What the store of ``path`` is called ("a local directory" for a local path)."""
+    kind = kind_of(path)
+    return f"{kind.title} ({kind.scheme}://)" if kind else "a local directory"
+
+
+def refused(path: str) -> str | None:
+    """Why ``path`` cannot be a location (credentials in it, a scheme no store serves), in one
+    line, or None: what the launcher checks on every override before any rank starts."""
+    from .uri import credentials_refused
+
+    if not is_remote(path):
+        return None
+    why = credentials_refused(path)
+    if why:
+        return why
+    try:
+        check_uri(path)
+    except Exception as e:  # ConfigError: the scheme
+        return str(e)
+    return None
+
+
+def spelled(path: str | os.PathLike) -> str:
+    """``path`` as logs and errors name it: a URI checked and normalised, a local path as given."""
+    p = os.fspath(path)
+    return normalize(check_uri(p)) if is_remote(p) else p
