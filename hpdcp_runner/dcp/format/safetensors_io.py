@@ -149,6 +149,9 @@ class SafetensorsStreamWriter:
         self._next = 0
         self.entries: list[WrittenEntry] = []
         self._sink = sink
+        # a sink may read what it was given only when it sends it (an object store's multipart
+        # writer does not copy): the tensors stay referenced here until close()
+        self._held: list[torch.Tensor] = []
         self._f = sink if sink is not None else open(path, "xb", buffering=_WRITE_BUFFER)
         try:
             with naming(path):
@@ -174,6 +177,7 @@ class SafetensorsStreamWriter:
         view = byte_view(t)
         with naming(self.path):
             if self._sink is not None:  # the sink buffers and uploads its parts itself
+                self._held.append(t)
                 checksum, blocks = hash_and_write(view, self._sink.write)
             elif len(view) <= _WRITE_BUFFER:  # small: coalesced by the file's buffer
                 checksum, blocks = hash_and_write(view, self._f.write)
@@ -198,6 +202,7 @@ class SafetensorsStreamWriter:
                 size = self._base + sum(e.nbytes for e in self.entries)
                 faults.point("file.fsync", path=self.path)
                 self._sink.close()  # completes the upload: the object exists from here on
+                self._held.clear()
                 return WrittenFile(size, file_checksum(self.header, (e.checksum for e in self.entries)),
                                    tuple(self.entries))
             with naming(self.path):
@@ -215,6 +220,7 @@ class SafetensorsStreamWriter:
     def abort(self) -> None:
         if self._sink is not None:  # an upload never completed is never visible: drop it unclosed
             self._f = None
+            self._held.clear()
             return
         try:
             self._f.close()

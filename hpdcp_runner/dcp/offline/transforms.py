@@ -150,15 +150,17 @@ def merge_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     try:
         for name, data in side.items():  # first: in a store, the weights' arrival makes it usable
             out.put(name, data)
-        tensors = iter_full_tensors(src, [k for shard in shards for k in shard], reuse_buffer=True)
-        cast_buf = torch.empty(max(s for k, s in sizes) if cast is not None else 0, dtype=torch.uint8)
+        reuse = not out.holds_written_buffers  # a store's upload holds the bytes it was given until done
+        tensors = iter_full_tensors(src, [k for shard in shards for k in shard], reuse_buffer=reuse)
+        cast_buf = torch.empty(max(s for k, s in sizes) if cast is not None and reuse else 0, dtype=torch.uint8)
         for fname, shard in zip(files, shards):
             w = out.stream_safetensors(fname, [(names[k], out_dtype(k), md.tensors[k].shape) for k in shard],
                                        {"format": "pt"})
             try:
                 for key, full in (progress or _no_progress)(_take(tensors, len(shard)), len(shard), f"merge {fname}"):
                     if cast is not None and full.is_floating_point():
-                        full = cast_buf[:full.numel() * element_size(dtype)].view(cast).view(full.shape).copy_(full)
+                        full = cast_buf[:full.numel() * element_size(dtype)].view(cast).view(full.shape).copy_(full) \
+                            if reuse else full.to(cast)
                     w.append(names[key], full)
                     del full
             except BaseException:
@@ -330,8 +332,7 @@ def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: 
         else:  # torch writes locally (TMPDIR), the files go up with its .metadata last
             with tempfile.TemporaryDirectory(prefix="hpdcp-export-") as tmp:
                 tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(tmp), no_dist=True)
-                names = sorted(os.listdir(tmp), key=lambda n: (n == ".metadata", n))
-                for name in names:
+                for name in sorted(os.listdir(tmp), key=lambda n: (n == ".metadata", n)):
                     written.append(name)
                     out.put_file(name, os.path.join(tmp, name))
         out.commit(written)

@@ -321,7 +321,9 @@ class Bucket:
 
     def writer(self, key: str) -> Any:
         """A streaming writer (multipart upload of ``part_size`` parts, ``concurrency`` in flight):
-        ``write(bytes)``, ``close()`` completes the upload."""
+        ``write(bytes)``, ``close()`` completes the upload. It does not copy: the buffers given to
+        ``write`` are read when their part is sent, so they must not change before ``close()``
+        (measured: a buffer rewritten after ``write`` uploads the new bytes)."""
         o = self.options
         try:
             return self.obs.open_writer(self.store, key, buffer_size=o.part_size, max_concurrency=o.concurrency)

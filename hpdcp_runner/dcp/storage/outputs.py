@@ -69,6 +69,9 @@ class DirectoryOutput(ABC):
     the coordinator ``commit``s once every file is written, or ``abort``s."""
 
     url: str
+    #: the storage keeps a reference to the bytes a stream writes until its upload completes (an
+    #: object store's multipart writer does not copy): a writer must not reuse those buffers
+    holds_written_buffers: bool = False
 
     @abstractmethod
     def begin(self) -> Any:
@@ -159,6 +162,8 @@ class RenameOutput(DirectoryOutput):
 
 class InPlaceOutput(DirectoryOutput):
     """A directory in an object store, written in place (the usable-making file last)."""
+
+    holds_written_buffers = True
 
     def __init__(self, location: Location, overwrite: bool, source: str | None = None) -> None:
         from .object_checkpoint import ObjectDirectoryOutput
