@@ -81,7 +81,9 @@ class PlannerConf:
 
 @dataclass
 class StorageConf:
-    name: str = "filesystem"
+    """``dcp.storage``: how checkpoints are read and written on every store (conf/storage/default.yaml)."""
+
+    name: str = "default"
     files_kept: int = 8
     fsync: bool = True
     verify_checksums: bool = True
@@ -92,11 +94,11 @@ class StorageConf:
     # rather than split; auto = the measured per-request cost x read bandwidth (docs/benchmarks.md)
     read_gap_bytes: Size = "auto"
     max_request_bytes: Size = "16MiB"  # the most one read request (and a scratch window) carries
-    # object stores (checkpoint paths s3://bucket/prefix); credentials come from the AWS
-    # environment (AWS_ACCESS_KEY_ID, ..., AWS_ENDPOINT_URL, AWS_REGION), never from the config
-    endpoint: Optional[str] = None  # overrides AWS_ENDPOINT_URL
-    region: Optional[str] = None  # overrides AWS_REGION
-    allow_http: Optional[bool] = None  # overrides AWS_ALLOW_HTTP (an http:// endpoint)
+    # object stores (s3://, gs://, az://); credentials come from each cloud's environment
+    # (AWS_*, GOOGLE_*, AZURE_STORAGE_*), never from the config
+    endpoint: Optional[str] = None  # overrides AWS_ENDPOINT_URL / GOOGLE_BASE_URL / AZURE_STORAGE_ENDPOINT
+    region: Optional[str] = None  # S3 only: overrides AWS_REGION
+    allow_http: Optional[bool] = None  # overrides <AWS|GOOGLE|AZURE>_ALLOW_HTTP (an http:// endpoint)
     part_size: Size = "16MiB"  # multipart upload part; a rank buffers about part_size x concurrency
     concurrency: int = 8  # parts uploaded / ranged GETs in flight per rank
     max_retries: int = 5  # per request, with exponential backoff (5xx, throttling, dropped connections)
@@ -662,8 +664,9 @@ def engine_options(c: Config) -> EngineOptions:
 
     if d.planner.name not in SAVE_PLANNERS:
         problems.append(f"dcp.planner.name: unknown planner {d.planner.name!r} (choose {', '.join(SAVE_PLANNERS)})")
-    if d.storage.name != "filesystem":
-        problems.append(f"dcp.storage.name: unknown storage {d.storage.name!r} (choose filesystem)")
+    if d.storage.name not in ("default", "filesystem"):
+        problems.append(f"dcp.storage.name: unknown storage {d.storage.name!r} (choose default; the location "
+                        f"itself picks the store: a path, s3://, gs:// or az://)")
     s = d.storage
     cap = s.max_read_bytes_per_s
     sizes = (size("dcp.storage.max_metadata_bytes", s.max_metadata_bytes, True),

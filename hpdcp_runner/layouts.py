@@ -15,11 +15,10 @@ numbers or expressions over the model's ``config.json`` (``num_key_value_heads*h
 from __future__ import annotations
 
 import ast
-import json
 import math
 import os
 import re
-from typing import Any, Iterable, Mapping
+from typing import Callable, Any, Iterable, Mapping
 
 import torch
 
@@ -116,11 +115,13 @@ def recognise_family(raw_config: Mapping[str, Any] | None, keys: Iterable[str]) 
     return None, f"config.json model_type {mt!r}" if mt else "no config.json and no key we know"
 
 
-def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterable[str]) -> tuple[Any, str]:
+def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterable[str],
+                 load_preset: Callable[[str], Any]) -> tuple[Any, str]:
     """``layout=auto`` made concrete: the preset ``<family>_<parallel>`` (the family named by
     ``layout.family`` or recognised), with ``layout.mesh`` / ``strict`` / ``config`` kept when set.
-    Returns the layout and one line saying what was recognised and picked."""
-    from .config import load_preset
+    ``load_preset(name)``: the config's preset loader (``config.load_preset``; the config module
+    imports this one, never the reverse). Returns the layout and one line saying what was
+    recognised and picked."""
 
     fam, why = (layout.family, "layout.family") if layout.family else recognise_family(raw_config, keys)
     if fam is None:

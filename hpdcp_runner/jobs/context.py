@@ -16,7 +16,7 @@ import torch
 
 from .. import dcp
 from .. import runtime
-from ..config import Config, EngineOptions, checkpoint_series, engine_options
+from ..config import Config, EngineOptions, checkpoint_series, engine_options, load_preset
 from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, configure_object_store,
                          join_location, local_pieces,
                          METADATA_FILE, resolve_location, series_extra, series_outsiders)
@@ -197,7 +197,7 @@ class JobContext:
         self.find_model_config(source, md, every_rank=every_rank)
         if self.cfg.layout.kind != "auto":
             return
-        self.cfg.layout, self.layout_note = resolve_auto(self.cfg.layout, self.model_config, md.tensors)
+        self.cfg.layout, self.layout_note = resolve_auto(self.cfg.layout, self.model_config, md.tensors, load_preset)
         bad = layout_problems(self.cfg.layout, ranks or self.info.world_size)
         if bad:
             raise dcp.ConfigError(f"{self.layout_note}: " + "; ".join(bad))

@@ -110,6 +110,7 @@ def test_the_workflow_between_stores(cli, request, tmp_path, source, ours, back)
     _workflow(cli, request, tmp_path, source, ours, back)
 
 
+@pytest.mark.slow  # the slow tier: the conformance suite covers the engine on Azure in the default one
 def test_checkpoint_tools_on_azure(cli, tmp_path, az_container):
     run = tmp_path / "run"
     r = cli(["+job=save", f"checkpoint.dir={az_container}/run1", "layout=tp", f"hydra.run.dir={run}"], nproc=2)
@@ -144,6 +145,7 @@ def test_a_missing_container_and_an_unknown_scheme_are_one_line(cli, tmp_path, a
     assert r.returncode != 0 and "s3://bucket/prefix / gs://bucket/prefix / az://container/prefix" in r.stderr, _tail(r)
 
 
+@pytest.mark.slow
 def test_offline_transforms_between_stores(cli, request, tmp_path, s3_bucket, az_container):
     """import (Hugging Face in Azure -> ours in S3, 2 rank files), to_torch_dcp (S3 -> Azure) and
     merge_hf (S3 -> Azure): each output read back and compared bit for bit."""

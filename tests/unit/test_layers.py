@@ -130,3 +130,46 @@ def test_public_surface_is_the_documented_one():
         "StorageAccessError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError"])
     for name in dcp.__all__:
         assert hasattr(dcp, name), name
+
+
+_RUNNER = os.path.dirname(os.path.dirname(dcp.__file__))
+_SCHEME_NAMES = {"is_uri", "is_remote", "scheme_of", "kind_of", "KINDS", "check_uri"}
+
+
+def _python_files(root: str):
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                yield os.path.join(dirpath, f)
+
+
+def test_only_storage_looks_at_a_uris_scheme():
+    """One seam: outside dcp/storage/, a path reaches a store through location.locate (or asks
+    is_local); nothing else names the scheme functions or the store registry."""
+    storage = os.path.join(_RUNNER, "dcp", "storage")
+    found = []
+    for path in _python_files(_RUNNER):
+        if path.startswith(storage + os.sep):
+            continue
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else \
+                [node.attr] if isinstance(node, ast.Attribute) else [node.id] if isinstance(node, ast.Name) else []
+            found += [f"{os.path.relpath(path, _RUNNER)}:{node.lineno} {n}" for n in names if n in _SCHEME_NAMES]
+    assert not found, found
+
+
+def test_no_function_is_over_80_lines():
+    long = []
+    for path in _python_files(_RUNNER):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{os.path.relpath(path, _RUNNER)}:{node.lineno} {node.name}")
+    assert not long, long
+
+
+def test_layouts_does_not_import_the_config():
+    """config.py imports layouts.py (validation); the reverse would be a cycle."""
+    tree = ast.parse(open(os.path.join(_RUNNER, "layouts.py")).read())
+    mods = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert "config" not in mods and not any(m and m.endswith(".config") for m in mods), mods

@@ -184,24 +184,7 @@ def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, contr
     size = dist.get_world_size(group) if group is not None else 1
     everyone = group is dist.group.WORLD
     to_global = (lambda r: r) if group is None or everyone else (lambda r: dist.get_global_rank(group, r))
-    # Data and per-batch statuses travel on different communicators: gloo runs one group's ops in
-    # order, so a status queued behind the data in flight would serialise the pipeline.
-    data_pgs: dict[tuple, Any] = {}
-    status_pgs: dict[tuple, Any] = {}
-    # Create every needed group first, in the global order. When the load runs on the default
-    # group, every rank creates every group (torch's global naming; a rank that is a member of
-    # fewer replica sets than its peers would otherwise derive different group names).
-    todo = [(tuple(r), d) for r, d in needed] if everyone else [(b.ranks, b.device) for _, b in mine]
-    for ranks, device in todo:
-        backend = "nccl" if device == "cuda" else "gloo"
-        granks = tuple(to_global(r) for r in ranks)
-        if (ranks, backend) not in data_pgs:
-            given = (options.groups or {}).get(ranks)
-            data_pgs[(ranks, backend)] = given if given is not None else GROUPS.get(granks, backend, timeout,
-                                                                                    everyone=everyone)
-        if ranks not in status_pgs:
-            whole = len(ranks) == size and control is not None
-            status_pgs[ranks] = control if whole else GROUPS.get(granks, "gloo", timeout, "status", everyone=everyone)
+    data_pgs, status_pgs = _groups(mine, needed, everyone, to_global, size, control, options, timeout)
     reads = _Reads(reads, read)
     reads.thread.start()
     inflight: deque = deque()
@@ -254,6 +237,30 @@ def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, contr
     counters.extra["groups_created"] = GROUPS.created
     if reads.error is not None:
         raise reads.error
+
+
+def _groups(mine: list, needed: Sequence[Sequence], everyone: bool, to_global: Callable[[int], int], size: int,
+            control: Any, options: BroadcastOptions, timeout: Any) -> tuple[dict, dict]:
+    """(data groups by (ranks, backend), status groups by ranks) of this rank's broadcasts."""
+    # Data and per-batch statuses travel on different communicators: gloo runs one group's ops in
+    # order, so a status queued behind the data in flight would serialise the pipeline.
+    data_pgs: dict[tuple, Any] = {}
+    status_pgs: dict[tuple, Any] = {}
+    # Create every needed group first, in the global order. When the load runs on the default
+    # group, every rank creates every group (torch's global naming; a rank that is a member of
+    # fewer replica sets than its peers would otherwise derive different group names).
+    todo = [(tuple(r), d) for r, d in needed] if everyone else [(b.ranks, b.device) for _, b in mine]
+    for ranks, device in todo:
+        backend = "nccl" if device == "cuda" else "gloo"
+        granks = tuple(to_global(r) for r in ranks)
+        if (ranks, backend) not in data_pgs:
+            given = (options.groups or {}).get(ranks)
+            data_pgs[(ranks, backend)] = given if given is not None else GROUPS.get(granks, backend, timeout,
+                                                                                    everyone=everyone)
+        if ranks not in status_pgs:
+            whole = len(ranks) == size and control is not None
+            status_pgs[ranks] = control if whole else GROUPS.get(granks, "gloo", timeout, "status", everyone=everyone)
+    return data_pgs, status_pgs
 
 
 def _packed(b: Batch, is_src: bool, destination: Callable[[tuple], torch.Tensor]):

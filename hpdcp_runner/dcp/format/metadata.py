@@ -822,7 +822,13 @@ def validate_index(md: "Metadata", budget: int = WALK_ROWS) -> None:
             raise MetadataError(f"{index.name}: tensor {key!r} (rows {index.tensor_rows[t0 + found[0]]}.."
                                 f"{index.tensor_rows[t0 + found[0] + 1]}): {found[1]}")
         del rows, keys, tid, off, size, shp, local
-    # no two non-empty chunks share a byte of a file: each file's rows sorted by offset
+    _check_no_shared_bytes(index, files, nd, esize, by_tid, budget)
+
+def _check_no_shared_bytes(index: Any, files: Sequence[Any], nd: torch.Tensor, esize: torch.Tensor,
+                           by_tid: dict, budget: int) -> None:
+    """No two non-empty chunks of a v2 index share a byte of a file: each file's rows sorted by
+    offset, in bounded groups (part of ``validate_index``)."""
+    d = index.ndim
     row_tid = index.tensor_rows
     cols = [TENSOR, BYTE_OFFSET] + list(range(6 + d, 6 + 2 * d))  # the columns the check needs
     for f, rows, at in index.rows_by_file(len(files), 2 * budget, cols):
