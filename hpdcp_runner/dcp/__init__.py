@@ -18,7 +18,7 @@ from .core.errors import (CheckpointChangedError, CheckpointExistsError, Checkpo
                      StorageAccessError)
 from .storage.filesystem import FileSystemReader, FileSystemWriter
 from .storage.foreign import HfReader, TorchDcpReader
-from .storage.locations import open_reader, open_writer
+from .storage.checkpoint_io import open_reader, open_writer
 from .storage.object_checkpoint import ObjectStoreWriter
 from .storage.object_reader import ObjectStoreReader
 from .format.metadata import Metadata

@@ -24,7 +24,7 @@ from .planning.standard import StandardLoadPlanner, StandardSavePlanner
 from .protocol import LoadSteps, SaveSteps, metadata_source
 from .state_dict import restore_stateful, stateful_to_state_dict
 from .storage.filesystem import DEFAULT_FILES_KEPT
-from .storage.locations import open_reader, open_writer
+from .storage.checkpoint_io import open_reader, open_writer
 from .storage.location import spelled
 from .storage.uri import join
 from .storage.interfaces import StorageReader, StorageWriter

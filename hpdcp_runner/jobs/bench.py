@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..dcp import ConfigError, HpdcpError
-from ..dcp.tools import is_local, remove_checkpoint
+from ..dcp.tools import fsspec_package, is_local, remove_checkpoint
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
@@ -50,14 +50,17 @@ def _stats(xs: list[float]) -> dict:
 
 def _peer(ctx: JobContext, state, target, path: str) -> tuple[float, float]:
     import torch.distributed.checkpoint as tdcp  # numpy checked by the config validation
-    if not is_local(path):  # the peer's own object-store path: its fsspec writer and reader (s3fs)
+    if not is_local(path):  # the peer's own object-store path: its fsspec writer and reader (s3fs, ...)
+        import importlib
+
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+        package = fsspec_package(path)
         try:
-            import s3fs  # noqa: F401
+            importlib.import_module(package)
         except ImportError:
-            raise ConfigError("job.peer=true on an s3:// checkpoint.dir times torch DCP's fsspec path, which needs "
-                              "s3fs: pip install s3fs (or the bench extra)") from None
+            raise ConfigError(f"job.peer=true on {path} times torch DCP's fsspec path, which needs {package}: "
+                              f"pip install {package}" + (" (or the bench extra)" if package == "s3fs" else "")) from None
         writer, reader = (lambda: FsspecWriter(path, thread_count=2)), (lambda: FsspecReader(path))
     else:
         writer, reader = (lambda: tdcp.FileSystemWriter(path)), (lambda: tdcp.FileSystemReader(path))

@@ -198,3 +198,29 @@ def test_offline_transforms_between_stores(cli, request, tmp_path, s3_bucket, az
         if f.endswith(".safetensors"):
             back.update(load_file(os.path.join(d, f)))
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_ours_and_torch_dcp_read_in_place_from_gcs(cli, tmp_path, gcs_endpoint, gcs_bucket):
+    """GCS as a source of every reading tool: our checkpoint and a torch DCP one, uploaded
+    (through the emulator's JSON API), verified, inspected, loaded under another layout."""
+    import torch.distributed.checkpoint as tdcp
+
+    from hpdcp_runner.dcp import load, save, tools
+
+    g = torch.Generator().manual_seed(9)
+    state = {"w": torch.randn(32, 6, generator=g), "b": torch.arange(7, dtype=torch.int32)}
+    save(state, checkpoint_id=str(tmp_path / "ours"))
+    emulators.gcs_upload_dir(gcs_endpoint, gcs_bucket, "ck/ours", str(tmp_path / "ours"))
+    uri = f"gs://{gcs_bucket}/ck/ours"
+    assert tools.verify(uri).ok
+    assert tools.describe(uri)["tensors"]["w"]["shape"] == [32, 6]
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(got, checkpoint_id=uri)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    tdcp.save(state, checkpoint_id=str(tmp_path / "tdcp"), no_dist=True)
+    emulators.gcs_upload_dir(gcs_endpoint, gcs_bucket, "ck/tdcp", str(tmp_path / "tdcp"))
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(got, checkpoint_id=f"gs://{gcs_bucket}/ck/tdcp", format="auto", allow_pickle=True)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    r = cli(["+job=inspect", f"checkpoint.path={uri}", f"hydra.run.dir={tmp_path}/i"])
+    assert r.returncode == 0 and "rank00000.safetensors" in r.stdout, _tail(r)

@@ -88,3 +88,26 @@ def proxied(s3_endpoint, s3_bucket):
     finally:
         object_store.configure(object_store.ObjectStoreOptions())
         p.close()
+
+
+@pytest.fixture(params=["s3", "az"])
+def proxied_store(request):
+    """``proxied`` for each store whose faults the proxy can make (it forwards any HTTP; what
+    it answers on its own, e.g. 503, is what every store's client retries): (proxy, container URI)."""
+    from hpdcp_runner.dcp.storage import object_store
+    from tests.s3_proxy import Proxy
+
+    if request.param == "s3":
+        upstream, uri = request.getfixturevalue("s3_endpoint"), request.getfixturevalue("s3_bucket")
+        suffix = ""
+    else:
+        upstream, uri = request.getfixturevalue("az_endpoint"), request.getfixturevalue("az_container")
+        suffix = "/" + upstream.rstrip("/").rsplit("/", 1)[1]  # azurite's path-style account
+    p = Proxy(upstream)
+    object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint + suffix, max_retries=3,
+                                                           retry_timeout_s=20))
+    try:
+        yield p, uri
+    finally:
+        object_store.configure(object_store.ObjectStoreOptions())
+        p.close()

@@ -1,5 +1,6 @@
-"""Object-store faults: a loopback proxy in front of the real S3 server (tests/s3_proxy.py) injects
-throttling (503 SlowDown), server errors, dropped connections and refusals. Bounded retries with
+"""Object-store faults: a loopback proxy in front of the real S3 server, and of azurite (Azure Blob),
+(tests/s3_proxy.py) injects throttling (503 SlowDown), server errors, dropped connections and
+refusals; the retry and throttling tests run on both stores. Bounded retries with
 backoff absorb transient ones; past them, or for a refusal, one error naming the bucket or key, no
 credentials in it, nothing published and the previous checkpoint intact.
 
@@ -30,8 +31,8 @@ def _no_secret(e):
     assert len(str(e).splitlines()) == 1, str(e)
 
 
-def test_throttling_and_server_errors_are_retried(proxied):
-    p, bucket = proxied
+def test_throttling_and_server_errors_are_retried(proxied_store):
+    p, bucket = proxied_store
     path = f"{bucket}/ck"
     p.fail_next(2, 503, "SlowDown", method="PUT")
     dcp.save(_sd(1), checkpoint_id=path)
@@ -40,21 +41,21 @@ def test_throttling_and_server_errors_are_retried(proxied):
     assert p.faults_served == 4
 
 
-def test_persistent_throttling_is_one_clear_error_and_publishes_nothing(proxied):
-    p, bucket = proxied
+def test_persistent_throttling_is_one_clear_error_and_publishes_nothing(proxied_store):
+    p, bucket = proxied_store
     path = f"{bucket}/ck"
     dcp.save(_sd(1), checkpoint_id=path)
     p.fail_next(50, 503, "SlowDown", method="PUT")
     with pytest.raises(dcp.StorageAccessError) as ei:
         dcp.save(_sd(2), checkpoint_id=path, overwrite=True)
-    assert f"{bucket[5:]}/ck" in str(ei.value) and "503" in str(ei.value)
+    assert f"{bucket.split('://', 1)[1]}/ck" in str(ei.value) and "503" in str(ei.value)
     _no_secret(ei.value)
     p.fail_next(0)
     assert _loads_as(path, 1)  # the previous checkpoint is intact
 
 
-def test_dropped_connections_mid_upload(proxied):
-    p, bucket = proxied
+def test_dropped_connections_mid_upload(proxied_store):
+    p, bucket = proxied_store
     path = f"{bucket}/ck"
     p.drop_next(2, method="PUT")
     dcp.save(_sd(1), checkpoint_id=path)  # retried

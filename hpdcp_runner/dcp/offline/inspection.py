@@ -26,7 +26,7 @@ from ..storage.filesystem import FileSystemReader
 from ..core.geometry import Box, narrow
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from ..storage.interfaces import ReadRequest, StorageReader
-from ..storage.locations import open_reader
+from ..storage.checkpoint_io import open_reader
 from ..storage.location import is_local, resolve
 from ..storage.uri import join
 

@@ -62,7 +62,7 @@ class ReaderSource(TensorSource):
 
     def __init__(self, path: str | os.PathLike, fmt: str, *, allow_pickle: bool = False) -> None:
         from ..protocol import metadata_source
-        from ..storage.locations import open_reader
+        from ..storage.checkpoint_io import open_reader
 
         self.path = resolve(path)
         self.allow_pickle = allow_pickle

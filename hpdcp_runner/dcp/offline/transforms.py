@@ -80,7 +80,7 @@ def select_keys(keys: Iterable[str], *, include: str | None = None, exclude: str
 
 
 def _read_our_metadata(src: str | os.PathLike) -> tuple[FileSystemReader, Metadata]:
-    from ..storage.locations import open_reader
+    from ..storage.checkpoint_io import open_reader
 
     reader = open_reader(src, "hpdcp")
     md = Metadata.from_json(reader.read_metadata_text(), source=join(reader.path, METADATA_FILE),
@@ -230,7 +230,7 @@ def _import_to_store(source: TensorSource, uri: str, args: tuple, overwrite: boo
     existing checkpoint is refused before any work, and stays loadable until the commit."""
     import tempfile
 
-    from ..storage.locations import open_writer
+    from ..storage.checkpoint_io import open_writer
 
     writer = open_writer(uri)
     writer.attach(writer.begin(overwrite=overwrite), rank=0, world_size=args[0])

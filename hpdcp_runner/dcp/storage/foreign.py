@@ -95,7 +95,7 @@ def engine_format(path: "str | os.PathLike | Location", format: str) -> str:
 def open_local_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
                       **reader_kwargs: Any) -> StorageReader:
     """The reader for a local ``path`` in ``format`` (auto: from the files present); for any
-    location (a URI too) use ``storage.locations.open_reader``."""
+    location (a URI too) use ``storage.checkpoint_io.open_reader``."""
     p = os.path.abspath(os.fspath(path))
     fmt = engine_format(p, format)
     if fmt == "hpdcp":

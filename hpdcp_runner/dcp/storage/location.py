@@ -207,6 +207,13 @@ def resolve(path: str | os.PathLike, base: str | None = None) -> str:
     return os.path.normpath(os.path.join(base, os.path.expanduser(p))) if base else os.path.abspath(p)
 
 
+def fsspec_package(path: str | os.PathLike) -> str | None:
+    """The fsspec file system another tool (torch DCP's fsspec path) reaches ``path``'s store
+    with (None for a local path)."""
+    kind = kind_of(path)
+    return kind.fsspec_package if kind else None
+
+
 def store_title(path: str | os.PathLike) -> str:
     """What the store of ``path`` is called ("a local directory" for a local path)."""
     kind = kind_of(path)
@@ -234,3 +241,4 @@ def spelled(path: str | os.PathLike) -> str:
     """``path`` as logs and errors name it: a URI checked and normalised, a local path as given."""
     p = os.fspath(path)
     return normalize(check_uri(p)) if is_remote(p) else p
+

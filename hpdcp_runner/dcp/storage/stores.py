@@ -34,6 +34,8 @@ class StoreKind:
     allow_http_env: str
     #: what a conditional replace matches: "e_tag" (S3, Azure) or "version" (GCS's generation)
     replace_by: str = "e_tag"
+    #: the fsspec file system a peer (torch DCP's fsspec path) reaches this store with
+    fsspec_package: str = "s3fs"
 
     def check_container(self, uri: str, name: str) -> str | None:
         """Why ``name`` is not a valid bucket/container name here, or None."""
@@ -47,10 +49,10 @@ KINDS: dict[str, StoreKind] = {k.scheme: k for k in (
               "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ALLOW_HTTP"),
     StoreKind("gs", "Google Cloud Storage", "bucket", r"^[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9]$",
               "GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT", "GOOGLE_BASE_URL", "GOOGLE_ALLOW_HTTP",
-              replace_by="version"),
+              replace_by="version", fsspec_package="gcsfs"),
     StoreKind("az", "Azure Blob Storage", "container", r"^[a-z0-9](?!.*--)[a-z0-9\-]{1,61}[a-z0-9]$",
               "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or Azure AD",
-              "AZURE_STORAGE_ENDPOINT", "AZURE_ALLOW_HTTP"),
+              "AZURE_STORAGE_ENDPOINT", "AZURE_ALLOW_HTTP", fsspec_package="adlfs"),
 )}
 SCHEMES = tuple(KINDS)
 

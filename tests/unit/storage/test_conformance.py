@@ -253,3 +253,15 @@ def test_verify_and_describe(store):
     assert rep.ok and rep.files_checked >= 2, rep.problems
     d = tools.describe(path)
     assert d["format"] == "hpdcp" and d["tensors"]["w"]["shape"] == [64, 33]
+
+
+def test_async_save_then_train_on_mutates_nothing_saved(store):
+    """async_save stages the state before returning: what training does next is not in it."""
+    path = join(store.root, "ck")
+    src = _state(4)
+    resp = dcp.async_save(src, checkpoint_id=path)
+    src["w"].add_(1.0)  # the next training step, while the save runs
+    resp.result(timeout=60)
+    got = _zeros()
+    dcp.load(got, checkpoint_id=path)
+    _equal(_state(4), got)
