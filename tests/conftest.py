@@ -13,25 +13,8 @@ def s3_endpoint():
     """The endpoint of the loopback S3 server, with the AWS environment set for this process and
     every subprocess it starts. Without the `s3` extra the tests skip, unless
     HPDCP_REQUIRE_S3=1 (CI), where they fail."""
-    why = s3_server.available()
-    if why:
-        if os.environ.get("HPDCP_REQUIRE_S3"):
-            pytest.fail(why)
-        pytest.skip(why)
-    endpoint, proc = s3_server.start()
-    saved = {k: os.environ.get(k) for k in (*s3_server.CREDENTIALS, "AWS_ENDPOINT_URL")}
-    os.environ.update(s3_server.CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
-    try:
-        yield endpoint
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=10)
+    yield from _session_store(s3_server.available, s3_server.start,
+                              lambda endpoint: {**s3_server.CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
 
 
 @pytest.fixture

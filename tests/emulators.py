@@ -75,15 +75,23 @@ def _start(cmd: list[str], url_of, what: str) -> tuple[str, subprocess.Popen]:
 
 
 def stop(proc: subprocess.Popen | None) -> None:
-    """End an emulator and its children (azurite's launcher script starts node)."""
+    """End a server and its children (azurite's launcher script starts node): its process group
+    when it leads one, else the process."""
     if proc is None or proc.poll() is not None:
         return
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        leads = os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:
+        return
+    kill = (lambda sig: os.killpg(proc.pid, sig)) if leads else proc.send_signal
+    try:
+        kill(signal.SIGTERM)
         proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
+    except subprocess.TimeoutExpired:
+        kill(signal.SIGKILL)
         proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
 
 
 # -- Azure: azurite --------------------------------------------------------------------------------

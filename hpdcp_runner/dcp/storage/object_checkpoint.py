@@ -302,15 +302,7 @@ class ObjectStoreWriter(StorageWriter):
         metadata that describes it locally describes it here."""
         check_file_name(name)
         self._written.append(self._key(name))
-        w = self.bucket.writer(self._key(name))
-        with open(local_path, "rb") as f:
-            while True:
-                block = f.read(8 << 20)
-                if not block:
-                    break
-                w.write(block)
-                self.counters.bytes_written += len(block)
-        w.close()
+        self.counters.bytes_written += self.bucket.upload_file(self._key(name), local_path)
         self.counters.files_written += 1
 
     def commit(self, metadata: Metadata) -> None:

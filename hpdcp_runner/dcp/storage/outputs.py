@@ -192,14 +192,7 @@ class InPlaceOutput(DirectoryOutput):
         self._out.put(name, data)
 
     def put_file(self, name: str, local_path: str) -> None:
-        w = self._out.sink(name)
-        with open(local_path, "rb") as f:
-            while True:
-                block = f.read(8 << 20)
-                if not block:
-                    break
-                w.write(block)
-        w.close()
+        self._out.bucket.upload_file(self._out.key(name), local_path)
 
     def commit(self, written: Sequence[str]) -> None:
         self._out.finish(self._before, list(written))
