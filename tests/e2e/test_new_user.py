@@ -46,6 +46,7 @@ def _one_error_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # the slow tier (CI runs it too): keeps the default run near 10 minutes
 def test_user_mistakes_are_one_line_naming_the_cli_key(cli, tmp_path):
     ck = tmp_path / "ck"
     r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=step_1", f"hydra.run.dir={tmp_path}/r0"])
@@ -131,6 +132,7 @@ def test_first_run_prints_no_warnings(tmp_path):
     assert "Warning" not in r.stderr and "Failed to initialize NumPy" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # the slow tier (CI runs it too): keeps the default run near 10 minutes
 def test_existing_output_unwritable_run_dir_and_full_disk_name_what_to_change(cli, tmp_path):
     ck = tmp_path / "ck"
     r = cli(["+job=save", f"checkpoint.dir={ck}", "checkpoint.name=s", f"hydra.run.dir={tmp_path}/r0"])

@@ -115,11 +115,11 @@ def test_errors_point_the_right_way(cli, tmp_path, s3_endpoint, s3_bucket):
     line = _lines(r.stderr)[-1]
     assert r.returncode == 1 and "cannot reach the object store at http://127.0.0.1:1" in line, r.stderr
     assert "connection was refused" in line and "AWS_ENDPOINT_URL" in line and "error sending request" not in line
-    # gs:// (a scheme no storage serves): one line before any rank starts, so no run directory
-    r = _hpdcp(["--nproc-per-node=2", "+job=verify", "checkpoint.path=gs://b/x"], tmp_path)
+    # hdfs:// (a scheme no storage serves): one line before any rank starts, so no run directory
+    r = _hpdcp(["--nproc-per-node=2", "+job=verify", "checkpoint.path=hdfs://b/x"], tmp_path)
     assert r.returncode == 2 and _lines(r.stderr) == [
-        "ConfigError: checkpoint.path=gs://b/x: the gs:// scheme is not supported; a location is a local path or "
-        "s3://bucket/prefix"], r.stderr
+        "ConfigError: checkpoint.path=hdfs://b/x: the hdfs:// scheme is not supported; a checkpoint location is a "
+        "local directory or s3://bucket/prefix / gs://bucket/prefix / az://container/prefix"], r.stderr
     assert not (tmp_path / "outputs").exists()
 
 

@@ -30,6 +30,7 @@ def _no_secrets(run_dir):
                 assert secret.encode() not in fh.read(), os.path.join(dirpath, f)
 
 
+@pytest.mark.slow  # the slow tier (CI runs it too): keeps the default run near 10 minutes
 def test_save_load_verify_inspect_reshard_on_s3(cli, tmp_path, s3_endpoint, s3_bucket):
     bucket = s3_bucket[len("s3://"):]
     run = tmp_path / "run"

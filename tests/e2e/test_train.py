@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 
 from hpdcp_runner.dcp import save
@@ -15,6 +17,7 @@ from tests.e2e.test_cli import _tail
 COMMON = ["+job=train", "job.steps=20", "job.save_every=5"]
 
 
+@pytest.mark.slow  # the slow tier (CI runs it too): keeps the default run near 10 minutes
 def test_train_kill_resume_reproduces_losses(cli, tmp_path):
     ref, ck, ck1 = tmp_path / "ref", tmp_path / "ck", tmp_path / "ck1"
     r = cli(COMMON + [f"hydra.run.dir={ref}", "checkpoint.keep_last=2", f"checkpoint.dir={tmp_path}/ref_ck"], nproc=2)

@@ -38,6 +38,7 @@ def test_credentials_in_a_uri_are_refused_before_anything_records_them(cli, tmp_
     assert SECRET not in str(ei.value)
 
 
+@pytest.mark.slow  # the slow tier (CI runs it too): keeps the default run near 10 minutes
 def test_a_layout_file_is_untrusted_input(cli, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text(f"AKIAEXAMPLE:{SECRET}\n")
