@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..core.errors import CorruptCheckpointError
+from ..core.errors import CorruptCheckpointError, HpdcpError
 from ..core.rafile import RandomAccessFile
 from ..format.metadata import dtype_name
 from ..format.safetensors_io import SafetensorsStreamWriter
@@ -137,8 +137,12 @@ class RenameOutput(DirectoryOutput):
     @property
     def staging(self) -> str:
         """The staging directory (a local writer, e.g. torch's, may write into it directly)."""
-        assert self._staged is not None, "begin() or adopt() first"
-        return self._staged.tmp
+        return self._begun().tmp
+
+    def _begun(self) -> StagedDir:
+        if self._staged is None:
+            raise HpdcpError(f"{self.url}: the output was not begun (begin() on the coordinator, adopt() elsewhere)")
+        return self._staged
 
     def stream_safetensors(self, name: str, specs: Sequence[tuple[str, str, tuple[int, ...]]],
                            meta: dict | None) -> SafetensorsStreamWriter:
@@ -152,8 +156,7 @@ class RenameOutput(DirectoryOutput):
             f.write(data)
 
     def commit(self, written: Sequence[str]) -> None:
-        assert self._staged is not None
-        self._staged.commit(fsync=self.fsync)
+        self._begun().commit(fsync=self.fsync)
 
     def abort(self, written: Sequence[str]) -> None:
         if self._staged is not None:
