@@ -39,7 +39,8 @@ def resolve_side_dir(files_from: str | os.PathLike | None, default: str | None) 
 
 
 def check_side_dir(where: str | None) -> None:
-    if where is not None and locate(where).local_path and not locate(where).is_dir():
+    loc = locate(where) if where is not None else None
+    if loc is not None and loc.local_path and not loc.is_dir():
         raise ConfigError(f"{where}: the directory to copy config/tokenizer files from does not exist")
 
 

@@ -2,7 +2,7 @@
 
 A :class:`Location` is a local directory or a prefix in an object store. It lists its files,
 sizes them, reads small ones whole and large ones by ranges, writes and deletes them, and says
-what the storage can do (an atomic rename, a conditional create), which decides how a checkpoint
+what the storage can do (an atomic rename, a conditional write), which decides how a checkpoint
 or an offline tool's output is made visible (``commit``). :func:`locate` is the only function that
 turns a user's path into one: it asks the store registry (``stores``), so nothing outside
 ``storage/`` looks at a URI's scheme.
@@ -21,7 +21,7 @@ from typing import Iterable
 
 from ..core.rafile import RandomAccessFile
 from .stores import is_remote, kind_of
-from .uri import check_uri, join, normalize, split
+from .uri import check_uri, normalize, split
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,6 @@ class Capabilities:
     atomic_rename: bool
     #: a create-if-absent / replace-if-unchanged write (object stores with preconditions)
     conditional_write: bool
-    #: where it is slow to reach (a network store): replica broadcast pays off even on one node
-    remote: bool
 
 
 class Location(ABC):
@@ -54,9 +52,6 @@ class Location(ABC):
 
     def parent(self) -> "Location":
         return locate(split(self.url)[0])
-
-    def child(self, *names: str) -> "Location":
-        return locate(join(self.url, *names))
 
     def __str__(self) -> str:
         return self.url
@@ -94,7 +89,7 @@ class Location(ABC):
 class PosixLocation(Location):
     """A local directory."""
 
-    capabilities = Capabilities(atomic_rename=True, conditional_write=False, remote=False)
+    capabilities = Capabilities(atomic_rename=True, conditional_write=False)
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.url = os.path.abspath(os.fspath(path))
@@ -147,7 +142,7 @@ class PosixLocation(Location):
 class ObjectLocation(Location):
     """A key prefix in a bucket (``s3://``, ``gs://``, ``az://``) through the object-store client."""
 
-    capabilities = Capabilities(atomic_rename=False, conditional_write=True, remote=True)
+    capabilities = Capabilities(atomic_rename=False, conditional_write=True)
 
     def __init__(self, uri: str, options: object = None) -> None:
         from .object_store import Bucket
@@ -212,12 +207,6 @@ def fsspec_package(path: str | os.PathLike) -> str | None:
     with (None for a local path)."""
     kind = kind_of(path)
     return kind.fsspec_package if kind else None
-
-
-def store_title(path: str | os.PathLike) -> str:
-    """What the store of ``path`` is called ("a local directory" for a local path)."""
-    kind = kind_of(path)
-    return f"{kind.title} ({kind.scheme}://)" if kind else "a local directory"
 
 
 def refused(path: str) -> str | None:
