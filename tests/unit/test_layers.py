@@ -173,3 +173,26 @@ def test_layouts_does_not_import_the_config():
     tree = ast.parse(open(os.path.join(_RUNNER, "layouts.py")).read())
     mods = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert "config" not in mods and not any(m and m.endswith(".config") for m in mods), mods
+
+
+def test_readers_take_their_storage_by_composition():
+    """One reader over any storage's files: no store's reader is built on another store's, and
+    the storage layer makes no class inside a function or an instance past its __init__."""
+    from hpdcp_runner.dcp.storage.checkpoint_files import CheckpointFiles
+    from hpdcp_runner.dcp.storage.reader import CheckpointReader
+
+    per_store = (dcp.FileSystemReader, dcp.ObjectStoreReader)
+    for cls in per_store + (dcp.HfReader, dcp.TorchDcpReader):
+        assert issubclass(cls, CheckpointReader), cls
+        assert not [b for b in cls.__mro__[1:] if b in per_store], (cls, cls.__mro__)
+        assert not issubclass(cls, CheckpointFiles)
+    found = []
+    for path in _python_files(os.path.join(_RUNNER, "dcp", "storage")):
+        tree = ast.parse(open(path).read())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [f"{os.path.basename(path)}:{n.lineno} class {n.name}" for n in ast.walk(fn)
+                          if isinstance(n, ast.ClassDef)]
+            if isinstance(fn, ast.Attribute) and fn.attr == "__new__":
+                found.append(f"{os.path.basename(path)}:{fn.lineno} __new__")
+    assert not found, found

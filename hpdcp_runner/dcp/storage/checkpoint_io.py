@@ -5,26 +5,36 @@ here; the location (``location.locate``) and its format (``foreign.detect_format
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..core.errors import MetadataError
 from .filesystem import FileSystemWriter
-from .foreign import FORMATS, open_local_reader
+from .foreign import FORMATS, HfReader, TorchDcpReader, engine_format
 from .interfaces import StorageReader, StorageWriter
+from .location import locate
 from .object_checkpoint import ObjectStoreWriter
-from .object_reader import open_object_reader
+from .reader import CheckpointReader
 from .stores import is_remote
 from .uri import check_uri, normalize
 
 def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
-                store_options: object = None, **reader_kwargs: object) -> StorageReader:
+                store_options: object = None, **reader_kwargs: Any) -> StorageReader:
     """The reader for ``path`` (a local path or a store URI) in ``format`` (auto: from what is
-    there). ``store_options``: an ``ObjectStoreOptions`` for a store (default: the process's)."""
+    there): one reader per format, over the location's files. ``store_options``: an
+    ``ObjectStoreOptions`` for a store (default: the process's)."""
     if format not in FORMATS:
         raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
-    if is_remote(path):
-        return open_object_reader(normalize(check_uri(os.fspath(path))), format, allow_pickle=allow_pickle,
-                                  options=store_options, **reader_kwargs)
-    return open_local_reader(path, format, allow_pickle=allow_pickle, **reader_kwargs)
+    loc = locate(path, options=store_options)
+    fmt = engine_format(loc, format)
+    if fmt == "hpdcp":
+        return CheckpointReader(loc.checkpoint_files(committed=True), **reader_kwargs)
+    only = None
+    if fmt == "hf" and loc.url.endswith(".safetensors") and loc.is_file():  # one file: its directory, that file
+        only, loc = loc.name, locate(loc.parent().url, options=store_options)
+    files = loc.checkpoint_files(committed=False)
+    if fmt == "hf":
+        return HfReader(files, only=only, **reader_kwargs)
+    return TorchDcpReader(files, allow_pickle=allow_pickle, **reader_kwargs)
 
 
 def open_writer(path: str | os.PathLike, *, fsync: bool = True, store_options: object = None) -> StorageWriter:

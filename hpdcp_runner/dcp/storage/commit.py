@@ -22,7 +22,7 @@ import time
 import uuid
 
 from ..core import faults
-from ..core.errors import CheckpointExistsError, CommitDurabilityError, StorageAccessError
+from ..core.errors import CheckpointExistsError, CommitDurabilityError, HpdcpError, StorageAccessError
 from ..core.utils import get_logger
 from ..format.metadata import METADATA_FILE
 
@@ -312,35 +312,74 @@ def recover_displaced(path: str) -> bool:
     return restored
 
 
-class StagedDir:
-    """An output directory built under a staging name and published in one step: for outputs
-    written by one process (offline transforms) or by several (each writing its files into
-    ``tmp``, the coordinator publishing)."""
+class RenameCommit:
+    """The file system's commit strategy, for the engine's checkpoints and the offline tools'
+    outputs alike: files are written into a hidden staging directory beside the target (its
+    coordinator holding the staging lock, so cleanup can tell a live save from a dead one's
+    leftovers), then published by one rename (``publish_dir``: an existing target stays in place
+    until the new one is complete, swapped atomically where the kernel can). Beginning repairs an
+    overwrite a crash interrupted and clears what dead writers left beside the target."""
 
-    def __init__(self, dst: str | os.PathLike, overwrite: bool) -> None:
-        self.dst = os.path.abspath(os.fspath(dst))
-        self.overwrite = overwrite
-        if os.path.lexists(self.dst) and not overwrite:
-            raise CheckpointExistsError(f"{self.dst} already exists; pass overwrite to replace it (the old one stays "
-                                        f"in place until the new one is complete)")
-        parent, name = os.path.split(self.dst)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            self.tmp = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex[:12]}")
-            os.mkdir(self.tmp)
-        except OSError as e:
-            raise storage_access_error(e, f"cannot create the staging directory for {self.dst}") from None
+    def __init__(self, dst: str, staging: str, overwrite: bool, lock_fd: int | None = None) -> None:
+        self.dst, self.staging, self.overwrite, self._lock_fd = dst, staging, overwrite, lock_fd
 
     @classmethod
-    def adopt(cls, dst: str, tmp: str, overwrite: bool) -> "StagedDir":
-        """The staging directory another process created (the coordinator's, on other ranks)."""
-        out = cls.__new__(cls)
-        out.dst, out.tmp, out.overwrite = os.path.abspath(dst), tmp, overwrite
+    def begin(cls, dst: str | os.PathLike, overwrite: bool, *, exists: str, what: str = "the output") -> "RenameCommit":
+        """Coordinator: refuse an existing ``dst`` without ``overwrite`` (``exists``: the error,
+        ``{path}`` in it replaced), make and lock the staging directory (``what``: the target in
+        errors)."""
+        path = os.path.abspath(os.fspath(dst))
+        recover_displaced(path)
+        if os.path.lexists(path) and not overwrite:
+            raise CheckpointExistsError(exists.replace("{path}", path))
+        parent, name = os.path.split(path)
+        staging = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex[:12]}")
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.mkdir(staging)
+        except OSError as e:
+            raise storage_access_error(e, f"cannot create {what} {path}") from None
+        out = cls(path, staging, overwrite, hold_staging_lock(staging))
+        try:  # what interrupted or killed writers left here goes now
+            clear_abandoned(parent)
+        except OSError as e:  # best effort: never the reason a save fails
+            log.warning("could not clear abandoned staging in %s: %s", parent, e)
         return out
 
-    def commit(self, fsync: bool = True) -> None:
-        publish_dir(self.tmp, self.dst, overwrite=self.overwrite, fsync=fsync)
+    @property
+    def token(self) -> str:
+        """What the other ranks ``adopt``: the staging directory's name."""
+        return os.path.basename(self.staging)
+
+    @classmethod
+    def adopt(cls, dst: str | os.PathLike, token: str, overwrite: bool) -> "RenameCommit":
+        """Another rank: the coordinator's staging directory (``token``, a name beside ``dst``)."""
+        path = os.path.abspath(os.fspath(dst))
+        parent, name = os.path.split(path)
+        if not (isinstance(token, str) and token.startswith(f".{name}{STAGING_MARK}") and os.sep not in token):
+            raise HpdcpError(f"{path}: {token!r} is not a staging directory of this output")
+        return cls(path, os.path.join(parent, token), overwrite)
+
+    def publish(self, fsync: bool = True) -> None:
+        """Coordinator, every file written: make ``dst`` the staged directory in one step."""
+        if fsync:
+            fsync_dir(self.staging)
+        try:
+            publish_dir(self.staging, self.dst, overwrite=self.overwrite, fsync=fsync)
+        finally:
+            if not os.path.isdir(self.staging):  # published: the lock has nothing left to guard
+                self._release_lock()
 
     def abort(self) -> None:
-        if os.path.lexists(self.tmp):
-            remove_tree_safely(self.tmp)
+        """Best effort: the staging directory goes; the target is never touched."""
+        if os.path.lexists(self.staging):
+            with contextlib.suppress(OSError):
+                remove_tree_safely(self.staging)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.staging + STAGING_LOCK)
+            os.close(fd)

@@ -25,21 +25,22 @@ import io
 import re
 import os
 import pickle
-import stat
 import zipfile
 import zlib
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..core.rafile import FdFile, RandomAccessFile, open_regular, open_regular_file
+from ..core.rafile import RandomAccessFile
 from ..format import jsondoc
 from ..format.safetensors_io import parse_header
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from .filesystem import FileSystemReader
+from .checkpoint_files import CheckpointFiles
+from .posix_files import PinnedDirectory
+from .reader import CheckpointReader
 from ..format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
 from ..core.utils import byte_view
-from .interfaces import ReadRequest, StorageReader
+from .interfaces import ReadRequest
 
 if TYPE_CHECKING:
     from .location import Location
@@ -92,43 +93,19 @@ def engine_format(path: "str | os.PathLike | Location", format: str) -> str:
     return fmt
 
 
-def open_local_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
-                      **reader_kwargs: Any) -> StorageReader:
-    """The reader for a local ``path`` in ``format`` (auto: from the files present); for any
-    location (a URI too) use ``storage.checkpoint_io.open_reader``."""
-    p = os.path.abspath(os.fspath(path))
-    fmt = engine_format(p, format)
-    if fmt == "hpdcp":
-        return FileSystemReader(p, **reader_kwargs)
-    if fmt == "hf":
-        return HfReader(p, **reader_kwargs)
-    if fmt == "torch_dcp":
-        return TorchDcpReader(p, allow_pickle=allow_pickle, **reader_kwargs)
-    raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
-
-
-class _DescribedReader(FileSystemReader):
-    """A filesystem reader whose metadata is built from foreign files instead of read."""
+class _DescribedReader(CheckpointReader):
+    """The engine's reader over a foreign checkpoint's files (any storage: ``files``, or a local
+    directory path), its metadata built from those files (:meth:`describe`) instead of read."""
 
     format_name = "?"
 
-    def __init__(self, path: str, **kwargs: Any) -> None:
+    def __init__(self, files: "CheckpointFiles | str | os.PathLike", **kwargs: Any) -> None:
         # our block checksums do not exist here; what the format does record (torch DCP's zip
         # CRC-32 of each record) is checked by the reader itself, if the caller asked for checks
         self.check_crc = kwargs.get("verify_checksums", True)
         kwargs["verify_checksums"] = False
-        super().__init__(path, **kwargs)
+        super().__init__(files if isinstance(files, CheckpointFiles) else PinnedDirectory(files), **kwargs)
         self._described: str | None = None
-
-    def _stat_file(self, name: str) -> os.stat_result:
-        try:
-            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{os.path.join(self.path, name)} is missing") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{os.path.join(self.path, name)} is not a regular file (links and "
-                                         f"directories are refused)")
-        return st
 
     def _checked_name(self, name: Any, where: str) -> str:
         try:
@@ -139,33 +116,28 @@ class _DescribedReader(FileSystemReader):
     def read_metadata_text(self) -> str:
         """The description, built once per reader: a reader reused for several loads of the
         same checkpoint (the Hugging Face export's rounds) parses the foreign files once."""
-        if not os.path.isdir(self.path):
-            raise CheckpointNotFoundError(f"no checkpoint directory at {self.path}")
-        self._pin_directory()
+        self.files.require_directory()
         if self._described is None:
             self._described = self.describe().to_json()
         return self._described
 
-    # what describe() needs of the files; a reader of another storage overrides these
+    # what describe() needs of the files
     def _exists(self, name: str) -> bool:
-        return os.path.lexists(os.path.join(self.path, name))
+        return self.files.exists(name)
 
     def _size_of(self, name: str) -> int:
-        return self._stat_file(name).st_size
+        return self.files.size_of(name)
 
     def _read_small(self, name: str) -> bytes:
-        self._pin_directory()  # opened inside the pinned directory, never through a link
-        with open_regular_file(os.path.join(self.path, name), self._dir_fd) as f:
-            return f.read()
+        return self.files.read_small(name, MAX_INDEX_BYTES)
 
     def _random_access(self, name: str) -> RandomAccessFile:
-        self._pin_directory()
-        return FdFile(open_regular(os.path.join(self.path, name), self._dir_fd))
+        return self.files.open_random(name)
 
     def _header_of(self, name: str) -> list:
         f = self._random_access(name)
         try:
-            return parse_header(os.path.join(self.path, name), f.size(), f.pread, MAX_ENTRIES_PER_FILE)[1]
+            return parse_header(self.full(name), f.size(), f.pread, MAX_ENTRIES_PER_FILE)[1]
         finally:
             f.close()
 
@@ -178,14 +150,16 @@ class HfReader(_DescribedReader):
 
     format_name = "hf"
 
-    def __init__(self, path: str, **kwargs: Any) -> None:
-        self.only: str | None = None
-        if os.path.isfile(path):  # one .safetensors file: its directory, that file only
-            path, self.only = os.path.split(path)
-        super().__init__(path, **kwargs)
+    def __init__(self, files: "CheckpointFiles | str | os.PathLike", *, only: str | None = None, **kwargs: Any) -> None:
+        """``only``: the one ``.safetensors`` file of the directory to read (a local path to
+        such a file sets it too)."""
+        if not isinstance(files, CheckpointFiles) and os.path.isfile(files):
+            files, only = os.path.split(os.path.abspath(os.fspath(files)))
+        self.only = only
+        super().__init__(files, **kwargs)
 
     def _index(self) -> dict[str, str] | None:
-        index = os.path.join(self.path, HF_INDEX)
+        index = self.full(HF_INDEX)
         if self.only is not None or not self._exists(HF_INDEX):
             return None
         size = self._size_of(HF_INDEX)
@@ -215,9 +189,9 @@ class HfReader(_DescribedReader):
         tensors: dict[str, TensorMeta] = {}
         where: dict[str, str] = {}
         for name in names:
-            full = os.path.join(self.path, name)
+            full = self.full(name)
             if wm is not None and not self._exists(name):
-                raise CheckpointNotFoundError(f"{full} is listed in {os.path.join(self.path, HF_INDEX)} but missing")
+                raise CheckpointNotFoundError(f"{full} is listed in {self.full(HF_INDEX)} but missing")
             size = self._size_of(name)
             entries = self._header_of(name)
             files[name] = FileMeta(name, size, "", 0)
@@ -228,7 +202,7 @@ class HfReader(_DescribedReader):
                 tensors[e.key] = TensorMeta(e.dtype, e.shape, (ChunkMeta((0,) * len(e.shape), e.shape, name, e.key,
                                                                          e.byte_offset, ""),), (e.key,))
         if wm is not None:
-            index = os.path.join(self.path, HF_INDEX)
+            index = self.full(HF_INDEX)
             wrong = sorted(k for k, n in wm.items() if k not in where or os.path.basename(where[k]) != n)
             if wrong:
                 k = wrong[0]
@@ -318,14 +292,15 @@ class TorchDcpReader(_DescribedReader):
 
     format_name = "torch_dcp"
 
-    def __init__(self, path: str, *, allow_pickle: bool = False, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
+    def __init__(self, files: "CheckpointFiles | str | os.PathLike", *, allow_pickle: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(files, **kwargs)
         self.allow_pickle = allow_pickle
 
     def describe(self) -> Metadata:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        mpath = os.path.join(self.path, DCP_METADATA)
+        mpath = self.full(DCP_METADATA)
         if not self._exists(DCP_METADATA):
             raise CheckpointNotFoundError(f"{self.path}: no {DCP_METADATA} (not a torch.distributed.checkpoint "
                                           f"directory)")
@@ -405,7 +380,7 @@ class TorchDcpReader(_DescribedReader):
         self._pread(fd, offset, view, name=name)
         self._count(nbytes, 1)
         if f"crc32:{zlib.crc32(view):08x}" != crc:
-            raise CorruptCheckpointError(f"{os.path.join(self.path, name)}: the record of {r.chunk.key!r} at offset "
+            raise CorruptCheckpointError(f"{self.full(name)}: the record of {r.chunk.key!r} at offset "
                                          f"{offset} fails its zip CRC-32 (corrupted data)")
         self.counters.chunks_verified += 1
         if not direct:
@@ -424,7 +399,7 @@ class TorchDcpReader(_DescribedReader):
         ``crc32:<hex>`` when the chunk is the record's whole data entry, else ''), after checking
         that the record stores exactly this chunk, uncompressed and row-major, and that the zip
         structure locating it is consistent (see :func:`_entry_data`)."""
-        full = os.path.join(self.path, name)
+        full = self.full(name)
         size = fd.size()
         nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
         if offset < 0 or length < 0 or offset + length > size:
@@ -480,7 +455,7 @@ class TorchDcpReader(_DescribedReader):
                 raise MetadataError(f"{self.path}: no location recorded for object {fqn!r}")
             fd = self._fd(om.file)
             if loc[0] + loc[1] > self._file_size(fd):
-                raise CorruptCheckpointError(f"{os.path.join(self.path, om.file)}: object {fqn!r} is truncated")
+                raise CorruptCheckpointError(f"{self.full(om.file)}: object {fqn!r} is truncated")
             data = bytearray(loc[1])
             self._pread(fd, loc[0], memoryview(data), name=om.file)
             self.counters.bytes_read += len(data)
@@ -488,7 +463,7 @@ class TorchDcpReader(_DescribedReader):
                 _check_stored(data)
                 out[fqn] = torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:
-                raise CorruptCheckpointError(f"{os.path.join(self.path, om.file)}: object {fqn!r} cannot be read "
+                raise CorruptCheckpointError(f"{self.full(om.file)}: object {fqn!r} cannot be read "
                                              f"safely ({type(e).__name__}: {str(e)[:200]})") from None
         return out
 

@@ -16,6 +16,7 @@ import torch
 
 from ..core.errors import MetadataError
 from ..core.geometry import Box
+from ..core.rafile import RandomAccessFile
 from ..format.metadata import ChunkMeta, Metadata, ObjectMeta, WriteResult
 
 __all__ = ["StorageWriter", "StorageReader", "ReadRequest", "IOCounters", "WriteResult"]
@@ -146,9 +147,10 @@ class StorageReader(ABC):
         """Every rank: the validated metadata, used to check files before reading them, and the
         coordinator's ``pin()`` (None: no check), so every rank reads the checkpoint rank 0 read."""
 
-    def open_file(self, name: str) -> int:
-        """A read-only descriptor of the checkpoint's file ``name`` (a regular file inside the
-        checkpoint): how every rank opens a format-v2 chunk index to read the rows it needs."""
+    def open_file(self, name: str) -> "int | RandomAccessFile":
+        """The checkpoint's file ``name`` (a regular file inside the checkpoint) for reads by
+        range, a random-access file or a descriptor: how every rank opens a format-v2 chunk
+        index to read the rows it needs."""
         raise MetadataError(f"{type(self).__name__} cannot open {name!r}: it reads no format-v2 checkpoints")
 
     def check_files(self, names: Iterable[str]) -> None:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from ..core.rafile import RandomAccessFile
 from .stores import is_remote, kind_of
 from .uri import check_uri, normalize, split
+
+if TYPE_CHECKING:
+    from .checkpoint_files import CheckpointFiles
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class Location(ABC):
 
     def __str__(self) -> str:
         return self.url
+
+    @abstractmethod
+    def checkpoint_files(self, *, committed: bool) -> "CheckpointFiles":
+        """The files of the checkpoint here, for one load (``checkpoint_files``): ``committed``
+        for ours (what the commit made visible), else the directory as it is (a foreign format)."""
 
     @abstractmethod
     def is_dir(self) -> bool:
@@ -97,6 +105,11 @@ class PosixLocation(Location):
     @property
     def local_path(self) -> str:
         return self.url
+
+    def checkpoint_files(self, *, committed: bool) -> "CheckpointFiles":
+        from .posix_files import PinnedDirectory
+
+        return PinnedDirectory(self.url)  # (the rename commit: what is there is committed)
 
     def is_dir(self) -> bool:
         return os.path.isdir(self.url)
@@ -150,6 +163,11 @@ class ObjectLocation(Location):
         self.url = normalize(uri)
         self.bucket = Bucket(self.url, options)  # type: ignore[arg-type]
 
+    def checkpoint_files(self, *, committed: bool) -> "CheckpointFiles":
+        from .object_files import StorePrefix
+
+        return StorePrefix(self.bucket, committed=committed)
+
     def is_dir(self) -> bool:
         return next(iter(self.bucket.list(self.bucket.root)), None) is not None
 
@@ -175,16 +193,17 @@ class ObjectLocation(Location):
         self.bucket.delete([self.bucket.key(n) for n in names])
 
 
-def locate(path: str | os.PathLike | Location, base: str | None = None) -> Location:
+def locate(path: str | os.PathLike | Location, base: str | None = None, *, options: object = None) -> Location:
     """The location ``path`` names: a store URI of a registered scheme (checked: a scheme we do
-    not serve, or credentials in it, is a ConfigError naming it), or a local path (relative ones
-    from ``base``, default the working directory)."""
+    not serve, or credentials in it, is a ConfigError naming it; ``options``: its client's
+    ``ObjectStoreOptions``, default the process's), or a local path (relative ones from ``base``,
+    default the working directory)."""
     if isinstance(path, Location):
         return path
     p = os.fspath(path)
     if is_remote(p):
         check_uri(p)
-        return ObjectLocation(p)
+        return ObjectLocation(p, options)
     return PosixLocation(os.path.join(base, os.path.expanduser(p)) if base else p)
 
 

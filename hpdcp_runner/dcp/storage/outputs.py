@@ -27,7 +27,7 @@ from ..core.errors import CorruptCheckpointError, HpdcpError
 from ..core.rafile import RandomAccessFile
 from ..format.metadata import dtype_name
 from ..format.safetensors_io import SafetensorsStreamWriter
-from .commit import StagedDir
+from .commit import RenameCommit
 from .location import Location, locate
 
 
@@ -121,28 +121,32 @@ class DirectoryOutput(ABC):
 
 
 class RenameOutput(DirectoryOutput):
-    """A local directory built under a staging name and renamed into place."""
+    """A local directory built under a staging name and renamed into place: the same commit as
+    the engine's checkpoints (``commit.RenameCommit``)."""
+
+    EXISTS = "{path} already exists; pass overwrite to replace it (the old one stays in place until the new one is complete)"
 
     def __init__(self, dst: str, overwrite: bool, fsync: bool = True) -> None:
         self.url, self.overwrite, self.fsync = dst, overwrite, fsync
-        self._staged: StagedDir | None = None
+        self._commit: RenameCommit | None = None
 
     def begin(self) -> str:
-        self._staged = StagedDir(self.url, self.overwrite)
-        return self._staged.tmp
+        self._commit = RenameCommit.begin(self.url, self.overwrite, exists=self.EXISTS)
+        return self._commit.token
 
     def adopt(self, token: Any) -> None:
-        self._staged = StagedDir.adopt(self.url, token, self.overwrite)
+        if self._commit is None or self._commit.token != token:  # (the coordinator keeps its own, lock held)
+            self._commit = RenameCommit.adopt(self.url, token, self.overwrite)
 
     @property
     def staging(self) -> str:
         """The staging directory (a local writer, e.g. torch's, may write into it directly)."""
-        return self._begun().tmp
+        return self._begun().staging
 
-    def _begun(self) -> StagedDir:
-        if self._staged is None:
+    def _begun(self) -> RenameCommit:
+        if self._commit is None:
             raise HpdcpError(f"{self.url}: the output was not begun (begin() on the coordinator, adopt() elsewhere)")
-        return self._staged
+        return self._commit
 
     def stream_safetensors(self, name: str, specs: Sequence[tuple[str, str, tuple[int, ...]]],
                            meta: dict | None) -> SafetensorsStreamWriter:
@@ -156,11 +160,11 @@ class RenameOutput(DirectoryOutput):
             f.write(data)
 
     def commit(self, written: Sequence[str]) -> None:
-        self._begun().commit(fsync=self.fsync)
+        self._begun().publish(fsync=self.fsync)
 
     def abort(self, written: Sequence[str]) -> None:
-        if self._staged is not None:
-            self._staged.abort()
+        if self._commit is not None:
+            self._commit.abort()
 
 
 class InPlaceOutput(DirectoryOutput):

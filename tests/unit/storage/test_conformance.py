@@ -265,3 +265,43 @@ def test_async_save_then_train_on_mutates_nothing_saved(store):
     got = _zeros()
     dcp.load(got, checkpoint_id=path)
     _equal(_state(4), got)
+
+
+def _place(store, local_dir, name):
+    """A directory of files as a user would have it on ``store``: local as it is, uploaded as plain
+    objects to a store. Returns its path."""
+    if store.kind == "local":
+        return local_dir
+    for f in sorted(os.listdir(local_dir)):
+        store.bucket.upload_file(f"runs/{name}/{f}", os.path.join(local_dir, f))
+    return join(store.root, name)
+
+
+def test_foreign_formats_are_read_in_place_by_one_reader_each(store, tmp_path):
+    """A Hugging Face directory, one .safetensors file and a torch DCP checkpoint on any store are
+    read by the same reader class (HfReader, TorchDcpReader) over that store's files, partial
+    reads included, bitwise."""
+    import torch.distributed.checkpoint as tdcp
+    from safetensors.torch import save_file
+
+    from hpdcp_runner.dcp.storage.foreign import HfReader, TorchDcpReader
+
+    src = {k: v for k, v in _state(4).items() if isinstance(v, torch.Tensor) and v.numel()}
+    hf = tmp_path / "hf_src"
+    hf.mkdir()
+    save_file(src, str(hf / "model.safetensors"))
+    tdir = tmp_path / "tdcp_src"
+    tdcp.save({k: v.clone() for k, v in src.items()}, storage_writer=tdcp.FileSystemWriter(str(tdir)))
+    cases = [(_place(store, str(hf), "hf"), HfReader, False),
+             (join(_place(store, str(hf), "hf1"), "model.safetensors"), HfReader, False),
+             (_place(store, str(tdir), "tdcp"), TorchDcpReader, True)]
+    for path, cls, pickle in cases:
+        reader = dcp.open_reader(path, "auto", allow_pickle=pickle)
+        assert type(reader) is cls, (path, type(reader))
+        got = {k: torch.zeros_like(v) for k, v in src.items()}
+        dcp.load(got, checkpoint_id=path, allow_pickle=pickle)
+        for k in src:
+            assert torch.equal(got[k], src[k]), (path, k)
+        rows = dcp.LocalShard(torch.zeros(16, 33), (8, 0), (64, 33))  # rows 8..24 of w only
+        dcp.load({"w": rows}, checkpoint_id=path, allow_pickle=pickle, strict=False)
+        assert torch.equal(rows.local, src["w"][8:24]), path

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from hpdcp_runner.dcp import CorruptCheckpointError, FileSystemReader, FileSystemWriter, load, read_metadata, save
+from hpdcp_runner.dcp import CorruptCheckpointError, FileSystemReader, FileSystemWriter, HpdcpError, load, read_metadata, save
 from hpdcp_runner.dcp.core.geometry import Box
-from hpdcp_runner.dcp.storage.commit import StagedDir
+from hpdcp_runner.dcp.storage.commit import STAGING_LOCK, RenameCommit
 from hpdcp_runner.dcp.storage.interfaces import ReadRequest
 
 
@@ -50,11 +50,16 @@ def test_partial_reads_read_the_requested_rows_and_verify_them(tmp_path):
         load({"w": torch.zeros(64, 256)}, checkpoint_id=tmp_path / "ck")
 
 
-def test_staged_dir_publishes_in_one_step_and_keeps_the_old_until_then(tmp_path):
+def test_the_rename_commit_publishes_in_one_step_and_keeps_the_old_until_then(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "old").write_text("old")
-    s = StagedDir(tmp_path / "out", overwrite=True)
-    (open(os.path.join(s.tmp, "new"), "w")).write("new")
+    s = RenameCommit.begin(tmp_path / "out", overwrite=True, exists="{path} exists")
+    assert os.path.exists(s.staging + STAGING_LOCK)  # held: cleanup tells it from a dead writer's
+    (open(os.path.join(s.staging, "new"), "w")).write("new")
     assert (tmp_path / "out" / "old").exists()  # still the old one
-    s.commit()
+    other = RenameCommit.adopt(tmp_path / "out", s.token, overwrite=True)  # another rank's view
+    assert other.staging == s.staging
+    with pytest.raises(HpdcpError, match="not a staging directory"):
+        RenameCommit.adopt(tmp_path / "out", "../elsewhere", overwrite=True)
+    s.publish()
     assert os.listdir(tmp_path / "out") == ["new"] and sorted(os.listdir(tmp_path)) == ["out"]

@@ -47,3 +47,24 @@ def test_the_remote_check_reads_the_header_against_the_real_size(tmp_path):
         f.truncate(os.path.getsize(path) - 100)  # an upload cut short
     with pytest.raises(CorruptCheckpointError, match="store://a.safetensors: the safetensors library refuses"):
         check_remote_with_safetensors(as_random_access(open_regular(path)), "store://a.safetensors")
+
+
+def test_a_tool_output_clears_what_a_dead_export_left_and_keeps_a_live_ones(tmp_path):
+    """The offline tools share the engine's rename commit: an export killed mid-way leaves its
+    staging directory, the next output there removes it; one whose writer is alive (its lock
+    held) stays."""
+    dst = tmp_path / "out"
+    dead = tmp_path / ".out.tmp-0123456789ab"  # a killed export's staging: no lock, untouched for hours
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"half")
+    os.utime(dead, (0, 0))
+    live = open_output(tmp_path / "other", overwrite=False)
+    live.begin()  # another export in progress beside it
+    out = open_output(dst, overwrite=False)
+    out.begin()
+    assert not dead.exists()
+    assert os.path.isdir(live.staging)
+    out.put("config.json", b"{}")
+    out.commit(["config.json"])
+    live.abort([])
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging, no lock left

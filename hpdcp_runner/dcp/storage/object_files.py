@@ -1,0 +1,256 @@
+"""A checkpoint under a key prefix in an object store (see ``checkpoint_files``).
+
+Ours is the save its commit object names (``object_checkpoint``), or a checkpoint directory
+uploaded as it is; a foreign one (Hugging Face, torch DCP) is the prefix as it is. Bytes come from
+ranged GETs fetched ahead concurrently, round by round (``concurrency`` in flight, ranges closer
+than ``coalesce_bytes`` merged, cut into parts so one connection's rate does not bound a read)."""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures as cf
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, HpdcpError
+from ..core.rafile import RandomAccessFile
+from ..format.metadata import METADATA_FILE, check_file_name
+from .checkpoint_files import CheckpointFiles, plain_name
+from .interfaces import IOCounters
+from .object_checkpoint import SAVE_PREFIX, check_commit_matches, read_commit
+from .object_store import Bucket, RemoteFile
+
+
+class StorePrefix(CheckpointFiles):
+    """``committed``: our format, read from the save the commit object names (the pin); else the
+    files under the prefix itself (an uploaded directory, a foreign checkpoint)."""
+
+    shared = True
+
+    def __init__(self, bucket: Bucket, *, committed: bool = True) -> None:
+        self.bucket = bucket
+        self.url = bucket.url(bucket.root).rstrip("/")
+        self.name_key = self.bucket.root
+        self.counters = IOCounters()  # (the reader that owns these files sets its own)
+        self.data: str | None = None if committed else ""  # the pinned save prefix ("" for the prefix itself)
+        self.round_bytes = self.bucket.options.read_buffer_bytes
+        self._sizes: dict[str, int] | None = None  # one listing of the pinned save
+        self._fetched: dict[str, list[tuple[int, int, Any]]] = {}
+        self._samples: list[tuple[int, float]] = []  # (bytes, seconds) of requests: the cost model
+        self._arrived = 0
+        self._arrived_lock = threading.Lock()
+
+    def _key(self, name: str) -> str:
+        return "/".join(p for p in (self.name_key, self.data, name) if p)
+
+    # -- the pin ------------------------------------------------------------------------------
+    def metadata_text(self, name: str, max_bytes: int) -> str:
+        t0 = time.perf_counter()
+        got = read_commit(self.bucket, self.name_key)
+        self._observe(0, time.perf_counter() - t0)  # a small request: the store's latency
+        if got is not None:
+            self.data = got[0]["data"]
+        elif self.bucket.head(f"{self.name_key}/{name}") is not None:
+            self.data = ""  # a checkpoint directory uploaded as it is
+        else:
+            raise self.not_found()
+        body = self.bucket.get(self._key(name), max_bytes=max_bytes)
+        if body is None:
+            raise self.changed(f"its {name} disappeared")
+        if got is not None:
+            check_commit_matches(got[0], body[0], self.bucket.url(self._key(name)))
+        return body[0].decode("utf-8", errors="replace")
+
+    def pin_directory(self) -> None:
+        if self.data is None:
+            got = read_commit(self.bucket, self.name_key)
+            if got is None and self.bucket.head(f"{self.name_key}/{METADATA_FILE}") is None:
+                raise self.not_found()
+            self.data = got[0]["data"] if got else ""
+
+    def pin(self) -> Any:
+        return self.data
+
+    def attach(self, pin: Any) -> None:
+        if pin is not None:
+            self.data = pin
+        self.pin_directory()
+
+    def not_found(self) -> CheckpointNotFoundError:
+        dirs, objs = self.bucket.list_dir(self.name_key)
+        names = {o["path"].rsplit("/", 1)[-1] for o in objs}
+        hint = ""
+        if any(d.startswith(SAVE_PREFIX) for d in dirs):
+            hint = " (only an uncommitted or abandoned save is there)"
+        if names & {"model.safetensors", "model.safetensors.index.json"}:
+            hint = "; it looks like a Hugging Face model directory (read it with format='hf' or 'auto')"
+        elif ".metadata" in names:
+            hint = "; it looks like a torch.distributed.checkpoint directory (format='torch_dcp' or 'auto')"
+        return CheckpointNotFoundError(f"no committed checkpoint at {self.url}{hint}")
+
+    def missing(self, name: str) -> HpdcpError:
+        got = read_commit(self.bucket, self.name_key) if self.data else None
+        if self.data and (got is None or got[0]["data"] != self.data):
+            return self.changed("the save it names was replaced")
+        return CheckpointNotFoundError(f"checkpoint file {self.url}/{name} is missing (listed in metadata.json)")
+
+    # -- files --------------------------------------------------------------------------------
+    def _listing(self) -> dict[str, int]:
+        """One listing of the pinned save (or the prefix): {file name: size}."""
+        self.pin_directory()
+        if self._sizes is None:
+            base = self._key("")
+            if self.data:
+                self._sizes = {o["path"][len(base) + 1:]: o["size"] for o in self.bucket.list(base)}
+            else:
+                self._sizes = {o["path"].rsplit("/", 1)[-1]: o["size"] for o in self.bucket.list_dir(base)[1]}
+        return self._sizes
+
+    def require_directory(self) -> None:
+        if not self._listing():
+            raise CheckpointNotFoundError(f"no checkpoint at {self.url} (nothing is stored under it)")
+
+    def exists(self, name: str) -> bool:
+        return plain_name(name, self.url) in self._listing()
+
+    def size_of(self, name: str) -> int:
+        if name not in self._listing():
+            raise CheckpointNotFoundError(f"{self.url}/{name} is missing")
+        return self._listing()[name]
+
+    def read_small(self, name: str, max_bytes: int) -> bytes:
+        self.pin_directory()
+        got = self.bucket.get(self._key(plain_name(name, self.url)), max_bytes=max_bytes)  # over: an error naming it
+        if got is None:
+            raise CheckpointNotFoundError(f"{self.url}/{name} is missing")
+        return got[0]
+
+    def open_random(self, name: str) -> RandomAccessFile:
+        self.pin_directory()
+        size = self._sizes.get(name) if self._sizes is not None else None
+        return RemoteFile(self.bucket, self._key(plain_name(name, self.url)), size, lambda: self.missing(name),
+                          self.counters)
+
+    def check_sizes(self, names: Iterable[str], expected: dict[str, int]) -> None:
+        sizes = self._listing()
+        for name in names:
+            check_file_name(name)
+            if name not in sizes:
+                raise self.missing(name)
+            if name in expected and sizes[name] != expected[name]:
+                raise CorruptCheckpointError(f"checkpoint file {self.url}/{name} is {sizes[name]} bytes but "
+                                             f"metadata.json records {expected[name]} (truncated or modified)")
+
+    def open_handle(self, name: str, expected: int | None) -> RemoteFile:
+        self.pin_directory()
+        return RemoteFile(self.bucket, self._key(check_file_name(name)), expected, lambda: self.missing(name),
+                          self.counters)
+
+    def handles_kept(self, files_kept: int) -> int:
+        return 1 << 30  # a handle holds nothing open
+
+    def size(self, handle: RemoteFile) -> int:
+        return handle.size()
+
+    def pread_into(self, handle: RemoteFile, offset: int, view: memoryview, name: str) -> None:
+        """From the ranges fetched ahead when they hold it, else one ranged GET."""
+        n = len(view)
+        pieces = self._fetched.get(name, ())
+        k = bisect.bisect_right(pieces, (offset, float("inf"))) - 1  # the piece holding ``offset``
+        at = offset
+        while 0 <= k < len(pieces) and at < offset + n and pieces[k][0] <= at < pieces[k][1]:
+            lo, hi, buf = pieces[k]
+            take = min(hi, offset + n) - at
+            view[at - offset:at - offset + take] = memoryview(buf)[at - lo:at - lo + take]
+            at += take
+            k += 1
+        if at == offset + n:
+            return
+        data = handle.pread(n, offset)
+        if len(data) != n:
+            raise CorruptCheckpointError(f"{self.url}/{name}: short read of {n} bytes at offset {offset} (truncated?)")
+        view[:] = data
+
+    # -- fetching ahead -------------------------------------------------------------------------
+    def fetch(self, ranges: Sequence[tuple[str, int, int]], handles: dict[str, Any]) -> None:
+        """Coalesce the ranges per file, cut them into parts of at most ``part_size`` (a store
+        serves one connection at a bounded rate, many at once in parallel), and GET them
+        ``concurrency`` at a time."""
+        o = self.bucket.options
+        merged: list[tuple[str, int, int]] = []
+        for name, lo, hi in sorted(ranges):
+            if hi <= lo:
+                continue
+            if merged and merged[-1][0] == name and lo - merged[-1][2] <= self.coalesce_bytes():
+                if hi > merged[-1][2]:
+                    merged[-1] = (name, merged[-1][1], hi)
+            else:
+                merged.append((name, lo, hi))
+        step = o.part_size
+        merged = [(name, a, min(a + step, hi)) for name, lo, hi in merged for a in range(lo, hi, step)]
+        for name, lo, hi in merged:
+            if hi > handles[name].size():
+                raise CorruptCheckpointError(f"{self.url}/{name}: a read of bytes {lo}..{hi} would end past the "
+                                             f"file's {handles[name].size()} bytes (truncated file or bad metadata)")
+
+        def get(item: tuple[str, int, int]) -> tuple[str, int, int, Any]:
+            name, lo, hi = item
+            t0 = time.perf_counter()
+            try:
+                buf = self.bucket.get_range(handles[name].key, lo, hi)
+            except CheckpointNotFoundError:
+                raise self.missing(name) from None
+            self._observe(hi - lo, time.perf_counter() - t0)
+            with self._arrived_lock:
+                self._arrived += hi - lo
+            return name, lo, hi, buf
+
+        if len(merged) == 1:
+            results = [get(merged[0])]
+        else:
+            with cf.ThreadPoolExecutor(max_workers=min(o.concurrency, len(merged)),
+                                       thread_name_prefix="hpdcp-get") as pool:
+                results = list(pool.map(get, merged))
+        for name, lo, hi, buf in results:
+            if len(memoryview(buf)) != hi - lo:
+                raise CorruptCheckpointError(f"{self.url}/{name}: short read of bytes {lo}..{hi} (truncated?)")
+            self._fetched.setdefault(name, []).append((lo, hi, buf))
+            self.counters.bump("store_requests")
+            self.counters.bump("bytes_requested", hi - lo)
+        for pieces in self._fetched.values():
+            pieces.sort(key=lambda p: p[0])
+
+    def release(self) -> None:
+        self._fetched.clear()
+
+    def bytes_arrived(self) -> int:
+        return self._arrived
+
+    def close(self) -> None:
+        self._fetched.clear()
+
+    # -- the cost model: measured on these files' own requests ------------------------------------
+    _DEFAULT_LATENCY_S = 0.01
+    _DEFAULT_BANDWIDTH = 100e6  # bytes/s of one connection, until a large GET says otherwise
+
+    def _observe(self, nbytes: int, seconds: float) -> None:
+        self._samples.append((nbytes, seconds))  # (list.append is atomic: fetch threads call it)
+
+    def cost_model_now(self) -> tuple[float, float]:
+        """(latency s, bytes/s of one connection): latency from the fastest small request (a
+        commit object, a metadata read), bandwidth from the large GETs net of that latency."""
+        samples = self._samples
+        small = [t for n, t in samples if n <= 256 << 10]
+        lat = min(small) if small else self._DEFAULT_LATENCY_S
+        rates = sorted(n / (t - lat) for n, t in samples if n >= 1 << 20 and t > lat)
+        bw = rates[len(rates) // 2] if rates else self._DEFAULT_BANDWIDTH
+        return lat, bw
+
+    def coalesce_bytes(self) -> int:
+        """Gaps up to this are read through: ``coalesce_bytes``, or measured (latency x bandwidth)."""
+        o = self.bucket.options
+        if o.coalesce_bytes is not None:
+            return o.coalesce_bytes
+        lat, bw = self.cost_model_now()
+        return int(min(max(lat * bw, 64 << 10), o.part_size))

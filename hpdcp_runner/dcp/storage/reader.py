@@ -1,0 +1,451 @@
+"""The reader of a checkpoint's files, on any storage: planning of reads, partial-chunk windows,
+checksum verification and the open-file LRU, with the bytes coming from a ``CheckpointFiles``
+(a pinned local directory, a prefix in a store) that the reader holds, not inherits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from ..core import faults
+from ..core.errors import ConfigError, CorruptCheckpointError
+from ..core.geometry import Box, flat_span, row_major_strides, run_dim, run_starts, runs_contiguous_in
+from ..core.rafile import RandomAccessFile
+from ..core.utils import byte_view, get_logger, rank_of_env
+from ..format import jsondoc
+from ..format import objects as objcodec
+from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, Metadata, ObjectMeta, dtype_from_name,
+                               element_size)
+from ..format.safetensors_io import digest
+from .checkpoint_files import CheckpointFiles
+from .interfaces import IOCounters, ReadRequest, StorageReader
+from .vectored import (DEFAULT_MAX_REQUEST_BYTES, SCRATCH_WINDOW, ReadCostModel, Sink, check_destination,
+                       measured_cost_model, read_ranges)
+
+log = get_logger(__name__)
+DEFAULT_FILES_KEPT = 8
+
+
+class _TokenBucket:
+    """Caps throughput at ``rate`` bytes/s with a one-second burst."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = float(rate)
+        self.tokens, self.last = self.rate, time.monotonic()
+
+    def take(self, n: int) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate) - n
+        self.last = now
+        if self.tokens < 0:
+            time.sleep(-self.tokens / self.rate)
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """The filesystem reader's knobs, validated once (the runner builds one from its config);
+    ``open_reader(path, fmt, **options.kwargs())``."""
+
+    files_kept: int = DEFAULT_FILES_KEPT
+    max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES
+    verify_checksums: bool = True
+    shared_storage: bool = False
+    max_read_bytes_per_s: int | None = None
+    read_gap_bytes: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def __post_init__(self) -> None:
+        if self.files_kept < 1:
+            raise ConfigError(f"files_kept must be >= 1, got {self.files_kept}")
+        if self.max_read_bytes_per_s is not None and self.max_read_bytes_per_s <= 0:
+            raise ConfigError(f"max_read_bytes_per_s must be positive, got {self.max_read_bytes_per_s}")
+        if self.read_gap_bytes is not None and self.read_gap_bytes < 0:
+            raise ConfigError(f"read_gap_bytes must be >= 0, got {self.read_gap_bytes}")
+        if self.max_request_bytes < 4096:
+            raise ConfigError(f"max_request_bytes must be >= 4096, got {self.max_request_bytes}")
+        if self.max_metadata_bytes < 1:
+            raise ConfigError(f"max_metadata_bytes must be >= 1, got {self.max_metadata_bytes}")
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class CheckpointReader(StorageReader):
+    """Reads into preallocated destinations from a checkpoint's files on any storage
+    (``files``: a ``CheckpointFiles``, by composition). A whole chunk goes straight into a
+    contiguous destination and is verified against its checksum. Part of a chunk: with checksums
+    on, the blocks it touches are read window by window into a cache-sized scratch buffer,
+    verified, and the part copied out; with checksums off (or a format without them) the measured
+    cost model picks exact runs or vectored requests straight into the destination
+    (``vectored.read_ranges``, where the storage has descriptors), or slabs. Reads are sorted by
+    file and offset; open files live in an LRU. A storage that fetches ahead (a store) is read in
+    rounds: the round's ranges fetched concurrently, then the same logic served from memory."""
+
+    format_name = "hpdcp"
+
+    @property
+    def checkpoint_id(self) -> str:  # type: ignore[override]
+        return self.path
+
+    def __init__(self, files: CheckpointFiles, *, files_kept: int = DEFAULT_FILES_KEPT,
+                 max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES, verify_checksums: bool = True,
+                 shared_storage: bool = False, max_read_bytes_per_s: int | None = None,
+                 read_gap_bytes: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        ReaderOptions(files_kept, max_metadata_bytes, verify_checksums, shared_storage, max_read_bytes_per_s,
+                      read_gap_bytes, max_request_bytes)  # the checks, in one place
+        self.files = files
+        self.path = files.url
+        # A per-process token bucket that models network storage on one machine.
+        self.throttle = _TokenBucket(max_read_bytes_per_s) if max_read_bytes_per_s else None
+        self.slow_storage = shared_storage or files.shared or self.throttle is not None
+        self.files_kept = files_kept
+        self.read_gap_bytes = read_gap_bytes
+        self.max_request_bytes = max_request_bytes
+        self._sink = Sink()
+        self.max_metadata_bytes = max_metadata_bytes
+        self.verify_checksums = verify_checksums
+        self.counters = IOCounters()
+        files.counters = self.counters
+        self.metadata: Metadata | None = None
+        self._fds: OrderedDict[str, Any] = OrderedDict()  # open handles, least recently used first
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    # -- which checkpoint: the storage's pin ----------------------------------------------------
+    def read_metadata_text(self) -> str:
+        return self.files.metadata_text(METADATA_FILE, self.max_metadata_bytes)
+
+    def pin(self) -> Any:
+        """The identity of the checkpoint whose metadata was read, for the other ranks."""
+        return self.files.pin()
+
+    def attach_metadata(self, metadata: Metadata, pin: Any = None) -> None:
+        """``pin``: the coordinator's :meth:`pin`; this rank must read the same checkpoint."""
+        self.metadata = metadata
+        self.files.attach(pin)
+
+    def full(self, name: str) -> str:
+        """The file ``name`` of this checkpoint as errors name it."""
+        return f"{self.path.rstrip('/')}/{name}"
+
+    def _expected_size(self, name: str) -> int | None:
+        return self.metadata.files[name].size if self.metadata and name in self.metadata.files else None
+
+    def _fd(self, name: str) -> Any:
+        """The open handle of ``name`` (opened checked against its recorded size; an LRU)."""
+        fd = self._fds.get(name)
+        if fd is not None:
+            self._fds.move_to_end(name)
+            return fd
+        fd = self.files.open_handle(name, self._expected_size(name))
+        self.counters.files_opened += 1
+        self._fds[name] = fd
+        while len(self._fds) > self.files.handles_kept(self.files_kept):
+            self.files.close_handle(self._fds.popitem(last=False)[1])
+        return fd
+
+    def close(self) -> None:
+        while self._fds:
+            self.files.close_handle(self._fds.popitem()[1])
+        self.files.close()
+
+    def __del__(self) -> None:  # a reader dropped without close() must not leak descriptors
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def open_file(self, name: str) -> RandomAccessFile:
+        """A file of the pinned checkpoint for reads by range (a format-v2 chunk index)."""
+        return self.files.open_random(name)
+
+    def read_metadata_once(self) -> Metadata:
+        """Read, validate and attach the metadata (the v2 index stays open, its directory not),
+        then release the directory (one-shot callers)."""
+        try:
+            md = Metadata.from_json(self.read_metadata_text(), source=self.full(METADATA_FILE),
+                                    open_file=self.open_file)
+        finally:
+            self.close()
+        self.metadata = md
+        return md
+
+    def _scratch_view(self, nbytes: int) -> torch.Tensor:
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
+
+    def read_tensors(self, requests: Sequence[ReadRequest], on_done: Callable[[int], None] | None = None,
+                     keep_order: bool = False) -> None:
+        """Reads are sorted by (file, offset); ``keep_order`` keeps the caller's order instead (the
+        order broadcasts need the data) when every file fits in the open-file LRU anyway. A
+        storage that fetches ahead is read in rounds of at most ``files.round_bytes``."""
+        budget = self.files.round_bytes
+        if budget is None:
+            self._read_round(requests, on_done, keep_order)
+            return
+        order = list(range(len(requests)))
+        if not keep_order:
+            order.sort(key=lambda k: (requests[k].chunk.file, requests[k].chunk.byte_offset))
+        spans = {k: self._span(requests[k]) for k in order}
+        i = 0
+        while i < len(order):
+            j, total = i, 0
+            while j < len(order) and (j == i or total + spans[order[j]][1] - spans[order[j]][0] <= budget):
+                total += spans[order[j]][1] - spans[order[j]][0]
+                j += 1
+            round_ = order[i:j]
+            names = {requests[k].chunk.file for k in round_}
+            self.files.fetch([(requests[k].chunk.file, *spans[k]) for k in round_],
+                             {name: self._fd(name) for name in names})
+            try:
+                self._read_round([requests[k] for k in round_],
+                                 None if on_done is None else (lambda m, rr=round_: on_done(rr[m])), keep_order=True)
+            finally:
+                self.files.release()
+            i = j
+
+    def _span(self, r: ReadRequest) -> tuple[int, int]:
+        """The bytes of its file a request will read (the blocks it touches when verified)."""
+        esize = element_size(r.dtype)
+        chunk_bytes = r.chunk.box.numel * esize
+        start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
+        lo, hi = start * esize, stop * esize
+        if self.verify_checksums and r.sub.sizes != r.chunk.sizes:
+            block = self.metadata.block_bytes if r.chunk.blocks else 0
+            lo, hi = (lo // block * block, min(-(-hi // block) * block, chunk_bytes)) if block else (0, chunk_bytes)
+        return r.chunk.byte_offset + lo, r.chunk.byte_offset + hi
+
+    def _read_round(self, requests: Sequence[ReadRequest], on_done: Callable[[int], None] | None,
+                    keep_order: bool) -> None:
+        plans = []
+        for k, r in enumerate(requests):
+            dt = dtype_from_name(r.dtype)
+            esize = element_size(r.dtype)
+            start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
+            plans.append((r.chunk.file, r.chunk.byte_offset + start * esize, (stop - start) * esize, r, dt, k))
+        if not (keep_order and len({p[0] for p in plans}) <= self.files_kept):
+            plans.sort(key=lambda p: (p[0], p[1]))
+        for name, offset, nbytes, r, dt, k in plans:
+            if nbytes:
+                self._read_one(name, offset, nbytes, r, dt)
+            if on_done is not None:
+                on_done(k)
+
+    def bytes_moved(self) -> int:
+        return max(self.files.bytes_arrived(), self.counters.bytes_read)
+
+    def check_claims(self, md: Metadata) -> None:
+        """Before anything is allocated from ``md``: every file it lists is here at its recorded
+        size, and its tensors claim no more bytes than those files hold (chunks tile each
+        tensor and never share bytes, so a valid checkpoint's tensor bytes fit in its files). A
+        tiny file claiming a 1 TiB tensor fails here, naming the file or the tensor."""
+        before, self.metadata = self.metadata, md
+        try:
+            self.check_files(sorted(md.files))
+        finally:
+            self.metadata = before
+        have = sum(f.size for f in md.files.values())
+        claimed = md.total_tensor_bytes
+        if claimed > have:
+            big = max(md.tensors.items(), key=lambda kv: kv[1].nbytes)
+            raise CorruptCheckpointError(f"{self.path}: the metadata claims {claimed} bytes of tensors (e.g. "
+                                         f"{big[0]!r}: {big[1].dtype} {list(big[1].shape)}, {big[1].nbytes} bytes) "
+                                         f"but its files hold {have} bytes (damaged or hostile metadata)")
+
+    def check_files(self, names: Iterable[str]) -> None:
+        """Check these files now (each a regular file of its recorded size, in the pinned
+        checkpoint) without reading them: a load checks every file it needs before any data
+        moves, and callers that allocate from metadata shapes first make sure the bytes are
+        really there."""
+        todo = [n for n in names if n not in self._fds]
+        expected = {n: s for n in todo if (s := self._expected_size(n)) is not None}
+        self.files.check_sizes(todo, expected)
+
+    def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> None:
+        """One request: ``offset``/``nbytes`` is the flat span of its part in the file."""
+        faults.point("load.read", rank=rank_of_env(), path=self.path, file=name)
+        fd = self._fd(name)
+        if not self.verify_checksums:
+            self._read_unverified(fd, name, r, dt)
+            return
+        whole_chunk = r.sub.sizes == r.chunk.sizes
+        dest = r.dest
+        direct = whole_chunk and dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
+        hexes = r.chunk.blocks
+        if direct:  # the whole chunk into its destination, then its checksum
+            view = byte_view(dest)
+            self._check_bounds(fd, name, r, offset, nbytes)
+            self._pread(fd, offset, view, name=name)
+            self._count(nbytes, 1)
+            self._verify(name, r, view)
+        elif hexes:
+            self._read_windows(fd, name, r, dt, hexes)
+        else:  # a chunk of one block (or written before block digests): read whole, verify, copy
+            chunk_bytes = r.chunk.box.numel * element_size(r.dtype)
+            self._check_bounds(fd, name, r, r.chunk.byte_offset, chunk_bytes)
+            buf = self._scratch_view(chunk_bytes)
+            view = byte_view(buf)
+            self._pread(fd, r.chunk.byte_offset, view, name=name)
+            self._count(chunk_bytes, 1)
+            self._verify(name, r, view)
+            start = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)[0]
+            dest.copy_(buf.view(dt).as_strided(r.sub.sizes, row_major_strides(r.chunk.sizes), start))
+
+    def _pread(self, fd: Any, offset: int, view: memoryview, *, name: str) -> None:
+        """Fill ``view`` from the file ``fd`` (what :meth:`_fd` returned) at ``offset``: the one
+        place bytes come from."""
+        self.files.pread_into(fd, offset, view, name)
+
+    def _file_size(self, fd: Any) -> int:
+        return self.files.size(fd)
+
+    def _count(self, nbytes: int, calls: int) -> None:
+        self.counters.bytes_read += nbytes
+        self.counters.reads += calls
+        if self.throttle:
+            self.throttle.take(nbytes)
+
+    def _check_bounds(self, fd: int, name: str, r: ReadRequest, offset: int, nbytes: int) -> None:
+        size = self._file_size(fd)
+        if offset < 0 or offset + nbytes > size:
+            raise CorruptCheckpointError(f"{self.full(name)}: chunk {r.chunk.key!r}: a read at offset "
+                                         f"{offset} of {nbytes} bytes would end past the file's {size} bytes "
+                                         f"(truncated file or bad metadata)")
+
+    def _verify(self, name: str, r: ReadRequest, view: memoryview) -> None:
+        if digest(view) != r.chunk.checksum:
+            raise CorruptCheckpointError(f"checkpoint file {self.full(name)}: key {r.chunk.key!r} "
+                                         f"fails its checksum (corrupted data)")
+        self.counters.chunks_verified += 1
+
+    def cost_model(self) -> ReadCostModel:
+        """The measured read costs of this machine, bytes capped at the throttle's rate."""
+        return measured_cost_model().capped(self.throttle.rate if self.throttle else None)
+
+    def strategy(self, n: int, run: int, span: int) -> tuple[str, int]:
+        """How to read ``n`` runs of ``run`` bytes over ``span`` bytes: ``exact``, ``through`` (with
+        the largest gap read through) or ``slab`` (see ``vectored.ReadCostModel``). An explicit
+        ``read_gap_bytes`` decides alone: 0 is exact, more is through."""
+        if n <= 1:
+            return "exact", 0
+        if self.read_gap_bytes is not None:
+            return ("exact", 0) if self.read_gap_bytes == 0 else ("through", self.read_gap_bytes)
+        model = self.cost_model()
+        how = model.choose(n, run, span)
+        return how, model.gap_bytes if how == "through" else 0
+
+    def _read_unverified(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype) -> None:
+        """Checksums off, or a format without them: the cheapest of exact runs, vectored requests
+        reading short gaps through, or cache-sized slabs and a strided copy, by the measured cost
+        model. Exact and through land in the destination itself; destinations they cannot land in
+        (another dtype or device, runs not contiguous there) take slabs."""
+        esize = element_size(r.dtype)
+        dest = r.dest
+        nd = len(r.chunk.sizes)
+        k = run_dim(r.sub.sizes, r.chunk.sizes) if nd else 0
+        strides = row_major_strides(r.chunk.sizes)
+        run = (r.sub.sizes[k] * strides[k] if nd else 1) * esize
+        n = r.sub.numel * esize // run if run else 0
+        start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
+        vfd = self.files.vectored_fd(fd)  # (a storage without descriptors reads slabs)
+        how, gap = self.strategy(n, run, (stop - start) * esize) if vfd is not None else ("slab", 0)
+        into = dest.device.type == "cpu" and dest.dtype == dt and runs_contiguous_in(dest, k)
+        if how == "slab" or not into:
+            self.counters.bump("partial_reads_slab", 1)
+            self._read_windows(fd, name, r, dt, "")
+            return
+        self.counters.bump(f"partial_reads_{how}", 1)
+        starts = run_starts(r.sub.offsets, r.sub.sizes, strides, k)
+        what = f"chunk {r.chunk.key!r}"
+        full = self.full(name)
+        addrs = check_destination(dest, run_starts((0,) * nd, r.sub.sizes, dest.stride(), k) * esize, run,
+                                  name=full, what=what)
+        st = read_ranges(vfd, r.chunk.byte_offset + starts * esize, run, addrs, gap_bytes=gap, sink=self._sink,
+                         name=full, what=what, file_size=self._file_size(fd),
+                         max_request_bytes=self.max_request_bytes)
+        self._count(st.bytes_read, st.calls)
+
+    def _windows(self, r: ReadRequest, esize: int) -> Iterator[tuple[Box, torch.Tensor]]:
+        """The sub-box in slices of whole dim-0 indices whose span in the chunk is at most a
+        scratch window (``SCRATCH_WINDOW``, or ``max_request_bytes`` if smaller; at least one
+        index), each with its part of the destination: what bounds the scratch buffer and keeps
+        it in the CPU cache for the copy out."""
+        if not r.sub.sizes:
+            yield r.sub, r.dest
+            return
+        per = max(1, math.prod(r.chunk.sizes[1:]) * esize)
+        step = max(1, min(SCRATCH_WINDOW, self.max_request_bytes) // per)
+        o0, n0 = r.sub.offsets[0], r.sub.sizes[0]
+        for i in range(0, n0, step):
+            m = min(step, n0 - i)
+            yield Box((o0 + i, *r.sub.offsets[1:]), (m, *r.sub.sizes[1:])), r.dest.narrow(0, i, m)
+
+    def _read_windows(self, fd: int, name: str, r: ReadRequest, dt: torch.dtype, hexes: str) -> None:
+        """Window by window (:meth:`_windows`): read the window's span into the scratch buffer,
+        then copy its part out (one strided copy, casting or moving to the destination's device
+        as needed). With ``hexes`` (the chunk's block digests) every byte copied is verified:
+        the read covers the whole blocks the window touches and each block is read and checked
+        once (a block two windows share stays in the scratch buffer). That costs the blocks'
+        extra bytes: up to a block at each end of a row range, the whole chunk for a column
+        split."""
+        esize = element_size(r.dtype)
+        chunk_bytes = r.chunk.box.numel * esize
+        block = self.metadata.block_bytes if hexes else 0
+        strides = row_major_strides(r.chunk.sizes)
+        full = self.full(name)
+        parts = list(self._windows(r, esize))
+        spans = [flat_span(p.offsets, p.sizes, r.chunk.sizes) for p, _ in parts]
+        cap = max((stop - start) * esize for start, stop in spans) + 2 * block
+        scratch = self._scratch_view(min(cap, chunk_bytes))  # one buffer for every window
+        have_lo = have_hi = 0  # the chunk bytes the scratch holds (verified when ``block``)
+        for (part, view), (start, stop) in zip(parts, spans):
+            lo, hi = start * esize, stop * esize
+            if block:
+                lo, hi = lo // block * block, min(-(-hi // block) * block, chunk_bytes)
+            keep = min(max(0, have_hi - lo), hi - lo) if lo >= have_lo else 0  # the last window's (verified) tail
+            if keep:
+                scratch[:keep].copy_(scratch[lo - have_lo:have_hi - have_lo].clone())
+            if hi > lo + keep:
+                self._check_bounds(fd, name, r, r.chunk.byte_offset + lo + keep, hi - lo - keep)
+                self._pread(fd, r.chunk.byte_offset + lo + keep, byte_view(scratch[keep:hi - lo]), name=name)
+                self._count(hi - lo - keep, 1)
+            if block:
+                bview = byte_view(scratch[:hi - lo])
+                for b in range((lo + keep) // block, -(-hi // block)):
+                    piece = bview[b * block - lo:min((b + 1) * block, hi) - lo]
+                    if digest(piece) != hexes[16 * b:16 * b + 16]:
+                        raise CorruptCheckpointError(
+                            f"checkpoint file {full}: key {r.chunk.key!r} fails the checksum of its block {b} (bytes "
+                            f"{r.chunk.byte_offset + b * block}..{r.chunk.byte_offset + b * block + len(piece)}; "
+                            f"corrupted data)")
+                self.counters.chunks_verified += 1
+            have_lo, have_hi = lo, hi
+            view.copy_(scratch[:hi - lo].view(dt).as_strided(part.sizes, strides, start - lo // esize))
+
+    def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]:
+        by_file: dict[str, list[str]] = {}
+        for fqn, om in wanted.items():
+            by_file.setdefault(om.file, []).append(fqn)
+        out: dict[str, Any] = {}
+        for name, fqns in sorted(by_file.items()):
+            fd = self._fd(name)
+            size = self._file_size(fd)
+            body = bytearray(size)
+            self._pread(fd, 0, memoryview(body), name=name)
+            self.counters.bytes_read += size
+            self.counters.bump("object_bytes_read", size)
+            full = self.full(name)
+            if self.metadata and digest(body) != self.metadata.files[name].checksum:
+                raise CorruptCheckpointError(f"checkpoint file {full} fails its checksum (corrupted data)")
+            doc = jsondoc.parse(body, f"checkpoint file {full}", CorruptCheckpointError)
+            for fqn in fqns:
+                if not isinstance(doc, dict) or fqn not in doc:
+                    raise CorruptCheckpointError(f"checkpoint file {full} lacks object {fqn!r}")
+                out[fqn] = objcodec.decode(doc[fqn], key=fqn, source=full, allow_pickle=allow_pickle)
+        return out
