@@ -128,16 +128,24 @@ def files_of(md: Metadata, keys: Iterable[str]) -> list[str]:
     return [names[i] for i in torch.nonzero(used).flatten().tolist()]
 
 
+BATCH_BYTES = 64 << 20  # what verify and digests read together (a store fetches their ranges concurrently)
+
+
 def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
                       reuse_buffer: bool = False, reader: StorageReader | None = None,
                       keep: Callable[[str], bool] | None = None,
-                      on_bytes: Callable[[int, int], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(key, full tensor)`` assembled from every chunk, one tensor at a time;
-    ``on_bytes(done, total)`` hears the tensor bytes read so far of all it will read (progress).
+                      on_bytes: Callable[[int, int], None] | None = None,
+                      batch_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, full tensor)`` assembled from every chunk, in key order; ``on_bytes(done,
+    total)`` hears the tensor bytes read so far of all it will read (progress).
 
-    With ``reuse_buffer`` every tensor is a view of one buffer sized for the largest (valid only
-    until the next item): memory stays at the largest tensor however the allocator behaves
-    (freed multi-MiB blocks otherwise fragment the heap and RSS creeps up).
+    With ``batch_bytes``, consecutive tensors are read together, up to that many bytes (or one
+    tensor, if larger), in one reader call: a store fetches all their ranges concurrently instead
+    of one tensor's at a time (a round trip per small tensor); 0 reads one tensor at a time (what
+    bounds a merge's memory by the largest tensor). With ``reuse_buffer`` the tensors are views of one
+    buffer sized for the largest batch (valid only until the next batch is read): memory stays
+    at that size however the allocator behaves (freed multi-MiB blocks otherwise fragment the heap
+    and RSS creeps up).
     """
     reader = reader or open_reader(path, "hpdcp", files_kept=4)
     md = Metadata.from_json(reader.read_metadata_text(), source=join(os.fspath(path), METADATA_FILE),
@@ -145,31 +153,56 @@ def iter_full_tensors(path: str | os.PathLike, keys: list[str] | None = None, *,
     reader.attach_metadata(md)
     keys = list(keys) if keys is not None else sorted(k for k in md.tensors if keep is None or keep(k))
     reader.check_files(files_of(md, keys))  # sizes real before allocating
-    scratch = torch.empty(max((md.tensors[k].nbytes for k in keys), default=0) if reuse_buffer else 0,
+
+    def aligned(k: str) -> int:  # each tensor's view starts at a multiple of 64 bytes (any dtype)
+        return -(-md.tensors[k].nbytes // 64) * 64
+
+    batches = _batches(keys, aligned, batch_bytes)
+    scratch = torch.empty(max((sum(aligned(k) for k in b) for b in batches), default=0) if reuse_buffer else 0,
                           dtype=torch.uint8)
     total, done = sum(md.tensors[k].nbytes for k in keys), 0
     if on_bytes is not None:
         on_bytes(0, total)
     try:
-        for key in keys:
-            tm = md.tensors[key]
-            dt = dtype_from_name(tm.dtype)
-            if reuse_buffer:
-                full = scratch[: tm.nbytes].view(dt).view(tm.shape)
-            else:
-                full = torch.empty(tm.shape, dtype=dt)
-            reqs = []
-            for c in tm.chunks:
-                reqs.append(ReadRequest(c, tm.dtype, Box(tuple(0 for _ in c.sizes), c.sizes),
-                                        narrow(full, c.offsets, c.sizes)))
-            reader.read_tensors(reqs)
-            done += tm.nbytes
-            if on_bytes is not None:
-                on_bytes(done, total)
-            yield key, full
-            del full, reqs  # before the next allocation: one full tensor alive at a time
+        for batch in batches:
+            fulls, reqs, at = [], [], 0
+            for key in batch:
+                tm = md.tensors[key]
+                dt = dtype_from_name(tm.dtype)
+                full = scratch[at:at + tm.nbytes].view(dt).view(tm.shape) if reuse_buffer else \
+                    torch.empty(tm.shape, dtype=dt)
+                at += aligned(key)
+                fulls.append(full)
+                reqs += [ReadRequest(c, tm.dtype, Box(tuple(0 for _ in c.sizes), c.sizes),
+                                     narrow(full, c.offsets, c.sizes)) for c in tm.chunks]
+            req_bytes = [r.chunk.box.numel * element_size(r.dtype) for r in reqs]
+            moved = [done]
+
+            def read(k: int) -> None:  # progress request by request inside a batch
+                moved[0] += req_bytes[k]
+                on_bytes(moved[0], total)
+
+            reader.read_tensors(reqs, read if on_bytes is not None else None)
+            for key, full in zip(batch, fulls):
+                done += md.tensors[key].nbytes
+                yield key, full
+            del fulls, reqs, full  # before the next batch: one batch alive at a time
     finally:
         reader.close()
+
+
+def _batches(keys: list[str], size: Callable[[str], int], limit: int) -> list[list[str]]:
+    """Consecutive keys in groups of at most ``limit`` bytes (a larger key alone)."""
+    out: list[list[str]] = []
+    room = 0
+    for k in keys:
+        n = size(k)
+        if not out or n > room:
+            out.append([])
+            room = limit
+        out[-1].append(k)
+        room -= n
+    return out
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -184,13 +217,14 @@ def full_tensor_digests(path: str | os.PathLike, reader: StorageReader | None = 
                         keep: Callable[[str], bool] | None = None, cast: torch.dtype | None = None,
                         progress: Callable[[int, int], None] | None = None,
                         split: Mapping[str, Sequence[str]] | None = None) -> dict[str, str]:
-    """{key: digest of the full tensor}, one tensor in memory at a time (``reader``: a foreign
-    one). ``keep``: only the keys it admits (the others are never read); ``cast``: floating
+    """{key: digest of the full tensor}, tensors read in batches of up to ``BATCH_BYTES`` (a
+    store fetches a batch's ranges concurrently; ``reader``: a foreign one). ``keep``: only the keys it admits (the others are never read); ``cast``: floating
     tensors digested as cast to it (what an export with that dtype wrote); ``progress(done, total)``
     hears the bytes read so far (a progress bar); ``split``: a key stacked along
     dim 0 digested slice by slice under the names given (to compare with unstacked tensors)."""
     out = {}
-    for k, t in iter_full_tensors(path, reader=reader, reuse_buffer=True, keep=keep, on_bytes=progress):
+    for k, t in iter_full_tensors(path, reader=reader, reuse_buffer=True, keep=keep, on_bytes=progress,
+                                  batch_bytes=BATCH_BYTES):
         t = t.to(cast) if cast is not None and t.is_floating_point() else t
         names = (split or {}).get(k)
         if names is None:
@@ -440,7 +474,8 @@ def _verify_in_store(uri: str, on_file: Callable[[str, int], None] | None,
     problems += _rank_problems(md)
     checked = nbytes = 0
     try:
-        for key, _ in iter_full_tensors(uri, reader=reader, reuse_buffer=True, on_bytes=on_bytes):
+        for key, _ in iter_full_tensors(uri, reader=reader, reuse_buffer=True, on_bytes=on_bytes,
+                                        batch_bytes=BATCH_BYTES):
             pass
         objects = reader.read_objects(md.objects, allow_pickle=False) if md.objects else {}
         del objects
