@@ -63,6 +63,9 @@ def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
         else:
             with open(metrics) as f:
                 doc = json.load(f)
+            result = doc.get("result") if isinstance(doc.get("result"), dict) else {}
+            row["no_effect"] = [k for k in result.get("no_effect") or [] if isinstance(k, str)]
+            row["store_timed"] = result.get("store_timed")
             try:
                 row["objective"] = float(_get(doc, objective))
             except (KeyError, TypeError, ValueError):
@@ -147,7 +150,13 @@ def write(root: str, rows: list[dict], knobs: list[str], objective: str, maximiz
     def named(r: dict) -> str:
         return f"point {r['point']} ({' '.join(r['overrides'])})"
 
-    if best:
+    idle = [k for k in knobs if ok and all(k in r.get("no_effect", ()) for r in ok)]
+    if idle:  # e.g. an object store's knobs swept over a bench that timed a local directory
+        lines += ["", f"No effect: {', '.join(idle)} do not apply to the storage timed ({ok[0].get('store_timed')}); "
+                  f"the differences above between their values are the machine's noise."]
+    if idle and set(idle) == set(knobs):  # nothing swept changed what was timed: no point is better
+        best, tied = None, []
+    elif best:
         lines += ["", "Best point:", "", "```", " ".join(o for o in best["overrides"]), "```"]
     elif tied:
         lines += ["", f"No single best point: {len(tied)} point(s) are within the measured noise (min-max overlap) "

@@ -4,20 +4,49 @@ side by side in the same run (``job.peer=true``, needs numpy for torch.distribut
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
 
 from ..dcp import ConfigError, HpdcpError
-from ..dcp.tools import fsspec_package, is_local, remove_checkpoint
+from ..dcp.tools import (ObjectStoreOptions, fsspec_package, get_logger, is_local, join_location, location_dirname,
+                         remove_checkpoint, resolve_location)
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
-from .context import JobContext, compare_state
+from .context import JobContext, compare_state, section_overrides
 from .load import select
+
+log = get_logger(__name__)
+#: dcp.storage keys that only a file system uses, and those only an object store uses
+FILE_SYSTEM_KEYS = ("files_kept", "fsync", "shared", "max_read_bytes_per_s", "read_gap_bytes")
+OBJECT_STORE_KEYS = tuple(f.name for f in dataclasses.fields(ObjectStoreOptions))
+
+
+def _scratch(ctx: JobContext) -> tuple[str, bool]:
+    """Where the timed checkpoints go, and whether the bench made that place (then it goes too):
+    ``checkpoint.dir`` when set; else beside a ``job.source.path`` in a store (a scratch prefix
+    in that bucket: the store the user's checkpoint lives on is the one timed); else the run
+    directory's ``checkpoints``."""
+    src = ctx.cfg.job.source.path
+    if not ctx.cfg.checkpoint.dir and src and not is_local(src):
+        name = f"hpdcp-bench-{os.path.basename(ctx.run_dir.rstrip('/'))}-{uuid.uuid4().hex[:8]}"
+        return join_location(location_dirname(resolve_location(src)), name), True
+    scratch = ctx.checkpoint_dir
+    return scratch, is_local(scratch) and not os.path.lexists(scratch)
+
+
+def _without_effect(scratch: str) -> list[str]:
+    """The ``dcp.storage.*`` overrides that do not apply to the storage timed (an object-store
+    knob swept on a local directory times nothing it changes)."""
+    unused = OBJECT_STORE_KEYS if is_local(scratch) else FILE_SYSTEM_KEYS
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in section_overrides("dcp.storage")]
+    return [k for k in keys if k.rsplit(".", 1)[-1] in unused]
 
 
 def _timed(ctx: JobContext, fn) -> float:
@@ -101,10 +130,14 @@ def run(ctx: JobContext) -> dict:
     if job.peer:
         _check_peer_can_read(state, ctx.cfg.layout.name)
     times = {"save": [], "load": [], "peer_save": [], "peer_load": []}
-    scratch = ctx.checkpoint_dir  # where the timed checkpoints go and are removed again
-    made = is_local(scratch) and not os.path.lexists(scratch)
+    # where the timed checkpoints go and are removed again (rank 0 names it: one scratch for all)
+    scratch, made = ctx.comm.agree_root("bench: where the timed checkpoints go", lambda: list(_scratch(ctx)))
+    ignored = _without_effect(scratch)
+    if ignored and ctx.info.rank == 0:
+        log.warning("%s: no effect on what this bench times (%s, %s)", ", ".join(ignored),
+                    "a local directory" if is_local(scratch) else "an object store", scratch)
     for i in ctx.progress(range(job.warmup + job.repeats), "bench"):
-        path = ctx.checkpoint_path(f"bench_{i}")
+        path = join_location(scratch, f"bench_{i}")
         # warm-up runs are timed under their own phases, which the summary table leaves out
         tag = "warmup." if i < job.warmup else ""
         s = _timed(ctx, lambda: ctx.save(state, path, phase=f"{tag}save", overwrite=True))
@@ -115,21 +148,24 @@ def run(ctx: JobContext) -> dict:
                 raise HpdcpError(f"bench load differs from what was saved: {problems[:10]}")
         ps = pl = None
         if job.peer:
-            ps, pl = _peer(ctx, state, target, ctx.checkpoint_path(f"peer_{i}"))
+            ps, pl = _peer(ctx, state, target, join_location(scratch, f"peer_{i}"))
         dist.barrier()
         if ctx.info.rank == 0:
             remove_checkpoint(path)
-            remove_checkpoint(ctx.checkpoint_path(f"peer_{i}"))
+            remove_checkpoint(join_location(scratch, f"peer_{i}"))
         if i >= job.warmup:
             times["save"].append(s)
             times["load"].append(l_)
             if job.peer:
                 times["peer_save"].append(ps)
                 times["peer_load"].append(pl)
-    if made and ctx.info.rank == 0:  # a folder the bench made for its scratch checkpoints goes with them
+    if made and ctx.info.rank == 0 and is_local(scratch):  # a folder it made for its scratch goes with them
         with contextlib.suppress(OSError):
             os.rmdir(scratch)
     result = {k: _stats(v) for k, v in times.items() if v}
+    result["store_timed"] = scratch if not is_local(scratch) else f"local directory {scratch}"
+    if ignored:
+        result["no_effect"] = ignored
     if job.peer:
         for p in ("save", "load"):
             result[f"speedup_{p}_vs_torch_dcp"] = round(result[f"peer_{p}"]["median_s"] / result[p]["median_s"], 3)

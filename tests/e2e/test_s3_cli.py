@@ -180,3 +180,23 @@ def test_bench_and_sweep_on_s3(cli, tmp_path, s3_endpoint, s3_bucket):
     assert r.returncode == 0, _tail(r)
     keys = _keys(s3_endpoint, s3_bucket[5:], "sweep/")
     assert {"sweep/a/hpdcp-commit.json", "sweep/b/hpdcp-commit.json"} <= set(keys), keys
+
+
+@pytest.mark.slow
+def test_a_bench_of_a_checkpoint_in_a_bucket_times_that_bucket(cli, tmp_path, s3_endpoint, s3_bucket):
+    """+job=bench on a user's checkpoint in a bucket saves and loads in a scratch prefix of that
+    bucket (removed afterwards), names the store timed, and says which dcp.storage overrides do
+    not apply to it."""
+    bucket = s3_bucket[len("s3://"):]
+    r = cli(["+job=save", f"checkpoint.path={s3_bucket}/models/ck", f"hydra.run.dir={tmp_path}/s"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    before = _keys(s3_endpoint, bucket)
+    r = cli(["+job=bench", f"job.source.path={s3_bucket}/models/ck", "job.repeats=1", "job.warmup=0",
+             "dcp.storage.files_kept=4", "dcp.storage.concurrency=4", f"hydra.run.dir={tmp_path}/b"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    res = metrics(tmp_path / "b")["result"]
+    assert res["store_timed"].startswith(f"{s3_bucket}/models/hpdcp-bench-"), res
+    assert res["no_effect"] == ["dcp.storage.files_kept"], res  # concurrency applies to a store
+    assert "dcp.storage.files_kept: no effect on what this bench times" in r.stdout + r.stderr
+    assert f"store_timed: {s3_bucket}/models/hpdcp-bench-" in r.stdout
+    assert _keys(s3_endpoint, bucket) == before  # the scratch prefix is gone, the checkpoint untouched

@@ -1,0 +1,36 @@
+"""The sweep report says when the knobs swept did not apply to what was timed (an object store's
+knobs over a bench of a local directory), and then names no best point."""
+
+import json
+
+from hpdcp_runner.sweep_report import collect, write
+
+
+def _point(root, i, overrides, objective, no_effect):
+    d = root / str(i)
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    result = {"objective": objective, "objective_range": [objective * 0.99, objective * 1.01],
+              "store_timed": "local directory /tmp/x"}
+    if no_effect:
+        result["no_effect"] = no_effect
+    (d / "metrics.json").write_text(json.dumps({"result": result}))
+
+
+def test_knobs_that_did_not_apply_are_named_and_no_best_point_is(tmp_path):
+    idle = tmp_path / "idle"
+    for i, c in enumerate((2, 8)):
+        _point(idle, i, [f"dcp.storage.concurrency={c}"], 1.0 + i, ["dcp.storage.concurrency"])
+    rows, knobs = collect(str(idle), "result.objective")
+    best, tied = write(str(idle), rows, knobs, "result.objective", False, plot=False)
+    md = (idle / "report.md").read_text()
+    assert best is None and tied == [], best
+    assert "No effect: dcp.storage.concurrency do not apply to the storage timed (local directory /tmp/x)" in md
+    assert "Best point" not in md
+    used = tmp_path / "used"  # the same clear difference, knobs that applied: a best point
+    for i, c in enumerate((2, 8)):
+        _point(used, i, [f"dcp.storage.concurrency={c}"], 1.0 + i, [])
+    rows, knobs = collect(str(used), "result.objective")
+    best, _ = write(str(used), rows, knobs, "result.objective", False, plot=False)
+    assert best is not None and best["overrides"] == ["dcp.storage.concurrency=2"]
+    assert "No effect" not in (used / "report.md").read_text()
