@@ -147,6 +147,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     ap.add_argument("--s3tc-threads", type=int, default=4, help="s3torchconnector's writer thread_count")
+    ap.add_argument("--verify-tensors", type=int, default=200, help="tensors of the verify case's checkpoint")
     a = ap.parse_args()
     a.peers = [p for p in a.peers.split(",") if p]
     if set(a.peers) - set(PEERS) or (a.direct and a.server == "rclone"):
@@ -249,13 +250,40 @@ def main() -> None:
             if side not in failed:
                 check(dst0, side)
                 check(dst1, side)
+    verify = _verify_cases(a, rank, bucket, timed)
     if rank == 0:
         _report(a, ws, nbytes, server_name, results, bounds, per_kept, failed)
+        print(f"\nverify of a bucket checkpoint of {a.verify_tensors} tensors of 256x512 fp32 (512 KiB each), one "
+              f"process, vs a load of it by {ws} ranks:")
+        for case, xs in verify.items():
+            print(f"| {case} | {statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f}) |", flush=True)
         proxy.close()
         if server is not None:
             server.terminate()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _verify_cases(a, rank: int, bucket: str, timed) -> dict[str, list[float]]:
+    """verify (rank 0, every checksum) of a checkpoint of many small tensors, beside a load of it
+    and beside reading it one tensor per reader call (how verify read a bucket before batching)."""
+    from hpdcp_runner import dcp
+    from hpdcp_runner.dcp.offline.inspection import iter_full_tensors
+    from hpdcp_runner.dcp.tools import verify
+
+    g = torch.Generator().manual_seed(1)
+    small = {f"m.{i:04d}.w": torch.randn(256, 512, generator=g) for i in range(a.verify_tensors)}
+    base = f"s3://{bucket}/verify"
+    dcp.save(small, checkpoint_id=base)  # every rank the same: saved once (replicated)
+    out: dict[str, list[float]] = {}
+    for _ in range(a.reps):
+        out.setdefault("load, every rank", []).append(
+            timed(lambda: dcp.load({k: torch.zeros_like(v) for k, v in small.items()}, checkpoint_id=base))[0])
+        out.setdefault("verify (rank 0)", []).append(
+            timed(lambda: rank == 0 and verify(base))[0])
+        out.setdefault("read one tensor per call (verify before batching)", []).append(
+            timed(lambda: rank == 0 and sum(1 for _ in iter_full_tensors(base, reuse_buffer=True)))[0])
+    return out
 
 
 def _report(a, ws: int, nbytes: int, server_name: str, results: dict, bounds: list, per_kept: dict,
