@@ -274,7 +274,9 @@ class ObjectStoreWriter(StorageWriter):
             self._written.append(self._key(name))
             w = SafetensorsStreamWriter(self.bucket.url(self._key(name)),
                                         [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors],
-                                        meta={"format": "pt"}, sink=self.bucket.writer(self._key(name)))
+                                        meta={"format": "pt"},
+                                        sink=self.bucket.writer(self._key(name),
+                                                                sum(t.numel() * t.element_size() for _, t in tensors)))
             try:
                 for key, t in tensors:
                     w.append(key, t)

@@ -22,6 +22,9 @@ from .object_checkpoint import SAVE_PREFIX, check_commit_matches, read_commit
 from .object_store import Bucket, RemoteFile
 
 
+READ_PART_FLOOR = 1 << 20  # ranged GETs smaller than this cost more in requests than they gain
+
+
 class StorePrefix(CheckpointFiles):
     """``committed``: our format, read from the save the commit object names (the pin); else the
     files under the prefix itself (an uploaded directory, a foreign checkpoint)."""
@@ -174,9 +177,10 @@ class StorePrefix(CheckpointFiles):
 
     # -- fetching ahead -------------------------------------------------------------------------
     def fetch(self, ranges: Sequence[tuple[str, int, int]], handles: dict[str, Any]) -> None:
-        """Coalesce the ranges per file, cut them into parts of at most ``part_size`` (a store
-        serves one connection at a bounded rate, many at once in parallel), and GET them
-        ``concurrency`` at a time."""
+        """Coalesce the ranges per file, cut them into parts (``Bucket.part_for`` the round's
+        bytes: at most ``part_size``, small enough to keep every connection busy; a store serves
+        one connection at a bounded rate, many at once in parallel), and GET them ``concurrency``
+        at a time."""
         o = self.bucket.options
         merged: list[tuple[str, int, int]] = []
         for name, lo, hi in sorted(ranges):
@@ -187,7 +191,7 @@ class StorePrefix(CheckpointFiles):
                     merged[-1] = (name, merged[-1][1], hi)
             else:
                 merged.append((name, lo, hi))
-        step = o.part_size
+        step = self.bucket.part_for(sum(hi - lo for _, lo, hi in merged), READ_PART_FLOOR)
         merged = [(name, a, min(a + step, hi)) for name, lo, hi in merged for a in range(lo, hi, step)]
         for name, lo, hi in merged:
             if hi > handles[name].size():
