@@ -78,7 +78,6 @@ class FileSystemWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
         self.overwrite = False
         self.path = os.path.abspath(os.fspath(path))
-        self.parent, self.name = os.path.split(self.path)
         self.fsync = fsync
         self.staging: str | None = None
         self._commit: RenameCommit | None = None
