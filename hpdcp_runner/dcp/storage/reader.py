@@ -17,7 +17,7 @@ from ..core import faults
 from ..core.errors import ConfigError, CorruptCheckpointError
 from ..core.geometry import Box, flat_span, row_major_strides, run_dim, run_starts, runs_contiguous_in
 from ..core.rafile import RandomAccessFile
-from ..core.utils import byte_view, get_logger, rank_of_env
+from ..core.utils import byte_view, rank_of_env
 from ..format import jsondoc
 from ..format import objects as objcodec
 from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, Metadata, ObjectMeta, dtype_from_name,
@@ -28,7 +28,6 @@ from .interfaces import IOCounters, ReadRequest, StorageReader
 from .vectored import (DEFAULT_MAX_REQUEST_BYTES, SCRATCH_WINDOW, ReadCostModel, Sink, check_destination,
                        measured_cost_model, read_ranges)
 
-log = get_logger(__name__)
 DEFAULT_FILES_KEPT = 8
 
 
@@ -49,8 +48,8 @@ class _TokenBucket:
 
 @dataclass(frozen=True)
 class ReaderOptions:
-    """The filesystem reader's knobs, validated once (the runner builds one from its config);
-    ``open_reader(path, fmt, **options.kwargs())``."""
+    """The reader's knobs (every format, every store), validated once (the runner builds one from
+    its config); ``open_reader(path, fmt, **options.kwargs())``."""
 
     files_kept: int = DEFAULT_FILES_KEPT
     max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES
