@@ -48,16 +48,19 @@ class StorePrefix(CheckpointFiles):
         return "/".join(p for p in (self.name_key, self.data, name) if p)
 
     # -- the pin ------------------------------------------------------------------------------
-    def metadata_text(self, name: str, max_bytes: int) -> str:
+    def _resolve(self) -> tuple[dict, dict] | None:
+        """Pin the save the commit object names (returned), or the prefix itself when a checkpoint
+        directory was uploaded there as it is (None); neither is not found."""
         t0 = time.perf_counter()
         got = read_commit(self.bucket, self.name_key)
         self._observe(0, time.perf_counter() - t0)  # a small request: the store's latency
-        if got is not None:
-            self.data = got[0]["data"]
-        elif self.bucket.head(f"{self.name_key}/{name}") is not None:
-            self.data = ""  # a checkpoint directory uploaded as it is
-        else:
+        if got is None and self.bucket.head(f"{self.name_key}/{METADATA_FILE}") is None:
             raise self.not_found()
+        self.data = got[0]["data"] if got else ""
+        return got
+
+    def metadata_text(self, name: str, max_bytes: int) -> str:
+        got = self._resolve()
         body = self.bucket.get(self._key(name), max_bytes=max_bytes)
         if body is None:
             raise self.changed(f"its {name} disappeared")
@@ -67,10 +70,7 @@ class StorePrefix(CheckpointFiles):
 
     def pin_directory(self) -> None:
         if self.data is None:
-            got = read_commit(self.bucket, self.name_key)
-            if got is None and self.bucket.head(f"{self.name_key}/{METADATA_FILE}") is None:
-                raise self.not_found()
-            self.data = got[0]["data"] if got else ""
+            self._resolve()
 
     def pin(self) -> Any:
         return self.data
