@@ -138,6 +138,9 @@ class DcpConf:
     # 2: the chunk table in chunk_index.safetensors, read in part by each loading rank; 1: all of
     # it in metadata.json, for readers older than format version 2
     format_version: int = 2
+    # async saves: thread = files written by a thread of the training process; process = by a
+    # persisting process per rank (shared-memory staging), off the training process's GIL
+    async_mode: str = "thread"
 
 
 @dataclass
@@ -626,6 +629,7 @@ class EngineOptions:
     verify_replicas: bool
     cache_plan: bool
     format_version: int = 2
+    async_mode: str = "thread"
 
     def knobs(self) -> dict:
         """The knob values as the engine received them, for metrics.json."""
@@ -636,6 +640,7 @@ class EngineOptions:
                 "dcp.storage.read_gap_bytes": "auto" if r.read_gap_bytes is None else r.read_gap_bytes,
                 "dcp.storage.max_request_bytes": r.max_request_bytes,
                 "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s, "dcp.format_version": self.format_version,
+                "dcp.async_mode": self.async_mode,
                 **{f"dcp.storage.{k}": v for k, v in self.store.kwargs().items()}}
 
 
@@ -680,6 +685,8 @@ def engine_options(c: Config) -> EngineOptions:
         problems.append(f"dcp.broadcast.max_in_flight: must be >= 1, got {d.broadcast.max_in_flight}")
     if d.format_version not in (1, 2):
         problems.append(f"dcp.format_version: {d.format_version!r} is not 1 or 2 (the format versions this build writes)")
+    if d.async_mode not in ("thread", "process"):
+        problems.append(f"dcp.async_mode: {d.async_mode!r} is not thread or process")
     if d.broadcast.mode not in ("always", "never", "auto"):
         problems.append(f"dcp.broadcast.mode: {d.broadcast.mode!r} is not always, never or auto")
     if problems:
@@ -697,7 +704,7 @@ def engine_options(c: Config) -> EngineOptions:
     if problems:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
-                         d.verify_replicas, d.cache_plan, d.format_version)
+                         d.verify_replicas, d.cache_plan, d.format_version, d.async_mode)
 
 
 def layout_from_file(layout: LayoutConf) -> LayoutConf:

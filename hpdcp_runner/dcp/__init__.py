@@ -8,12 +8,13 @@ No Hydra, no OmegaConf: usable from any training script.
 """
 
 from .api import LoadResult, load, read_metadata, save
-from .async_persist import AsyncSaveResponse, async_save, release_staging_buffers, wait_for_async_saves
+from .async_persist import (AsyncSaveResponse, async_save, release_staging_buffers, start_async_persist,
+                            wait_for_async_saves)
 from .comm.broadcast import BroadcastOptions, release_broadcast_groups
 from .core import faults  # noqa: F401  test-only fault points (HPDCP_FAULTS): hpdcp_runner.dcp.faults
 from .core.errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, InsufficientMemoryError,
-                     KeyMismatchError,
+                     KeyMismatchError, PersistProcessError,
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
                      StorageAccessError)
 from .storage.filesystem import FileSystemReader, FileSystemWriter
@@ -34,7 +35,7 @@ SAVE_PLANNERS = {"standard": StandardSavePlanner, "minimum_rank": MinimumRankSav
 LOAD_PLANNERS = {"standard": StandardLoadPlanner, "minimum_rank": MinimumRankLoadPlanner}
 
 __all__ = [
-    "save", "load", "read_metadata", "async_save", "AsyncSaveResponse", "wait_for_async_saves",
+    "save", "load", "read_metadata", "async_save", "AsyncSaveResponse", "wait_for_async_saves", "start_async_persist",
     "release_staging_buffers", "get_optim_state_dict", "set_optim_state_dict", "get_model_state_dict",
     "set_model_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
     "LOAD_PLANNERS", "LoadResult", "Metadata",
@@ -46,4 +47,5 @@ __all__ = [
     "CommitDurabilityError", "CheckpointChangedError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",
     "CoverageError", "PickleNotAllowedError", "StorageAccessError", "ReplicaMismatchError", "DistributedError", "InsufficientMemoryError", "CollectiveTimeoutError",
+    "PersistProcessError",
 ]

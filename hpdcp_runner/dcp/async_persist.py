@@ -39,6 +39,7 @@ from .core.errors import CollectiveTimeoutError, ConfigError
 from .format.metadata import Metadata
 from .core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 from .planning.standard import local_pieces
+from .staging import StagingBuffers
 from .state_dict import stateful_to_state_dict
 from .core.utils import TENSOR_LEAVES, gc_paused, get_logger
 
@@ -51,30 +52,6 @@ except ImportError:  # torch built without distributed
 
 _LOCK = threading.Lock()
 _IN_FLIGHT: "AsyncSaveResponse | None" = None
-
-
-class StagingBuffers:
-    """Host buffers reused across saves, keyed by the leaf's path; pinned when the source is CUDA."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[tuple, torch.Tensor] = {}
-        self.nbytes = 0
-
-    def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
-        buf = self._bufs.get(key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            if buf is not None:
-                self.nbytes -= buf.numel() * buf.element_size()
-            pin = src.device.type == "cuda"
-            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-            self._bufs[key] = buf
-            self.nbytes += buf.numel() * buf.element_size()
-        buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
-        return buf
-
-    def clear(self) -> None:
-        self._bufs.clear()
-        self.nbytes = 0
 
 
 _BUFFERS = StagingBuffers()
@@ -114,9 +91,14 @@ def stage_state_dict(state_dict: Any, bufs: StagingBuffers | None = None, _path:
 
 
 def release_staging_buffers() -> None:
-    """Free the reused staging buffers (after waiting for any in-flight save)."""
+    """Free the reused staging buffers (after waiting for any in-flight save) and stop a
+    process-mode save's persisting process."""
     wait_for_async_saves()
     _BUFFERS.clear()
+    import sys
+
+    if "hpdcp_runner.dcp.persister" in sys.modules:
+        sys.modules["hpdcp_runner.dcp.persister"].shutdown()
 
 
 class AsyncSaveResponse:
@@ -175,26 +157,58 @@ def wait_for_async_saves(timeout: float | None = None) -> None:
         pending.wait(timeout)
 
 
+MODES = ("thread", "process")
+
+
+def start_async_persist(mode: str) -> None:
+    """Start what ``async_save(mode=...)`` persists with ahead of the first save (``process``: the
+    persisting process, which takes a second or two to import torch), so that save does not wait."""
+    if mode not in MODES:
+        raise ConfigError(f"async_save mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "process":
+        from . import persister
+
+        persister.prepare()
+
+
 def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, process_group: Any = None,
                timeout: float | _dt.timedelta | None = None,
-               callback: Callable[[Metadata], None] | None = None, **save_kwargs: Any) -> AsyncSaveResponse:
+               callback: Callable[[Metadata], None] | None = None, mode: str = "thread",
+               **save_kwargs: Any) -> AsyncSaveResponse:
     """Stage ``state_dict`` to host memory now, save it in the background; every rank calls it.
 
     Takes the same keyword arguments as ``save`` (storage_writer, planner, overwrite,
     allow_pickle, verify_replicas, extra). ``callback(metadata)`` runs in the background thread
-    after the commit. Returns an ``AsyncSaveResponse``.
+    after the commit. ``mode``: ``thread`` writes the files in a thread of this process;
+    ``process`` stages into shared memory and writes them in a persisting process of this rank
+    (``persister.py``), so serialising, hashing and uploads never hold this process's GIL (every
+    rank must pass the same mode). Returns an ``AsyncSaveResponse``.
     """
     global _IN_FLIGHT
     from .api import _check_extra, save  # api imports this module's names lazily; avoid a cycle at import time
 
     if "timer" in save_kwargs:
         raise ConfigError("async_save takes no timer (the save runs in another thread)")
+    if mode not in MODES:
+        raise ConfigError(f"async_save mode must be one of {', '.join(MODES)}, got {mode!r}")
     _check_extra(save_kwargs.get("extra"))  # refused now, in the caller's thread, not in the background
     wait_for_async_saves()  # one in flight at a time: the staging buffers are reused
     t0 = time.perf_counter()
     group = _persist_group(process_group, timeout)
+    bufs = None
+    if mode == "process":
+        from . import persister
+        from .storage.checkpoint_io import open_writer
+
+        bufs = persister.prepare()
+        writer = save_kwargs.get("storage_writer")
+        if writer is None:
+            if checkpoint_id is None:
+                raise ConfigError("give checkpoint_id (a directory or URI) or a storage writer")
+            writer = open_writer(str(checkpoint_id))
+        save_kwargs["storage_writer"] = persister.ProcessWriter(writer, bufs)
     with gc_paused(threading.current_thread() is threading.main_thread()):  # see utils.gc_paused
-        staged = stage_state_dict(stateful_to_state_dict(state_dict)[0])
+        staged = stage_state_dict(stateful_to_state_dict(state_dict)[0], bufs)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # non-blocking device-to-pinned copies done before we return
     path = None if checkpoint_id is None else str(checkpoint_id)

@@ -141,6 +141,8 @@ def run(ctx: JobContext) -> dict:
     if resumed_from:
         rank_state = _restore(ctx, tr, resumed_from, losses)
     start = tr.step
+    if job.async_save and job.save_every:
+        dcp.start_async_persist(ctx.engine.async_mode)
     pending: dcp.AsyncSaveResponse | None = None
     kill_rank = job.kill_rank if job.kill_rank is not None else ws - 1
     for _ in ctx.progress(range(start, job.steps), "train", total=job.steps - start):
@@ -159,7 +161,7 @@ def run(ctx: JobContext) -> dict:
         with ctx.metrics.phase("train.save_wait"):
             pending.result()
     result: dict[str, Any] = {"start_step": start, "final_step": tr.step, "resumed_from": resumed_from,
-                              "rank_state": rank_state, "save_mode": "async" if job.async_save else "sync",
+                              "rank_state": rank_state, "save_mode": f"async ({ctx.engine.async_mode})" if job.async_save else "sync",
                               "final_loss": losses.get(tr.step),
                               "checkpoints": [e.name for e in list_checkpoints(ckdir, ctx.series[1])]}
     outsiders = series_outsiders(ckdir, ctx.series[1]) if rank == 0 else []

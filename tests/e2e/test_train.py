@@ -22,7 +22,7 @@ def test_train_kill_resume_reproduces_losses(cli, tmp_path):
     r = cli(COMMON + [f"hydra.run.dir={ref}", "checkpoint.keep_last=2", f"checkpoint.dir={tmp_path}/ref_ck"], nproc=2)
     assert r.returncode == 0, _tail(r)
     m = metrics(ref)["result"]
-    assert m["start_step"] == 0 and m["final_step"] == 20 and m["save_mode"] == "async"
+    assert m["start_step"] == 0 and m["final_step"] == 20 and m["save_mode"] == "async (thread)"
     assert m["checkpoints"] == ["step_15", "step_20"]  # keep_last=2 after every commit
     losses = json.loads((ref / "losses.json").read_text())["losses"]
     assert len(losses) == 20 and losses["20"] < losses["1"]  # it learns

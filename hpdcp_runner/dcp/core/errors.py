@@ -95,5 +95,10 @@ class DistributedError(HpdcpError, RuntimeError):
         super().__init__(f"{phase} failed on {len(self.failures)} rank(s): {lines}")
 
 
+class PersistProcessError(HpdcpError, RuntimeError):
+    """A rank's persisting process (``async_save(mode="process")``) died or could not start;
+    nothing of that save was published."""
+
+
 class CollectiveTimeoutError(HpdcpError, TimeoutError):
     """A collective did not complete in time: a rank is dead, hung or diverged."""

@@ -1,0 +1,484 @@
+"""Process-based persist for ``async_save(mode="process")``: a rank's files are written by a
+persisting process of its own, so serialising, hashing and uploading never take the training
+process's GIL.
+
+Division of work. The training process stages the state into shared memory (``SharedStaging``:
+segments of a file on ``/dev/shm``, reused between saves) and runs the save protocol's small
+steps (planning, the commit) in its background thread, as the thread mode does. Only the writer's
+``write`` crosses over (``ProcessWriter``): the persisting process receives the segments once
+(their names; it maps them), then per save a list of (segment, offset, dtype, shape) for each
+tensor, never tensor bytes through a pipe. It opens the same storage writer (the path and
+options, rebuilt there), writes the rank's files and returns what it wrote.
+
+The persisting process is started at the first process-mode save (without waiting for it) and
+kept between saves. One that dies (killed, out of memory) makes that rank's write fail with
+``PersistProcessError``; the protocol turns it into the same failure on every rank, rank 0
+aborts and nothing is published. The training process hears it from ``response.result()`` at
+its next save or wait, and the next save starts a fresh persisting process on fresh staging.
+Segment files are unlinked as soon as the persisting process has mapped them, so a killed job
+leaves at most the segments of one save not yet handed over (removed by the next start).
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .core import faults
+from .core.errors import ConfigError, HpdcpError, PersistProcessError
+from .core.utils import get_logger
+from .format.metadata import WriteResult, dtype_from_name, dtype_name
+from .staging import StagingBuffers
+from .storage.interfaces import StorageWriter
+
+log = get_logger(__name__)
+
+ALIGN = 64
+SEGMENT_BYTES = 256 << 20  # staging space is taken from segments of at least this size
+_PREFIX = "hpdcp-stage-"
+
+
+def shm_dir() -> str:
+    """Where staging segments live: ``HPDCP_SHM_DIR``, else ``/dev/shm`` (memory), else the temp dir."""
+    d = os.environ.get("HPDCP_SHM_DIR")
+    if d:
+        return d
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clear_stale_segments(directory: str | None = None) -> list[str]:
+    """Remove segment files whose training process is gone (killed before handing them over)."""
+    removed = []
+    for path in glob.glob(os.path.join(directory or shm_dir(), f"{_PREFIX}*")):
+        try:
+            pid = int(os.path.basename(path)[len(_PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def _map(path: str, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over the whole file, mapped shared (writes are seen by every mapper)."""
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+@dataclass
+class _Segment:
+    path: str
+    nbytes: int
+    base: torch.Tensor
+    used: int = 0
+    handed: bool = False  # mapped by the persisting process and unlinked
+
+    @property
+    def ptr(self) -> int:
+        return self.base.untyped_storage().data_ptr()
+
+
+class SharedStaging(StagingBuffers):
+    """``StagingBuffers`` in shared-memory segments another process maps: same reuse rule (one
+    buffer per leaf path, kept while its shape and dtype stay), bump-allocated, 64-byte aligned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments: list[_Segment] = []
+        self._count = 0
+        self._allocated = 0
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        seg = self.segments[-1] if self.segments else None
+        if seg is None or seg.nbytes - seg.used < need:
+            size = max(SEGMENT_BYTES, need)
+            self._count += 1
+            path = os.path.join(shm_dir(), f"{_PREFIX}{os.getpid()}-{self._count}")
+            with open(path, "xb") as f:
+                os.ftruncate(f.fileno(), size)
+            seg = _Segment(path, size, _map(path, size))
+            self.segments.append(seg)
+        view = seg.base[seg.used: seg.used + nbytes]
+        seg.used += need
+        self._allocated += need
+        return view
+
+    def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            if buf is not None:
+                self.nbytes -= buf.numel() * buf.element_size()
+            raw = self._alloc(src.numel() * src.element_size())
+            buf = raw.view(src.dtype).view(src.shape) if src.dim() else raw.view(src.dtype).view(())
+            self._bufs[key] = buf
+            self.nbytes += buf.numel() * buf.element_size()
+        buf.copy_(src.detach())
+        return buf
+
+    def wasteful(self) -> bool:
+        """More than half the allocated space is held by buffers no leaf uses any more."""
+        return self._allocated > 2 * max(self.nbytes, 1) + SEGMENT_BYTES
+
+    def locate(self, t: torch.Tensor) -> tuple[_Segment, int] | None:
+        """The segment holding contiguous ``t`` and its byte offset there, or None."""
+        if not t.is_contiguous() or t.device.type != "cpu":
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        for seg in self.segments:
+            if seg.ptr == ptr:
+                return seg, t.storage_offset() * t.element_size()
+        return None
+
+    def clear(self) -> None:
+        super().clear()
+        for seg in self.segments:
+            if not seg.handed:
+                _unlink(seg.path)
+        self.segments.clear()
+        self._allocated = 0
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass(frozen=True)
+class WriterSpec:
+    """How the persisting process opens the same storage writer: ``open_writer``'s arguments."""
+
+    path: str
+    fsync: bool = True
+    store_options: Any = None
+
+    @classmethod
+    def of(cls, writer: StorageWriter) -> "WriterSpec":
+        from .storage.filesystem import FileSystemWriter
+        from .storage.object_checkpoint import ObjectStoreWriter
+
+        if type(writer) is FileSystemWriter:
+            return cls(writer.path, writer.fsync)
+        if type(writer) is ObjectStoreWriter:
+            return cls(writer.uri, True, writer.bucket.options)
+        raise ConfigError(f"async_save mode=process rebuilds the storage writer in the persisting process and knows "
+                          f"FileSystemWriter and ObjectStoreWriter (from a path or URI); got {type(writer).__name__}: "
+                          f"use mode='thread' for a writer of your own")
+
+
+class Persister:
+    """This rank's persisting process: started once, kept between saves, restarted after a death."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.dead: str | None = None  # why the last one is gone (until a new one starts)
+        self._lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and self.dead is None
+
+    def start(self) -> None:
+        """Start the process if none runs (returns at once; it imports torch in the background)."""
+        if self.alive():
+            return
+        self.stop()
+        clear_stale_segments()
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "hpdcp_runner.dcp.persister", str(child.fileno()),
+                                          str(os.getpid())], pass_fds=(child.fileno(),), env=env,
+                                         stdin=subprocess.DEVNULL)
+        except OSError as e:
+            parent.close()
+            raise PersistProcessError(f"cannot start the persisting process ({e})") from None
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
+        self.dead = None
+        log.info("persisting process started (pid %d)", self.proc.pid)
+
+    def _died(self, doing: str) -> PersistProcessError:
+        code = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                code = self.proc.wait()
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        pid = self.proc.pid if self.proc is not None else None
+        self.dead = f"the persisting process (pid {pid}) died ({how}) while {doing}"
+        return PersistProcessError(self.dead)
+
+    def call(self, msg: tuple, doing: str, on_mapped: Callable[[], None] | None = None) -> Any:
+        """Send ``msg`` and wait for its answer (``("mapped",)`` first calls ``on_mapped``)."""
+        with self._lock:
+            if not self.alive():
+                raise PersistProcessError(self.dead or "no persisting process runs")
+            try:
+                self.conn.send(msg)
+                while True:
+                    reply = self.conn.recv()
+                    if reply[0] == "mapped":
+                        if on_mapped is not None:
+                            on_mapped()
+                        continue
+                    break
+            except (EOFError, OSError):
+                raise self._died(doing) from None
+        if reply[0] == "error":
+            raise _error_from(reply[1], reply[2])
+        return reply[1:]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the process to exit (after the write it may be doing) and reap it."""
+        proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None and conn is not None:
+                conn.send(("exit",))
+            proc.wait(timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        finally:
+            if conn is not None:
+                conn.close()
+
+
+def _error_from(blob: bytes | None, text: str) -> BaseException:
+    """The persisting process's exception, as raised there when it pickles, else one naming it."""
+    if blob is not None:
+        try:
+            e = pickle.loads(blob)
+            if isinstance(e, BaseException):
+                return e
+        except Exception:
+            pass
+    return PersistProcessError(f"the persisting process failed: {text}")
+
+
+_PERSISTER = Persister()
+_STAGING = SharedStaging()
+
+
+def persister() -> Persister:
+    return _PERSISTER
+
+
+def shared_staging() -> SharedStaging:
+    return _STAGING
+
+
+def prepare() -> SharedStaging:
+    """Before staging a process-mode save: a dead persisting process's staging is dropped (its
+    segments were handed to it and unlinked) and a fresh process is started."""
+    if not _PERSISTER.alive():
+        if _PERSISTER.proc is not None or _PERSISTER.dead:
+            _STAGING.clear()
+        _PERSISTER.start()
+    elif _STAGING.wasteful():
+        _STAGING.clear()
+        _PERSISTER.call(("forget",), "dropping old staging segments")
+    return _STAGING
+
+
+def shutdown() -> None:
+    """Stop the persisting process and free the shared staging (after any in-flight save)."""
+    _PERSISTER.stop()
+    _STAGING.clear()
+
+
+atexit.register(shutdown)
+
+
+class ProcessWriter(StorageWriter):
+    """A storage writer whose ``write`` runs in the persisting process; everything else (begin,
+    attach, commit, abort) runs here on the wrapped writer, which the protocol calls as usual."""
+
+    def __init__(self, inner: StorageWriter, staging: SharedStaging | None = None,
+                 process: Persister | None = None) -> None:
+        self.inner = inner
+        self.spec = WriterSpec.of(inner)
+        self.staging = staging or _STAGING
+        self.process = process or _PERSISTER
+        self.counters = inner.counters
+        self._attached: tuple[str, int, int] | None = None
+
+    @property
+    def checkpoint_id(self) -> str | None:  # type: ignore[override]
+        return self.inner.checkpoint_id
+
+    def begin(self, *, overwrite: bool) -> str:
+        return self.inner.begin(overwrite=overwrite)
+
+    def attach(self, token: str, *, rank: int, world_size: int) -> None:
+        self.inner.attach(token, rank=rank, world_size=world_size)
+        self._attached = (token, rank, world_size)
+
+    def write(self, tensors: Sequence[tuple[str, torch.Tensor]], objects: Mapping[str, Any]) -> WriteResult:
+        token, rank, world_size = self._attached
+        scratch: list[_Segment] = []
+        descs = []
+        for key, t in tensors:
+            where = self.staging.locate(t)
+            if where is None:  # not a staged buffer (a planner's copy): into a scratch segment
+                where = self._scratch(t, scratch)
+            seg, off = where
+            descs.append((key, seg.path, off, dtype_name(t.dtype), tuple(t.shape)))
+        fresh = [s for s in self.staging.segments + scratch if not s.handed]
+        new = [(s.path, s.nbytes) for s in fresh]
+
+        def mapped() -> None:  # the persisting process holds them: their names can go
+            for s in fresh:
+                s.handed = True
+                _unlink(s.path)
+
+        try:
+            result, counts = self.process.call(("write", self.spec, token, rank, world_size, new,
+                                                 [s.path for s in scratch], descs, dict(objects)),
+                                                f"writing rank {rank}'s files of {self.checkpoint_id}", mapped)
+        finally:
+            for s in scratch:
+                if not s.handed:
+                    _unlink(s.path)
+        for k in ("bytes_written", "files_written"):
+            setattr(self.counters, k, getattr(self.counters, k) + counts.get(k, 0))
+        return result
+
+    def _scratch(self, t: torch.Tensor, scratch: list[_Segment]) -> tuple[_Segment, int]:
+        nbytes = t.numel() * t.element_size()
+        path = os.path.join(shm_dir(), f"{_PREFIX}{os.getpid()}-scratch-{len(scratch)}-{threading.get_ident()}")
+        with open(path, "xb") as f:
+            os.ftruncate(f.fileno(), max(nbytes, 1))
+        seg = _Segment(path, max(nbytes, 1), _map(path, max(nbytes, 1)))
+        seg.base[:nbytes].view(t.dtype).view(t.shape).copy_(t.contiguous()) if nbytes else None
+        scratch.append(seg)
+        return seg, 0
+
+    def commit(self, metadata: Any) -> None:
+        self.inner.commit(metadata)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def committed_opener(self) -> Callable[[str], Any] | None:
+        return self.inner.committed_opener()
+
+    def discard_own(self) -> None:
+        if self.process.alive():
+            try:
+                self.process.call(("discard",), "discarding this rank's files")
+            except HpdcpError as e:
+                log.warning("could not discard this rank's files of %s: %s", self.checkpoint_id, e)
+        self.inner.discard_own()
+
+
+# -- the persisting process ------------------------------------------------------------------------
+
+def _tensor(segments: Mapping[str, torch.Tensor], path: str, off: int, dtype: str, shape: tuple) -> torch.Tensor:
+    dt = dtype_from_name(dtype)
+    n = 1
+    for d in shape:
+        n *= d
+    raw = segments[path][off: off + n * torch.empty((), dtype=dt).element_size()]
+    return raw.view(dt).view(shape)
+
+
+def _serve(conn: Connection) -> None:
+    from .storage.checkpoint_io import open_writer
+
+    segments: dict[str, torch.Tensor] = {}
+    writer: StorageWriter | None = None
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the training process is gone
+            return
+        op = msg[0]
+        try:
+            if op == "exit":
+                return
+            if op == "forget":
+                segments.clear()
+                conn.send(("ok",))
+            elif op == "discard":
+                if writer is not None:
+                    writer.discard_own()
+                conn.send(("ok",))
+            elif op == "write":
+                _, spec, token, rank, world_size, new, scratch, descs, objects = msg
+                for path, nbytes in new:
+                    segments[path] = _map(path, nbytes)
+                conn.send(("mapped",))
+                faults.point("persist.write", rank=rank, path=spec.path)
+                writer = open_writer(spec.path, fsync=spec.fsync, store_options=spec.store_options)
+                writer.attach(token, rank=rank, world_size=world_size)
+                tensors = [(key, _tensor(segments, p, off, dt, shape)) for key, p, off, dt, shape in descs]
+                try:
+                    result = writer.write(tensors, objects)
+                finally:
+                    del tensors
+                    for p in scratch:
+                        segments.pop(p, None)
+                conn.send(("ok", result, writer.counters.as_dict()))
+            else:
+                conn.send(("error", None, f"unknown request {op!r}"))
+        except BaseException as e:  # the training process raises it
+            try:
+                blob = pickle.dumps(e)
+            except Exception:
+                blob = None
+            text = f"{type(e).__name__}: {e}"
+            log.debug("persisting process: %s\n%s", text, traceback.format_exc())
+            try:
+                conn.send(("error", blob, text))
+            except OSError:
+                return
+
+
+def main(argv: Sequence[str]) -> None:
+    import logging
+
+    fd, parent = int(argv[0]), int(argv[1])
+    logging.basicConfig(level=logging.WARNING, format=f"[%(asctime)s][persister of pid {parent}][%(levelname)s] "
+                                                       f"%(message)s")
+    torch.set_num_threads(1)
+    _serve(Connection(fd))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

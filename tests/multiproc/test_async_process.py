@@ -1,0 +1,94 @@
+"""async_save(mode="process"): a persisting process per rank writes the files from shared memory;
+one that is killed fails the save on every rank, publishes nothing, and the next save recovers.
+Real gloo ranks, real persisting processes, a real SIGKILL (the ``persist.write`` fault point,
+armed through HPDCP_FAULTS in the persisting process only)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+
+import pytest
+import torch
+
+from tests.multiproc.harness import run_ranks
+
+from hpdcp_runner.dcp import ConfigError, FileSystemWriter, async_save, faults, load
+from hpdcp_runner.dcp import persister
+
+
+def _mesh(ws):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", list(range(ws)))
+
+
+def _process_cases(rank: int, ws: int, root: str) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out: dict = {}
+    full = torch.arange(64 * 33, dtype=torch.float32).reshape(64, 33)
+    state = {"w": distribute_tensor(full.clone(), _mesh(ws), [Shard(0)]), "h": torch.arange(7, dtype=torch.bfloat16),
+             "step": 3, "odd": torch.arange(12, dtype=torch.int16).reshape(3, 4)[:, 1]}  # a non-contiguous leaf
+    gate = threading.Event()
+    with faults.armed("save.write", lambda **_: gate.wait(60)):  # hold the write until the state is mutated
+        resp = async_save(state, checkpoint_id=f"{root}/p1", timeout=60, mode="process")
+        with torch.no_grad():
+            state["w"].to_local().add_(1000)
+            state["h"].add_(5)
+        gate.set()
+        resp.result(timeout=120)
+    pid = persister.persister().proc.pid
+    tgt = {"w": torch.zeros(64, 33), "h": torch.zeros(7, dtype=torch.bfloat16), "step": 0,
+           "odd": torch.zeros(3, dtype=torch.int16)}
+    load(tgt, checkpoint_id=f"{root}/p1", timeout=60)
+    out["staged_values"] = (torch.equal(tgt["w"], full) and torch.equal(tgt["h"], torch.arange(7, dtype=torch.bfloat16))
+                            and tgt["step"] == 3 and torch.equal(tgt["odd"], torch.tensor([1, 5, 9], dtype=torch.int16)))
+    async_save({"v": torch.full((5,), 2.0)}, checkpoint_id=f"{root}/p2", timeout=60, mode="process").result(120)
+    out["same_process"] = persister.persister().proc.pid == pid  # kept between saves
+
+    # rank 1's persisting process is SIGKILLed at its write: every rank fails, nothing is published
+    persister.shutdown()
+    os.environ["HPDCP_FAULTS"] = "persist.write@1:kill"
+    try:
+        resp = async_save({"v": torch.full((5,), 3.0)}, checkpoint_id=f"{root}/p3", timeout=60, mode="process")
+        try:
+            resp.result(timeout=120)
+            out["failure"] = None
+        except Exception as e:
+            out["failure"] = f"{type(e).__name__}: {e}"
+    finally:
+        del os.environ["HPDCP_FAULTS"]
+    # the next save starts a fresh persisting process and commits
+    async_save({"v": torch.full((5,), 4.0)}, checkpoint_id=f"{root}/p3", timeout=60, mode="process").result(120)
+    v = {"v": torch.zeros(5)}
+    load(v, checkpoint_id=f"{root}/p3", timeout=60)
+    out["after"] = v["v"].tolist()
+    persister.shutdown()
+    out["segments_left"] = glob.glob(os.path.join(persister.shm_dir(), f"hpdcp-stage-{os.getpid()}-*"))
+    return out
+
+
+def test_process_mode_persists_from_shared_memory_and_survives_a_killed_persister(tmp_path):
+    res = run_ranks(2, _process_cases, str(tmp_path), timeout=300)
+    for r in res:
+        assert r["staged_values"], "the checkpoint must hold the values staged at async_save time"
+        assert r["same_process"]
+        f = r["failure"]
+        assert f is not None and "rank 1" in f and "persisting process" in f and "killed by signal 9" in f, f
+        assert r["after"] == [4.0] * 5
+        assert r["segments_left"] == []
+    # p3 committed once (the killed attempt left no staging directory or half-written checkpoint)
+    assert sorted(os.listdir(tmp_path)) == ["p1", "p2", "p3"]
+
+
+class _OwnWriter(FileSystemWriter):
+    pass
+
+
+def test_process_mode_refuses_a_writer_it_cannot_rebuild(tmp_path):
+    with pytest.raises(ConfigError, match="mode='thread'"):
+        persister.WriterSpec.of(_OwnWriter(tmp_path / "x"))
+    with pytest.raises(ConfigError, match="thread, process"):
+        async_save({"v": torch.ones(2)}, checkpoint_id=tmp_path / "y", mode="fork")
