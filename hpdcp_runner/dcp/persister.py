@@ -392,6 +392,12 @@ class ProcessWriter(StorageWriter):
     def commit(self, metadata: Any) -> None:
         self.inner.commit(metadata)
 
+    def open_sink(self, name: str, size: int) -> Any:
+        return self.inner.open_sink(name, size)
+
+    def commit_copy(self, metadata: Any, body: bytes) -> None:
+        self.inner.commit_copy(metadata, body)
+
     def abort(self) -> None:
         self.inner.abort()
 

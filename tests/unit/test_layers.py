@@ -11,7 +11,7 @@ import hpdcp_runner.dcp as dcp
 
 ROOT = os.path.dirname(dcp.__file__)
 # lower number = lower layer; a module may import its own layer and those below
-LAYERS = {"core": 0, "format": 1, "planning": 2, "storage": 3, "comm": 4, "api": 5, "protocol": 5, "async_persist": 5, "persister": 5, "staging": 5,
+LAYERS = {"core": 0, "format": 1, "planning": 2, "storage": 3, "comm": 4, "api": 5, "protocol": 5, "async_persist": 5, "persister": 5, "staging": 5, "drain": 5,
           "state_dict": 5, "offline": 6, "__init__": 7, "tools": 7}
 FORBIDDEN = ("hydra", "omegaconf")
 
@@ -118,7 +118,8 @@ def test_the_runner_uses_only_the_engines_public_surface():
 def test_public_surface_is_the_documented_one():
     assert sorted(dcp.__all__) == sorted([
         "save", "load", "read_metadata", "async_save", "AsyncSaveResponse", "wait_for_async_saves",
-        "release_staging_buffers", "start_async_persist", "PersistProcessError", "get_optim_state_dict", "set_optim_state_dict", "get_model_state_dict",
+        "release_staging_buffers", "start_async_persist", "PersistProcessError", "copy_checkpoint",
+        "async_copy_checkpoint", "wait_for_copies", "get_optim_state_dict", "set_optim_state_dict", "get_model_state_dict",
         "set_model_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
         "LOAD_PLANNERS", "LoadResult", "Metadata", "SavePlanner", "LoadPlanner", "StandardSavePlanner",
         "MinimumRankSavePlanner", "StandardLoadPlanner", "StorageWriter", "StorageReader", "FileSystemWriter",

@@ -67,6 +67,37 @@ class RankFile:
         self._w.abort()
 
 
+class FileSink:
+    """A file of the staging area written block by block (a copied file): ``close`` makes it
+    durable, ``abort`` removes it."""
+
+    def __init__(self, path: str, fsync: bool, counters: IOCounters) -> None:
+        self.path, self.fsync, self.counters = path, fsync, counters
+        self._f = open(path, "xb")
+
+    def write(self, data: bytes) -> None:
+        with naming(self.path):
+            self._f.write(data)
+        self.counters.bytes_written += len(data)
+
+    def close(self) -> None:
+        with naming(self.path):
+            self._f.flush()
+            if self.fsync:
+                os.fdatasync(self._f.fileno())
+            self._f.close()
+        self.counters.files_written += 1
+
+    def abort(self) -> None:
+        try:
+            self._f.close()
+        finally:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
 class FileSystemWriter(StorageWriter):
     """Per-rank safetensors files in a staging directory beside the checkpoint, committed by one
     rename (see ``storage/commit.py``)."""
@@ -153,7 +184,10 @@ class FileSystemWriter(StorageWriter):
         with self._user_fixes("committing"):
             if metadata.index is not None:  # format v2: the chunk index first, metadata.json last
                 write_index(os.path.join(self.staging, INDEX_FILE), metadata.index, fsync=self.fsync)
-            body = metadata.to_json().encode()
+        self.commit_copy(metadata, metadata.to_json().encode())
+
+    def commit_copy(self, metadata: Metadata, body: bytes) -> None:
+        with self._user_fixes("committing"):
             with open(os.path.join(self.staging, METADATA_FILE), "xb") as f, naming(f.name):
                 f.write(body)
                 f.flush()
@@ -161,6 +195,9 @@ class FileSystemWriter(StorageWriter):
                     os.fsync(f.fileno())
         self._commit.publish(fsync=self.fsync)
         self.staging = None
+
+    def open_sink(self, name: str, size: int) -> "FileSink":
+        return FileSink(os.path.join(self.staging, check_file_name(name)), self.fsync, self.counters)
 
     def committed_opener(self) -> Callable[[str], Any]:
         path = self.path

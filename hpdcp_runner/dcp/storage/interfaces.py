@@ -107,6 +107,17 @@ class StorageWriter(ABC):
     def abort(self) -> None:
         """Coordinator only, best effort: remove the staging area; never touches a committed checkpoint."""
 
+    def open_sink(self, name: str, size: int) -> Any:
+        """Every rank, after ``attach``: the file ``name`` (``size`` bytes) of staging, written by
+        blocks (``write(bytes)``, ``close()`` makes it durable, ``abort()`` drops it): how a
+        committed checkpoint's files are copied in unchanged (``drain.copy_checkpoint``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take copied files")
+
+    def commit_copy(self, metadata: Metadata, body: bytes) -> None:
+        """Coordinator: ``commit`` for a copied checkpoint, whose chunk index was copied in as a
+        file: ``body`` (its ``metadata.json`` as it is) last, then visible atomically."""
+        raise NotImplementedError(f"{type(self).__name__} cannot commit copied checkpoints")
+
     def committed_opener(self) -> Callable[[str], Any] | None:
         """How every rank opens a file of the committed checkpoint by name (a format-v2 chunk
         index is read lazily, the rows each rank needs); None: the storage cannot."""

@@ -222,6 +222,25 @@ def check_conditional_writes(bucket: Bucket, probe_key: str) -> None:
                 "(dcp.storage.unconditional_ok=true)", bucket.url(bucket.root))
 
 
+class _UploadSink:
+    """One object uploaded block by block (a copied file): ``close`` completes the upload, so an
+    aborted one is never visible."""
+
+    def __init__(self, upload: Any, counters: IOCounters) -> None:
+        self._up, self.counters = upload, counters
+
+    def write(self, data: bytes) -> None:
+        self._up.write(data)  # (a new buffer per block: the upload reads it when it sends the part)
+        self.counters.bytes_written += len(data)
+
+    def close(self) -> None:
+        self._up.close()
+        self.counters.files_written += 1
+
+    def abort(self) -> None:
+        self._up = None
+
+
 class ObjectStoreWriter(StorageWriter):
     """Per-rank safetensors objects streamed under a save prefix unique to this save, published
     by the conditional write of the commit object (module docstring)."""
@@ -310,7 +329,14 @@ class ObjectStoreWriter(StorageWriter):
     def commit(self, metadata: Metadata) -> None:
         if metadata.index is not None:  # format v2: the chunk index first, metadata.json after it
             self.bucket.put(self._key(INDEX_FILE), index_bytes(metadata.index))
-        body = metadata.to_json().encode()
+        self.commit_copy(metadata, metadata.to_json().encode())
+
+    def open_sink(self, name: str, size: int) -> "_UploadSink":
+        check_file_name(name)
+        self._written.append(self._key(name))
+        return _UploadSink(self.bucket.writer(self._key(name), size), self.counters)
+
+    def commit_copy(self, metadata: Metadata, body: bytes) -> None:
         self.bucket.put(self._key(METADATA_FILE), body)
         doc = {"format": _COMMIT_FORMAT, "version": 1, "data": self.save_id, "metadata_size": len(body),
                "metadata_checksum": digest(body), "extra": dict(metadata.extra or {})}

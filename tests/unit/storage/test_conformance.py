@@ -329,3 +329,33 @@ def test_verify_and_digests_read_many_tensors_per_request(store):
         assert reader.counters.extra["store_requests"] <= 10, reader.counters.extra  # 150 tensors
     report = tools.verify(path)
     assert report.ok and report.files_checked >= 1, report.problems
+
+
+def test_a_committed_checkpoint_is_copied_verified_and_committed_there(store, tmp_path):
+    """``copy_checkpoint`` (a fast tier's drain): the copy loads bitwise and verifies; a local file
+    changed after its commit is caught while it is copied and nothing is published there."""
+    src = tmp_path / "fast" / "ck"
+    dcp.save(_state(4), checkpoint_id=src)
+    dst = join(store.root, "durable")
+    md = dcp.copy_checkpoint(src, dst)
+    assert sorted(md.files) == ["rank00000.objects.json", "rank00000.safetensors"]
+    got = _zeros()
+    dcp.load(got, checkpoint_id=dst)
+    _equal(_state(4), got)
+    assert tools.verify(dst).ok
+    with pytest.raises(dcp.CheckpointExistsError):
+        dcp.copy_checkpoint(src, dst)  # refused, as a save of an existing name is
+
+    f = src / "rank00000.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0x40  # one bit of the last tensor's bytes
+    f.write_bytes(bytes(raw))
+    bad = join(store.root, "bad")
+    with pytest.raises(dcp.CorruptCheckpointError, match="rank00000.safetensors: checksum .* differs"):
+        dcp.copy_checkpoint(src, bad)
+    with pytest.raises(dcp.CheckpointNotFoundError):
+        dcp.read_metadata(bad)
+    if store.kind != "local":
+        assert [k for k in store.keys("bad") if not k.endswith("/.lease")] == []
+    else:
+        assert not [n for n in os.listdir(store.root) if "bad" in n]

@@ -1,0 +1,185 @@
+"""Copy a committed checkpoint to another store, verified, committed there by that store's own
+commit: how a fast tier (a local directory) is drained to a durable one (a bucket, a shared file
+system) without staging the state from the device a second time.
+
+Every rank copies the files its rank wrote (``FileMeta.rank``, modulo this world size), reading
+each once: the bytes go to the destination as they are read and, in the same pass, every entry's
+digest is recomputed, so a file whose checksum differs from the one ``metadata.json`` records is
+never completed there. Rank 0 copies the chunk index (verified the same way) and publishes the
+destination with ``metadata.json`` last, through the destination writer's commit (a rename, or
+the bucket's conditional commit object). A failure on any rank is the same error on every rank and
+nothing is published.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import xxhash
+
+from .async_persist import AsyncSaveResponse
+from .comm.collectives import Comm, gloo_group
+from .core.errors import CorruptCheckpointError, MetadataError
+from .core.rafile import open_regular
+from .core.utils import get_logger
+from .format.checksums import digest, file_checksum
+from .format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name
+from .format.safetensors_io import parse_header
+from .storage.checkpoint_io import open_reader, open_writer
+from .storage.interfaces import StorageWriter
+from .storage.location import is_local
+
+log = get_logger(__name__)
+
+COPY_BLOCK = 8 << 20
+Timeout = float | _dt.timedelta | None
+
+
+def copy_verified(src_dir: str, name: str, size: int, checksum: str, sink: Any) -> int:
+    """Stream ``src_dir/name`` into ``sink`` (``write``/``close``/``abort``), recomputing its
+    checksum as recorded (a safetensors file: its header and each entry's digest; any other file:
+    the digest of its bytes). ``sink.close()`` only when it matches; returns the bytes copied."""
+    full = os.path.join(src_dir, name)
+    fd = open_regular(full)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise CorruptCheckpointError(f"{full}: {actual} bytes, metadata.json records {size}; not copied")
+        if name.endswith(".safetensors"):
+            raw, entries = parse_header(name, size, lambda n, off: os.pread(fd, n, off))
+            spans = [(e.byte_offset, e.byte_offset + e.nbytes) for e in entries]
+        else:
+            raw, spans = None, [(0, size)]
+        hashers = [xxhash.xxh3_64() for _ in spans]
+        pos, i = 0, 0
+        try:
+            while pos < size:
+                block = os.pread(fd, min(COPY_BLOCK, size - pos), pos)
+                if not block:
+                    raise CorruptCheckpointError(f"{full}: ended at {pos} of {size} bytes while being copied")
+                end = pos + len(block)
+                j = i
+                while j < len(spans) and spans[j][0] < end:  # every entry this block touches
+                    lo, hi = max(spans[j][0], pos), min(spans[j][1], end)
+                    if hi > lo:
+                        hashers[j].update(memoryview(block)[lo - pos: hi - pos])
+                    if spans[j][1] <= end:
+                        i = j + 1
+                    j += 1
+                sink.write(block)
+                pos = end
+            digests = [h.hexdigest() for h in hashers]
+            got = file_checksum(raw, digests) if raw is not None else (digests[0] if digests else digest(b""))
+            if got != checksum:
+                raise CorruptCheckpointError(f"{full}: checksum {got} differs from the {checksum} metadata.json "
+                                             f"records (changed since it was committed); not copied")
+        except BaseException:
+            sink.abort()
+            raise
+        sink.close()
+        return size
+    finally:
+        os.close(fd)
+
+
+def copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = None, timeout: Timeout = None,
+                    store_options: Any = None, fsync: bool = True, overwrite: bool = False,
+                    writer: StorageWriter | None = None) -> Metadata:
+    """Copy the committed checkpoint ``src`` (a local directory every rank sees) to ``dst`` (a
+    directory or a store URI); every rank of ``process_group`` calls it (one rank works alone).
+    Each file is verified against its recorded checksum while it is copied; ``dst`` is committed
+    by its storage's commit, so it is either the whole verified checkpoint or not there. Returns
+    the copied checkpoint's metadata."""
+    src = os.fspath(src)
+    if not is_local(src):
+        raise MetadataError(f"copy_checkpoint reads a local directory, not {src}")
+    comm = Comm.create(process_group, timeout)
+    writer = writer or open_writer(dst, fsync=fsync, store_options=store_options)
+
+    def read_text() -> str:
+        reader = open_reader(src, "hpdcp")
+        try:
+            return reader.read_metadata_text()
+        finally:
+            reader.close()
+
+    text = comm.agree_root("copy: metadata", read_text)
+    md = Metadata.from_json(text, source=os.path.join(src, METADATA_FILE),
+                            open_file=lambda name: open_regular(os.path.join(src, check_file_name(name))))
+    token = None
+    try:
+        token = comm.agree_root("copy: begin", lambda: writer.begin(overwrite=overwrite))
+        writer.attach(token, rank=comm.rank, world_size=comm.world_size)
+        mine: list[FileMeta] = [f for n, f in sorted(md.files.items()) if f.rank % comm.world_size == comm.rank]
+
+        def copy_mine() -> int:
+            return sum(copy_verified(src, f.name, f.size, f.checksum, writer.open_sink(f.name, f.size)) for f in mine)
+
+        comm.agree("copy: files", copy_mine)
+
+        def commit() -> None:
+            if md.index is not None:
+                rec = md.index.recorded
+                copy_verified(src, rec["file"], rec["size"], rec["checksum"], writer.open_sink(rec["file"], rec["size"]))
+            writer.commit_copy(md, text.encode())
+
+        comm.agree_root("copy: commit", commit)
+    except BaseException:
+        if comm.rank == 0 and token is not None:
+            writer.abort()
+        writer.discard_own()
+        raise
+    return md
+
+
+_LOCK = threading.Lock()
+_IN_FLIGHT: AsyncSaveResponse | None = None
+
+
+def async_copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = None, timeout: Timeout = None,
+                          callback: Callable[[Metadata], None] | None = None, **kwargs: Any) -> AsyncSaveResponse:
+    """``copy_checkpoint`` in a background thread on a gloo group of its own (so it runs beside
+    training and beside async saves); every rank calls it in the same order. At most one copy is
+    in flight per process: a second first waits for the first. ``callback(metadata)`` runs after
+    the destination commits. Returns the handle ``async_save`` returns."""
+    global _IN_FLIGHT
+    wait_for_copies()
+    group = None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        group = gloo_group(process_group or dist.group.WORLD, timeout, "drain")
+    response = AsyncSaveResponse(str(dst), 0.0)
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            md = copy_checkpoint(src, dst, process_group=group, timeout=None if group is not None else timeout,
+                                 **kwargs)
+            response.persist_seconds = time.perf_counter() - t0
+            if callback is not None:
+                callback(md)
+            response._future.set_result(md)
+        except BaseException as e:
+            response.persist_seconds = time.perf_counter() - t0
+            response._future.set_exception(e)
+            log.error("copy of %s to %s failed: %s: %s", src, dst, type(e).__name__, e)
+
+    thread = threading.Thread(target=run, name="hpdcp-drain", daemon=False)
+    response._thread = thread
+    with _LOCK:
+        _IN_FLIGHT = response
+    thread.start()
+    return response
+
+
+def wait_for_copies(timeout: float | None = None) -> None:
+    """Block until this process's in-flight background copy (if any) finished; never raises."""
+    with _LOCK:
+        pending = _IN_FLIGHT
+    if pending is not None:
+        pending.wait(timeout)
