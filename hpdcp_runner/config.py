@@ -190,6 +190,17 @@ class ModelConf:
 
 
 @dataclass
+class FastTierConf:
+    """``checkpoint.fast_tier``: saves commit to a fast directory first (a local NVMe or RAM disk
+    that every rank of the job sees) and return; every ``drain_every``-th is then copied, verified,
+    to ``checkpoint.dir`` (the durable tier: a bucket or a shared file system) in the background."""
+
+    dir: Optional[str] = None  # null: no fast tier (saves go to checkpoint.dir directly)
+    keep_last: int = 2  # checkpoints kept in the fast tier (0 keeps all); checkpoint.keep_last is the durable tier's
+    drain_every: int = 1  # every k-th save is also copied to checkpoint.dir
+
+
+@dataclass
 class CheckpointConf:
     dir: Optional[str] = None  # null: <run dir>/checkpoints; relative paths: from the launch directory
     # a name, or a series pattern with {step} (step_{step}); a trailing number names the step (step_5)
@@ -200,6 +211,7 @@ class CheckpointConf:
     overwrite: bool = False
     resume: Optional[str] = None  # train: null | latest | <checkpoint path>
     rank_state: str = "reseed"  # train: per-rank RNG when the world size changed: reseed | error
+    fast_tier: FastTierConf = field(default_factory=FastTierConf)  # train: a fast tier drained to checkpoint.dir
 
 
 @dataclass
@@ -514,6 +526,28 @@ def _train_problems(c: Config) -> list[str]:
     return out
 
 
+def _tier_problems(c: Config) -> list[str]:
+    from .dcp.tools import is_local
+
+    t, out = c.checkpoint.fast_tier, []
+    if t.keep_last < 0:
+        out.append(f"checkpoint.fast_tier.keep_last: must be >= 0 (0 keeps all), got {t.keep_last}")
+    if t.drain_every < 1:
+        out.append(f"checkpoint.fast_tier.drain_every: must be >= 1 (every k-th save is drained), got {t.drain_every}")
+    if t.dir is None:
+        return out
+    if not is_local(t.dir):
+        out.append(f"checkpoint.fast_tier.dir: {t.dir} is not a local directory (the fast tier is a local NVMe or "
+                   f"RAM disk; the store goes in checkpoint.dir, the durable tier)")
+    if c.job is not None and c.job.name != "train":
+        out.append(f"checkpoint.fast_tier.dir: only the train job saves through tiers (this is the {c.job.name} job); "
+                   f"drop the key")
+    if c.checkpoint.dir and is_local(c.checkpoint.dir) and is_local(t.dir) and \
+            os.path.abspath(c.checkpoint.dir) == os.path.abspath(t.dir):
+        out.append("checkpoint.fast_tier.dir: the same directory as checkpoint.dir (the durable tier); pick another")
+    return out
+
+
 def _checkpoint_problems(c: Config) -> list[str]:
     name, out = c.checkpoint.name, []
     plain = name.replace("{step}", "")
@@ -570,6 +604,7 @@ def validate_all(cfg: DictConfig, world_size: int) -> tuple[Config, "EngineOptio
     problems += _checkpoint_problems(c)
     if c.checkpoint.keep_last < 0:
         problems.append(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got {c.checkpoint.keep_last}")
+    problems += _tier_problems(c)
     if c.runtime.backend not in ("auto", "gloo", "nccl"):
         problems.append(f"runtime.backend: {c.runtime.backend!r} is not auto, gloo or nccl")
     if c.runtime.device not in ("cpu", "cuda"):

@@ -11,7 +11,7 @@ from .api import LoadResult, load, read_metadata, save
 from .async_persist import (AsyncSaveResponse, async_save, release_staging_buffers, start_async_persist,
                             wait_for_async_saves)
 from .comm.broadcast import BroadcastOptions, release_broadcast_groups
-from .drain import async_copy_checkpoint, copy_checkpoint, wait_for_copies
+from .drain import Drainer, copy_checkpoint
 from .core import faults  # noqa: F401  test-only fault points (HPDCP_FAULTS): hpdcp_runner.dcp.faults
 from .core.errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, InsufficientMemoryError,
@@ -37,7 +37,7 @@ LOAD_PLANNERS = {"standard": StandardLoadPlanner, "minimum_rank": MinimumRankLoa
 
 __all__ = [
     "save", "load", "read_metadata", "async_save", "AsyncSaveResponse", "wait_for_async_saves", "start_async_persist",
-    "copy_checkpoint", "async_copy_checkpoint", "wait_for_copies",
+    "copy_checkpoint", "Drainer",
     "release_staging_buffers", "get_optim_state_dict", "set_optim_state_dict", "get_model_state_dict",
     "set_model_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
     "LOAD_PLANNERS", "LoadResult", "Metadata",

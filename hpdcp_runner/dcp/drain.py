@@ -23,6 +23,7 @@ import xxhash
 
 from .async_persist import AsyncSaveResponse
 from .comm.collectives import Comm, gloo_group
+from .core import faults
 from .core.errors import CorruptCheckpointError, MetadataError
 from .core.rafile import open_regular
 from .core.utils import get_logger
@@ -39,11 +40,12 @@ COPY_BLOCK = 8 << 20
 Timeout = float | _dt.timedelta | None
 
 
-def copy_verified(src_dir: str, name: str, size: int, checksum: str, sink: Any) -> int:
+def copy_verified(src_dir: str, name: str, size: int, checksum: str, sink: Any, rank: int = 0) -> int:
     """Stream ``src_dir/name`` into ``sink`` (``write``/``close``/``abort``), recomputing its
     checksum as recorded (a safetensors file: its header and each entry's digest; any other file:
     the digest of its bytes). ``sink.close()`` only when it matches; returns the bytes copied."""
     full = os.path.join(src_dir, name)
+    faults.point("copy.file", rank=rank, path=full)
     fd = open_regular(full)
     try:
         actual = os.fstat(fd).st_size
@@ -117,7 +119,8 @@ def copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = No
         mine: list[FileMeta] = [f for n, f in sorted(md.files.items()) if f.rank % comm.world_size == comm.rank]
 
         def copy_mine() -> int:
-            return sum(copy_verified(src, f.name, f.size, f.checksum, writer.open_sink(f.name, f.size)) for f in mine)
+            return sum(copy_verified(src, f.name, f.size, f.checksum, writer.open_sink(f.name, f.size), comm.rank)
+                       for f in mine)
 
         comm.agree("copy: files", copy_mine)
 
@@ -136,50 +139,83 @@ def copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = No
     return md
 
 
-_LOCK = threading.Lock()
-_IN_FLIGHT: AsyncSaveResponse | None = None
+class Drainer:
+    """Copies committed checkpoints (``copy_checkpoint``) in a background thread, in the order they
+    were submitted, on a gloo group of its own: a fast tier drained to a durable one while training
+    and its async saves go on. Every rank submits the same copies in the same order (they are
+    collectives). Create it in the thread that runs the training collectives (the group is made
+    there); ``submit`` may be called from any thread (an async save's callback)."""
 
+    def __init__(self, *, process_group: Any = None, timeout: Timeout = None, max_waiting: int = 1,
+                 **copy_kwargs: Any) -> None:
+        import torch.distributed as dist
 
-def async_copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = None, timeout: Timeout = None,
-                          callback: Callable[[Metadata], None] | None = None, **kwargs: Any) -> AsyncSaveResponse:
-    """``copy_checkpoint`` in a background thread on a gloo group of its own (so it runs beside
-    training and beside async saves); every rank calls it in the same order. At most one copy is
-    in flight per process: a second first waits for the first. ``callback(metadata)`` runs after
-    the destination commits. Returns the handle ``async_save`` returns."""
-    global _IN_FLIGHT
-    wait_for_copies()
-    group = None
-    import torch.distributed as dist
+        self.group = None
+        if dist.is_available() and dist.is_initialized():
+            self.group = gloo_group(process_group or dist.group.WORLD, timeout, "drain")
+        self.timeout = None if self.group is not None else timeout
+        self.copy_kwargs = copy_kwargs
+        self.max_waiting = max_waiting
+        self.responses: list[AsyncSaveResponse] = []
+        self._queue: list[tuple] = []
+        self._cond = threading.Condition()
+        self._running: str | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="hpdcp-drain", daemon=False)
+        self._thread.start()
 
-    if dist.is_available() and dist.is_initialized():
-        group = gloo_group(process_group or dist.group.WORLD, timeout, "drain")
-    response = AsyncSaveResponse(str(dst), 0.0)
+    def submit(self, src: str, dst: str, callback: Callable[[Metadata], None] | None = None) -> AsyncSaveResponse:
+        """Queue the copy of ``src`` to ``dst``; blocks while ``max_waiting`` copies already wait
+        (a durable store slower than the saves holds the saves back rather than piling up)."""
+        response = AsyncSaveResponse(str(dst), 0.0)
+        response.source = os.fspath(src)  # type: ignore[attr-defined]
+        response._thread = None
+        with self._cond:
+            while len(self._queue) >= self.max_waiting and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise MetadataError("the drainer is closed")
+            self._queue.append((os.fspath(src), dst, callback, response, time.perf_counter()))
+            self.responses.append(response)
+            self._cond.notify_all()
+        return response
 
-    def run() -> None:
-        t0 = time.perf_counter()
-        try:
-            md = copy_checkpoint(src, dst, process_group=group, timeout=None if group is not None else timeout,
-                                 **kwargs)
-            response.persist_seconds = time.perf_counter() - t0
-            if callback is not None:
-                callback(md)
-            response._future.set_result(md)
-        except BaseException as e:
-            response.persist_seconds = time.perf_counter() - t0
-            response._future.set_exception(e)
-            log.error("copy of %s to %s failed: %s: %s", src, dst, type(e).__name__, e)
+    def busy(self) -> set[str]:
+        """Sources queued or being copied (a fast tier's retention must not delete them)."""
+        with self._cond:
+            return {q[0] for q in self._queue} | ({self._running} if self._running else set())
 
-    thread = threading.Thread(target=run, name="hpdcp-drain", daemon=False)
-    response._thread = thread
-    with _LOCK:
-        _IN_FLIGHT = response
-    thread.start()
-    return response
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                src, dst, callback, response, queued = self._queue.pop(0)
+                self._running = src
+                self._cond.notify_all()
+            t0 = time.perf_counter()
+            response.staging_seconds = t0 - queued  # (time it waited behind earlier copies)
+            try:
+                md = copy_checkpoint(src, dst, process_group=self.group, timeout=self.timeout, **self.copy_kwargs)
+                response.persist_seconds = time.perf_counter() - t0
+                if callback is not None:
+                    callback(md)
+                response._future.set_result(md)
+            except BaseException as e:
+                response.persist_seconds = time.perf_counter() - t0
+                response._future.set_exception(e)
+                log.error("copy of %s to %s failed: %s: %s", src, dst, type(e).__name__, e)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
 
-
-def wait_for_copies(timeout: float | None = None) -> None:
-    """Block until this process's in-flight background copy (if any) finished; never raises."""
-    with _LOCK:
-        pending = _IN_FLIGHT
-    if pending is not None:
-        pending.wait(timeout)
+    def close(self, timeout: float | None = None) -> list[AsyncSaveResponse]:
+        """Finish every submitted copy (or fail it), stop the thread; returns every copy's handle."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return list(self.responses)

@@ -29,6 +29,7 @@ from ..dcp import ConfigError, HpdcpError, KeyMismatchError
 from ..dcp.tools import (get_logger, join_location, latest_checkpoint, list_checkpoints, series_outsiders,
                          unrecorded_checkpoints)
 from ..config import checkpoint_series
+from ..tiers import Tiers
 from ..training import Trainer, build_model
 from .context import JobContext
 
@@ -47,14 +48,23 @@ def _state(tr: Trainer, rank: int, losses: dict[int, float], with_rank_state: bo
     return state
 
 
-def _resume_path(ctx: JobContext) -> str | None:
+def _resume_path(ctx: JobContext, tiers: Tiers | None = None) -> str | None:
     """``checkpoint.resume``: a path, or ``latest`` = the newest checkpoint of this job's series
-    (``checkpoint.name``) in ``checkpoint.dir`` by recorded step, never by a number in a name."""
+    (``checkpoint.name``) in ``checkpoint.dir`` by recorded step, never by a number in a name;
+    with a fast tier, the newest in either tier (``tiers.Tiers.latest``)."""
     resume = ctx.cfg.checkpoint.resume
     if not resume:
         return None
     if resume != "latest":
         return ctx.abspath(resume)
+    if tiers is not None:
+        cand = tiers.latest()
+        if cand is None:
+            log.info("checkpoint.resume=latest: no whole checkpoint of series %r in %s or %s; starting at step 0",
+                     ctx.series[1], tiers.fast, tiers.durable)
+            return None
+        log.info("checkpoint.resume=latest: resuming from %s (the %s tier)", cand.path, cand.tier)
+        return cand.path
     ckdir, series = ctx.checkpoint_dir, ctx.series[1]
     path = latest_checkpoint(ckdir, series)
     if path is None:
@@ -136,30 +146,21 @@ def run(ctx: JobContext) -> dict:
     torch.manual_seed(c.model.seed * 1_000_003 + rank)
     ckdir = ctx.checkpoint_dir
     losses: dict[int, float] = {}
-    resumed_from = _resume_path(ctx)
-    rank_state = None
-    if resumed_from:
-        rank_state = _restore(ctx, tr, resumed_from, losses)
-    start = tr.step
-    if job.async_save and job.save_every:
-        dcp.start_async_persist(ctx.engine.async_mode)
-    pending: dcp.AsyncSaveResponse | None = None
-    kill_rank = job.kill_rank if job.kill_rank is not None else ws - 1
-    for _ in ctx.progress(range(start, job.steps), "train", total=job.steps - start):
-        with ctx.metrics.phase("train.step"):
-            loss = tr.train_step()
-        losses[tr.step] = loss
-        log.info("step %d loss %.6f", tr.step, loss)
-        if job.save_every and tr.step % job.save_every == 0:
-            pending = _checkpoint(ctx, tr, losses, ckdir, pending)
-        # the drill kills once: a restarted attempt (torchrun --max-restarts, a requeue) runs on
-        if job.kill_after_step == tr.step and rank == kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT",
-                                                                                   "0") == "0":
-            log.warning("job.kill_after_step=%d: SIGKILL to rank %d", tr.step, rank)
-            os.kill(os.getpid(), signal.SIGKILL)
-    if pending is not None:
-        with ctx.metrics.phase("train.save_wait"):
-            pending.result()
+    tiers = Tiers(ctx) if c.checkpoint.fast_tier.dir else None
+    try:
+        resumed_from = _resume_path(ctx, tiers)
+        rank_state = None
+        if resumed_from:
+            rank_state = _restore(ctx, tr, resumed_from, losses)
+        start = tr.step
+        if job.async_save and job.save_every:
+            dcp.start_async_persist(ctx.engine.async_mode)
+        _loop(ctx, tr, losses, ckdir, tiers)
+        drains = tiers.finish() if tiers is not None else None
+    except BaseException:
+        if tiers is not None:
+            tiers.drainer.close(timeout=ctx.engine.timeout_s)
+        raise
     result: dict[str, Any] = {"start_step": start, "final_step": tr.step, "resumed_from": resumed_from,
                               "rank_state": rank_state, "save_mode": f"async ({ctx.engine.async_mode})" if job.async_save else "sync",
                               "final_loss": losses.get(tr.step),
@@ -173,6 +174,12 @@ def run(ctx: JobContext) -> dict:
             json.dump({"losses": {str(s): v for s, v in sorted(losses.items())}, "layout": c.layout.name,
                        "world_size": ws}, f, indent=1)
         result["losses_file"] = path
+    if tiers is not None:
+        result.update(tiers=tiers.listing(), drains=drains)
+        failed = [n for n, d in (drains or {}).items() if "error" in d]
+        if failed:
+            raise HpdcpError(f"the drains of {', '.join(failed)} to {tiers.durable} (checkpoint.dir) failed: "
+                             f"{drains[failed[0]]['error']}; they are only in the fast tier {tiers.fast}")
     if job.compare_losses:
         cmp = _compare(ctx.abspath(job.compare_losses), {s: v for s, v in losses.items() if s > start}, job.loss_rtol)
         result.update(cmp)
@@ -182,20 +189,53 @@ def run(ctx: JobContext) -> dict:
     return result
 
 
+def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, tiers: Tiers | None) -> None:
+    job, rank, ws = ctx.cfg.job, ctx.info.rank, ctx.info.world_size
+    pending: dcp.AsyncSaveResponse | None = None
+    kill_rank = job.kill_rank if job.kill_rank is not None else ws - 1
+    start = tr.step
+    for _ in ctx.progress(range(start, job.steps), "train", total=job.steps - start):
+        with ctx.metrics.phase("train.step"):
+            loss = tr.train_step()
+        losses[tr.step] = loss
+        log.info("step %d loss %.6f", tr.step, loss)
+        if job.save_every and tr.step % job.save_every == 0:
+            pending = _checkpoint(ctx, tr, losses, ckdir, pending, tiers)
+        # the drill kills once: a restarted attempt (torchrun --max-restarts, a requeue) runs on
+        if job.kill_after_step == tr.step and rank == kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                                                   "0") == "0":
+            log.warning("job.kill_after_step=%d: SIGKILL to rank %d", tr.step, rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+    if pending is not None:
+        with ctx.metrics.phase("train.save_wait"):
+            pending.result()
+
+
 def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str,
-                pending: dcp.AsyncSaveResponse | None) -> dcp.AsyncSaveResponse | None:
-    """Save ``step_<n>``; async saves first collect the previous one's outcome (raising its
-    failure). Retention runs only after a commit, never after a failed save."""
+                pending: dcp.AsyncSaveResponse | None, tiers: Tiers | None) -> dcp.AsyncSaveResponse | None:
+    """Save ``step_<n>`` (to the fast tier when there is one); async saves first collect the
+    previous one's outcome (raising its failure). Retention (and a tier's drain) runs only after
+    a commit, never after a failed save."""
     if pending is not None:
         with ctx.metrics.phase("train.save_wait"):
             pending.result()
     series = ctx.series[1]
     name = checkpoint_series(series, tr.step)[0]
-    path = join_location(ckdir, name)
+    directory = tiers.fast if tiers is not None else ckdir
+    path = join_location(directory, name)
     state = _state(tr, ctx.info.rank, losses)
+    step, index = tr.step, tr.step // ctx.cfg.job.save_every
+
+    def committed(md: Any = None) -> None:
+        if tiers is not None:
+            tiers.committed(name, step, index)
+        else:
+            ctx.apply_retention(ckdir, series, name)
+
+    key = "checkpoint.fast_tier.dir" if tiers is not None else "checkpoint.dir"
     if ctx.cfg.job.async_save:
-        return ctx.async_save(state, path, phase="train.save_blocking", series=(series, tr.step),
-                              callback=lambda md: ctx.apply_retention(ckdir, series, name))
-    ctx.save(state, path, phase="train.save", series=(series, tr.step))
-    ctx.apply_retention(ckdir, series, name)
+        return ctx.async_save(state, path, phase="train.save_blocking", series=(series, tr.step), callback=committed,
+                              key=key)
+    ctx.save(state, path, phase="train.save", series=(series, tr.step), key=key)
+    committed()
     return None

@@ -119,7 +119,7 @@ def test_public_surface_is_the_documented_one():
     assert sorted(dcp.__all__) == sorted([
         "save", "load", "read_metadata", "async_save", "AsyncSaveResponse", "wait_for_async_saves",
         "release_staging_buffers", "start_async_persist", "PersistProcessError", "copy_checkpoint",
-        "async_copy_checkpoint", "wait_for_copies", "get_optim_state_dict", "set_optim_state_dict", "get_model_state_dict",
+        "Drainer", "get_optim_state_dict", "set_optim_state_dict", "get_model_state_dict",
         "set_model_state_dict", "BroadcastOptions", "release_broadcast_groups", "MinimumRankLoadPlanner",
         "LOAD_PLANNERS", "LoadResult", "Metadata", "SavePlanner", "LoadPlanner", "StandardSavePlanner",
         "MinimumRankSavePlanner", "StandardLoadPlanner", "StorageWriter", "StorageReader", "FileSystemWriter",

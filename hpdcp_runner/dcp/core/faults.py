@@ -15,6 +15,8 @@ with ``rank`` and ``path`` (the checkpoint's final path): ``save.plan`` as a ran
 ``save.written`` after, ``save.commit`` on the coordinator before the commit. Storage level, with
 ``path`` (the file or directory): ``file.write`` before each tensor is written, ``file.fsync``
 before a file is synced, ``commit.rename`` just before the renames that publish a checkpoint,
+``copy.file`` (also ``rank``) before a drain copies a file (``drain.copy_checkpoint``),
+``persist.write`` (``rank``) in a persisting process before it writes (``async_save(mode="process")``),
 ``retention.delete`` between renaming a checkpoint to trash and deleting it, ``load.read`` (also
 ``file``, ``rank``) before each read of a checkpoint file.
 
