@@ -9,6 +9,7 @@ rank, else the next newest (the durable tier's when a node's fast tier is gone).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +81,7 @@ class Tiers:
         e = ctx.engine
         self.drainer = dcp.Drainer(timeout=e.timeout_s, store_options=e.store, fsync=e.fsync,
                                    overwrite=c.overwrite)
-        self.drained: dict[str, str] = {}
+        self.durable_after: dict[str, float] = {}
 
     def candidates(self) -> list[Candidate]:
         """Rank 0's listing of both tiers, newest step first, the fast tier first on a tie."""
@@ -105,19 +106,19 @@ class Tiers:
                         "newest", cand.path, f" (here: {why})" if why else "")
         return None
 
-    def committed(self, name: str, step: int, save_index: int) -> None:
+    def committed(self, name: str, step: int, save_index: int, started: float | None = None) -> None:
         """After the fast tier committed ``name`` (any thread): its retention, then the drain if due."""
         if self.rank == 0 and self.keep_fast > 0:
             busy = {os.path.basename(p) for p in self.drainer.busy()}
             apply_retention(self.fast, self.keep_fast, series=self.series, keep=busy | {name})
         if save_index % self.every:
             return
-        self.drained[name] = "queued"
         self.drainer.submit(os.path.join(self.fast, name), join_location(self.durable, name),
-                            callback=lambda md: self._landed(name))
+                            callback=lambda md: self._landed(name, started))
 
-    def _landed(self, name: str) -> None:
-        self.drained[name] = "durable"
+    def _landed(self, name: str, started: float | None) -> None:
+        if started is not None:  # from the start of the save to its commit in the durable tier
+            self.durable_after[name] = time.perf_counter() - started
         if self.rank == 0 and self.keep_durable > 0:
             apply_retention(self.durable, self.keep_durable, series=self.series, keep=[name])
 
@@ -132,6 +133,8 @@ class Tiers:
             if err is None:
                 outcome[name] = {"tier": "durable", "seconds": round(r.persist_seconds or 0.0, 4),
                                  "waited_s": round(r.staging_seconds, 4)}
+                if name in self.durable_after:
+                    outcome[name]["durable_after_s"] = round(self.durable_after[name], 4)
             else:
                 outcome[name] = {"tier": "fast only", "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
                 failed.append(name)

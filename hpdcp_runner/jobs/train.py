@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import torch
 
 from .. import dcp
 from ..dcp import ConfigError, HpdcpError, KeyMismatchError
-from ..dcp.tools import (get_logger, join_location, latest_checkpoint, list_checkpoints, series_outsiders,
+from ..dcp.tools import (save_in_flight, get_logger, join_location, latest_checkpoint, list_checkpoints, series_outsiders,
                          unrecorded_checkpoints)
 from ..config import checkpoint_series
 from ..tiers import Tiers
@@ -155,7 +156,8 @@ def run(ctx: JobContext) -> dict:
         start = tr.step
         if job.async_save and job.save_every:
             dcp.start_async_persist(ctx.engine.async_mode)
-        _loop(ctx, tr, losses, ckdir, tiers)
+        timeline: dict[str, list] = {"steps": [], "saves": [], "committed": []}
+        _loop(ctx, tr, losses, ckdir, tiers, timeline)
         drains = tiers.finish() if tiers is not None else None
     except BaseException:
         if tiers is not None:
@@ -174,12 +176,22 @@ def run(ctx: JobContext) -> dict:
             json.dump({"losses": {str(s): v for s, v in sorted(losses.items())}, "layout": c.layout.name,
                        "world_size": ws}, f, indent=1)
         result["losses_file"] = path
+        # steps: [step, seconds, 1 if a save or drain ran beside it]; saves: [step, seconds the loop
+        # was blocked]; committed: [step, seconds from the save's start to its commit (with tiers:
+        # the fast tier's)]; durable: [name, seconds from the save's start to the bucket's commit]
+        path = os.path.join(ctx.run_dir, "timeline.json")
+        with open(path, "w") as f:
+            json.dump({**timeline, "durable": [[n, d.get("durable_after_s")] for n, d in (drains or {}).items()]}, f)
+        result["timeline_file"] = path
     if tiers is not None:
         result.update(tiers=tiers.listing(), drains=drains)
         failed = [n for n, d in (drains or {}).items() if "error" in d]
         if failed:
+            exists = "CheckpointExistsError" in drains[failed[0]]["error"]
+            hint = " (to replace what is there, add checkpoint.overwrite=true, or pick another checkpoint.dir)" \
+                if exists else ""
             raise HpdcpError(f"the drains of {', '.join(failed)} to {tiers.durable} (checkpoint.dir) failed: "
-                             f"{drains[failed[0]]['error']}; they are only in the fast tier {tiers.fast}")
+                             f"{drains[failed[0]]['error']}{hint}; they are only in the fast tier {tiers.fast}")
     if job.compare_losses:
         cmp = _compare(ctx.abspath(job.compare_losses), {s: v for s, v in losses.items() if s > start}, job.loss_rtol)
         result.update(cmp)
@@ -189,18 +201,31 @@ def run(ctx: JobContext) -> dict:
     return result
 
 
-def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, tiers: Tiers | None) -> None:
+def _busy(tiers: Tiers | None) -> bool:
+    """A checkpoint is being written or drained in the background now."""
+    return save_in_flight() or (tiers is not None and bool(tiers.drainer.busy()))
+
+
+def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, tiers: Tiers | None,
+          timeline: dict[str, list]) -> None:
+    """The training steps and their saves; ``timeline`` gets each step's seconds and whether a
+    save or drain ran beside it, and each save's blocking seconds (what a benchmark compares)."""
     job, rank, ws = ctx.cfg.job, ctx.info.rank, ctx.info.world_size
     pending: dcp.AsyncSaveResponse | None = None
     kill_rank = job.kill_rank if job.kill_rank is not None else ws - 1
     start = tr.step
     for _ in ctx.progress(range(start, job.steps), "train", total=job.steps - start):
+        busy = _busy(tiers)
+        t0 = time.perf_counter()
         with ctx.metrics.phase("train.step"):
             loss = tr.train_step()
+        timeline["steps"].append([tr.step, round(time.perf_counter() - t0, 6), int(busy or _busy(tiers))])
         losses[tr.step] = loss
         log.info("step %d loss %.6f", tr.step, loss)
         if job.save_every and tr.step % job.save_every == 0:
-            pending = _checkpoint(ctx, tr, losses, ckdir, pending, tiers)
+            t0 = time.perf_counter()
+            pending = _checkpoint(ctx, tr, losses, ckdir, pending, tiers, timeline)
+            timeline["saves"].append([tr.step, round(time.perf_counter() - t0, 6)])
         # the drill kills once: a restarted attempt (torchrun --max-restarts, a requeue) runs on
         if job.kill_after_step == tr.step and rank == kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                                                    "0") == "0":
@@ -212,10 +237,12 @@ def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, ti
 
 
 def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str,
-                pending: dcp.AsyncSaveResponse | None, tiers: Tiers | None) -> dcp.AsyncSaveResponse | None:
+                pending: dcp.AsyncSaveResponse | None, tiers: Tiers | None,
+                timeline: dict[str, list]) -> dcp.AsyncSaveResponse | None:
     """Save ``step_<n>`` (to the fast tier when there is one); async saves first collect the
     previous one's outcome (raising its failure). Retention (and a tier's drain) runs only after
     a commit, never after a failed save."""
+    started = time.perf_counter()
     if pending is not None:
         with ctx.metrics.phase("train.save_wait"):
             pending.result()
@@ -227,8 +254,9 @@ def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: s
     step, index = tr.step, tr.step // ctx.cfg.job.save_every
 
     def committed(md: Any = None) -> None:
+        timeline["committed"].append([step, round(time.perf_counter() - started, 6)])
         if tiers is not None:
-            tiers.committed(name, step, index)
+            tiers.committed(name, step, index, started)
         else:
             ctx.apply_retention(ckdir, series, name)
 

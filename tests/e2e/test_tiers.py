@@ -36,6 +36,20 @@ def test_a_fast_tier_drains_to_the_bucket_with_each_tiers_retention(cli, tmp_pat
     assert tools.full_tensor_digests(f"{durable}/step_20") == tools.full_tensor_digests(fast / "step_20")
 
 
+def test_a_killed_persisting_process_fails_the_job_and_publishes_nothing(cli, tmp_path, monkeypatch):
+    """Rank 1's persisting process is SIGKILLed as it writes step_5 (``persist.write`` armed in
+    the persisting processes only): the job stops at its next save, every rank naming rank 1's
+    persisting process, and step_5 was never published (nor any staging left)."""
+    monkeypatch.setenv("HPDCP_FAULTS", "persist.write@1:kill")
+    ck = tmp_path / "ck"
+    r = cli(COMMON + ["dcp.async_mode=process", f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path}/run"], nproc=2)
+    assert r.returncode != 0, _tail(r)
+    assert "rank 1: the persisting process" in r.stderr and "killed by signal 9" in r.stderr, _tail(r)
+    assert "error: PersistProcessError: save: write failed on 1 rank(s): rank 1: the persisting process" in r.stderr, \
+        _tail(r)
+    assert not ck.exists() or sorted(p.name for p in ck.iterdir()) == [], sorted(p.name for p in ck.iterdir())
+
+
 def test_tier_config_errors(cli, tmp_path, s3_bucket):
     r = cli(["+job=train", f"checkpoint.fast_tier.dir={s3_bucket}/x", "checkpoint.fast_tier.drain_every=0",
              f"hydra.run.dir={tmp_path}/x"])

@@ -359,3 +359,19 @@ def test_a_committed_checkpoint_is_copied_verified_and_committed_there(store, tm
         assert [k for k in store.keys("bad") if not k.endswith("/.lease")] == []
     else:
         assert not [n for n in os.listdir(store.root) if "bad" in n]
+
+
+def test_a_process_mode_async_save_writes_from_its_persisting_process(store):
+    """``async_save(mode="process")`` on every store: the persisting process rebuilds the store's
+    writer from the URI (and the process's credentials) and its files load bitwise."""
+    from hpdcp_runner.dcp import persister
+
+    path = join(store.root, "proc")
+    try:
+        dcp.async_save(_state(5), checkpoint_id=path, mode="process").result(timeout=120)
+        assert persister.persister().alive()
+    finally:
+        persister.shutdown()
+    got = _zeros()
+    dcp.load(got, checkpoint_id=path)
+    _equal(_state(5), got)
