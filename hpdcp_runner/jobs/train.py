@@ -177,7 +177,7 @@ def run(ctx: JobContext) -> dict:
                        "world_size": ws}, f, indent=1)
         result["losses_file"] = path
         # steps: [step, seconds, 1 if a save or drain ran beside it]; saves: [step, seconds the loop
-        # was blocked]; committed: [step, seconds from the save's start to its commit (with tiers:
+        # was blocked, of which copying the state (async)]; committed: [step, seconds from the save's start to its commit (with tiers:
         # the fast tier's)]; durable: [name, seconds from the save's start to the bucket's commit]
         path = os.path.join(ctx.run_dir, "timeline.json")
         with open(path, "w") as f:
@@ -225,7 +225,8 @@ def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, ti
         if job.save_every and tr.step % job.save_every == 0:
             t0 = time.perf_counter()
             pending = _checkpoint(ctx, tr, losses, ckdir, pending, tiers, timeline)
-            timeline["saves"].append([tr.step, round(time.perf_counter() - t0, 6)])
+            staged = pending.staging_seconds if pending is not None else None
+            timeline["saves"].append([tr.step, round(time.perf_counter() - t0, 6), staged])
         # the drill kills once: a restarted attempt (torchrun --max-restarts, a requeue) runs on
         if job.kill_after_step == tr.step and rank == kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                                                    "0") == "0":
