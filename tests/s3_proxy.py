@@ -33,6 +33,7 @@ class Proxy:
         self.strip_conditions = False  # forward without If-None-Match / If-Match (a store that ignores them)
         self.only: str | None = None  # faults apply to methods of this name only (None: all)
         self.requests = 0
+        self.log: list[tuple[str, str]] = []  # (method, path with query) of every request, in order
         self.last_authorization = ""  # to check which credentials a client signed with
         self.faults_served = 0
         self._bucket = _TokenBucket(bandwidth_bps) if bandwidth_bps else None
@@ -84,6 +85,7 @@ class Proxy:
             self._pace(len(body))
         with self.lock:
             self.requests += 1
+            self.log.append((h.command, h.path))
             self.last_authorization = h.headers.get("Authorization", "")
             applies = self.only is None or self.only == h.command
             fault = self.fail.pop(0) if self.fail and applies else None

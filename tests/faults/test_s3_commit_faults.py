@@ -411,3 +411,23 @@ def test_a_commit_claiming_another_step_than_its_metadata_is_not_a_member(s3_end
         client.put_object(Bucket=b, Key=k.replace("step_2", "step_7"), Body=body)
     assert latest_checkpoint(root, "step_{step}") == f"{root}/step_2"
     assert apply_retention(root, 2, series="step_{step}") == []
+
+
+def test_a_save_of_a_new_name_costs_few_round_trips(proxied):
+    """Counted at the proxy, as the store sees them (issue 38: the commit's round trips): a save of
+    a new name lists the name once (no GET of a commit, no HEAD of an uploaded directory, no HEAD
+    for the store's clock when nothing is old enough to collect), writes its lease, its rank file,
+    its index and metadata beside one listing that checks the rank files, then the commit."""
+    p, bucket = proxied
+    dcp.save(_sd(0), checkpoint_id=f"{bucket}/warm")  # the once-per-process probe of conditional writes
+    p.log.clear()
+    dcp.save(_sd(3), checkpoint_id=f"{bucket}/new")
+    methods = [m for m, _ in p.log]
+    lists = [path for m, path in p.log if m == "GET" and "list-type" in path]
+    assert "HEAD" not in methods and len(lists) == 2, p.log  # begin's listing, the commit's check
+    assert [m for m in methods if m == "GET"] == ["GET", "GET"], p.log  # nothing but the two listings
+    puts = [path.split("?")[0].rsplit("/", 1)[-1] for m, path in p.log if m == "PUT"]
+    assert sorted(puts) == sorted([".lease", "rank00000.safetensors", "rank00000.objects.json",
+                                   "chunk_index.safetensors", "metadata.json", "hpdcp-commit.json"]), p.log
+    assert len(p.log) == 8, p.log
+    assert _loads_as(f"{bucket}/new", 3)

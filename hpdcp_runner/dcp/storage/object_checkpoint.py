@@ -34,6 +34,7 @@ import shutil
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -123,21 +124,24 @@ def _commit_disagrees(bucket: Bucket, key: str, doc: dict) -> str | None:
     return None
 
 
-def clean_orphans(bucket: Bucket, name_key: str, commit: tuple[dict, dict] | None, now: _dt.datetime,
-                  own: str | None = None) -> list[str]:
+def clean_orphans(bucket: Bucket, name_key: str, commit: tuple[dict, dict] | None,
+                  now: _dt.datetime | Callable[[], _dt.datetime], own: str | None = None,
+                  listing: Iterable[dict] | None = None) -> list[str]:
     """Delete the save prefixes under ``name_key`` that ``commit`` (its ``read_commit``) does not
     name and nothing touched for ``orphan_grace_s`` (a live save refreshes its lease; a
     superseded checkpoint is kept that long after the commit that replaced it, for loads still
     reading it), ages judged against ``now`` on the store's clock (:func:`server_now`). Only a
     prefix holding our lease object is ours to delete: a user's own ``save-*`` folder never is.
-    ``own``: the caller's own save, never collected. Returns them."""
+    ``own``: the caller's own save, never collected. ``now`` may be a function, asked only when
+    some prefix is a candidate (a save of a new name pays no request for the clock);
+    ``listing``: ``bucket.list(name_key)`` when the caller has it. Returns them."""
     grace = _dt.timedelta(seconds=bucket.options.orphan_grace_s)
     current = commit[0]["data"] if commit else None
     commit_time = commit[1]["last_modified"] if commit else None
     newest: dict[str, _dt.datetime] = {}
     keys: dict[str, list[str]] = {}
     leased: set[str] = set()
-    for o in bucket.list(name_key):
+    for o in bucket.list(name_key) if listing is None else listing:
         rel = o["path"][len(name_key) + 1:]
         prefix = rel.split("/", 1)[0]
         if not prefix.startswith(SAVE_PREFIX) or "/" not in rel:
@@ -147,6 +151,8 @@ def clean_orphans(bucket: Bucket, name_key: str, commit: tuple[dict, dict] | Non
         if rel == f"{prefix}/{LEASE_OBJECT}":
             leased.add(prefix)
     gone = []
+    if callable(now) and any(p not in (current, own) and p in leased for p in newest):
+        now = now()
     for prefix, when in newest.items():
         if prefix in (current, own) or prefix not in leased or now - when < grace:
             continue
@@ -266,8 +272,12 @@ class ObjectStoreWriter(StorageWriter):
         return f"{self.name_key}/{self.save_id}/{name}"
 
     def begin(self, *, overwrite: bool) -> str:
-        got = read_commit(self.bucket, self.name_key)
-        uploaded = got is None and self.bucket.head(f"{self.name_key}/{METADATA_FILE}") is not None
+        # one listing of the name says whether a commit or an uploaded directory is there (a save
+        # of a new name reads nothing else) and feeds the clean-up of abandoned saves below
+        listing = list(self.bucket.list(self.name_key))
+        names = {o["path"][len(self.name_key) + 1:] for o in listing}
+        got = read_commit(self.bucket, self.name_key) if COMMIT_OBJECT in names else None
+        uploaded = got is None and METADATA_FILE in names
         if (got is not None or uploaded) and not overwrite:  # an uploaded directory is a checkpoint too
             raise CheckpointExistsError(f"checkpoint {self.uri} already exists; pass overwrite=True to replace it "
                                         f"(the old one stays loadable until the new one commits)")
@@ -277,8 +287,9 @@ class ObjectStoreWriter(StorageWriter):
         check_conditional_writes(self.bucket, self._key(".probe"))
         self._lease = _Lease(self.bucket, self._key(LEASE_OBJECT))
         # the lease's own time is "now" on the store's clock (never this machine's)
-        clean_orphans(self.bucket, self.name_key, got, server_now(self.bucket, self._key(LEASE_OBJECT), written=True),
-                      own=self.save_id)
+        clean_orphans(self.bucket, self.name_key, got,
+                      lambda: server_now(self.bucket, self._key(LEASE_OBJECT), written=True), own=self.save_id,
+                      listing=listing)
         return self.save_id
 
     def attach(self, token: str, *, rank: int, world_size: int) -> None:
@@ -327,9 +338,8 @@ class ObjectStoreWriter(StorageWriter):
         self.counters.files_written += 1
 
     def commit(self, metadata: Metadata) -> None:
-        if metadata.index is not None:  # format v2: the chunk index first, metadata.json after it
-            self.bucket.put(self._key(INDEX_FILE), index_bytes(metadata.index))
-        self.commit_copy(metadata, metadata.to_json().encode())
+        index = index_bytes(metadata.index) if metadata.index is not None else None  # format v2: the chunk index
+        self._commit(metadata, metadata.to_json().encode(), index)
 
     def open_sink(self, name: str, size: int) -> "_UploadSink":
         check_file_name(name)
@@ -337,25 +347,41 @@ class ObjectStoreWriter(StorageWriter):
         return _UploadSink(self.bucket.writer(self._key(name), size), self.counters)
 
     def commit_copy(self, metadata: Metadata, body: bytes) -> None:
-        self.bucket.put(self._key(METADATA_FILE), body)
-        doc = {"format": _COMMIT_FORMAT, "version": 1, "data": self.save_id, "metadata_size": len(body),
-               "metadata_checksum": digest(body), "extra": dict(metadata.extra or {})}
+        self._commit(metadata, body, None)
+
+    def _commit(self, metadata: Metadata, body: bytes, index: bytes | None) -> None:
+        """The chunk index (if given) and ``metadata.json`` written while this save's prefix is
+        listed to check every rank's files (one round trip for the three), then the conditional
+        commit object: two round trips on the commit's critical path, not four."""
         key = f"{self.name_key}/{COMMIT_OBJECT}"
-        faults.point("commit.rename", path=self.uri)  # the one step that publishes (as the rename does locally)
         try:
-            self._check_complete(metadata, body)  # never publish a save whose files are gone
+            # the publishing round starts here (as the rename does locally); the listing below is
+            # as late as before: one round trip before the commit object
+            faults.point("commit.rename", path=self.uri)
+            with ThreadPoolExecutor(3, thread_name_prefix="hpdcp-commit") as pool:
+                puts = [pool.submit(self.bucket.put, self._key(METADATA_FILE), body)]
+                if index is not None:
+                    puts.append(pool.submit(self.bucket.put, self._key(INDEX_FILE), index))
+                listed = pool.submit(self._listed)
+                for f in puts:
+                    f.result()
+                have = listed.result()
+            doc = {"format": _COMMIT_FORMAT, "version": 1, "data": self.save_id, "metadata_size": len(body),
+                   "metadata_checksum": digest(body), "extra": dict(metadata.extra or {})}
+            self._check_complete(metadata, have)  # never publish a save whose files are gone
             self._publish(key, json.dumps(doc, separators=(",", ":")).encode())
         finally:
             self._stop_lease()  # (its object stays: it proves the save ours once superseded)
 
-    def _check_complete(self, metadata: Metadata, body: bytes) -> None:
-        """One listing of this save's prefix: every file the metadata names is there at its
-        recorded size (another process may have deleted them: a commit naming them would publish
-        a checkpoint that does not load)."""
+    def _listed(self) -> dict[str, int]:
         base = f"{self.name_key}/{self.save_id}/"
-        have = {o["path"][len(base):]: o["size"] for o in self.bucket.list(base.rstrip("/"))}
+        return {o["path"][len(base):]: o["size"] for o in self.bucket.list(base.rstrip("/"))}
+
+    def _check_complete(self, metadata: Metadata, have: dict[str, int]) -> None:
+        """Every rank file the metadata names is in this save's prefix (``have``: its listing) at
+        its recorded size (another process may have deleted them: a commit naming them would
+        publish a checkpoint that does not load)."""
         want = {n: f.size for n, f in metadata.files.items()}
-        want[METADATA_FILE] = len(body)
         for name, size in sorted(want.items()):
             if have.get(name) != size:
                 got = "missing" if name not in have else f"{have[name]} bytes, not {size}"
