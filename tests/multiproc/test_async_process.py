@@ -92,3 +92,22 @@ def test_process_mode_refuses_a_writer_it_cannot_rebuild(tmp_path):
         persister.WriterSpec.of(_OwnWriter(tmp_path / "x"))
     with pytest.raises(ConfigError, match="thread, process"):
         async_save({"v": torch.ones(2)}, checkpoint_id=tmp_path / "y", mode="fork")
+
+
+def test_tensors_outside_the_staging_go_through_scratch_segments(tmp_path):
+    """A writer given tensors that are not staged buffers (a planner's copies, a direct use of the
+    writer) copies them into scratch segments for the persisting process, and removes them."""
+    from hpdcp_runner.dcp import load, open_writer, save
+
+    state = {"a": torch.arange(40, dtype=torch.float64).reshape(5, 8)[:, ::2], "b": torch.ones(3, dtype=torch.bfloat16),
+             "empty": torch.zeros(0, 3), "n": 7}
+    try:
+        persister.prepare()
+        save(state, storage_writer=persister.ProcessWriter(open_writer(str(tmp_path / "s"))))
+    finally:
+        persister.shutdown()
+    got = {"a": torch.zeros(5, 4, dtype=torch.float64), "b": torch.zeros(3, dtype=torch.bfloat16),
+           "empty": torch.ones(0, 3), "n": 0}
+    load(got, checkpoint_id=tmp_path / "s")
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"]) and got["n"] == 7
+    assert glob.glob(os.path.join(persister.shm_dir(), f"hpdcp-stage-{os.getpid()}-*")) == []
