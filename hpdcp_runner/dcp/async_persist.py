@@ -95,10 +95,9 @@ def release_staging_buffers() -> None:
     process-mode save's persisting process."""
     wait_for_async_saves()
     _BUFFERS.clear()
-    import sys
+    from . import persister
 
-    if "hpdcp_runner.dcp.persister" in sys.modules:
-        sys.modules["hpdcp_runner.dcp.persister"].shutdown()
+    persister.shutdown()
 
 
 class AsyncSaveResponse:
@@ -160,11 +159,15 @@ def wait_for_async_saves(timeout: float | None = None) -> None:
 MODES = ("thread", "process")
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"async_save mode must be one of {', '.join(MODES)}, got {mode!r}")
+
+
 def start_async_persist(mode: str) -> None:
     """Start what ``async_save(mode=...)`` persists with ahead of the first save (``process``: the
     persisting process, which takes a second or two to import torch), so that save does not wait."""
-    if mode not in MODES:
-        raise ConfigError(f"async_save mode must be one of {', '.join(MODES)}, got {mode!r}")
+    _check_mode(mode)
     if mode == "process":
         from . import persister
 
@@ -189,8 +192,7 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
 
     if "timer" in save_kwargs:
         raise ConfigError("async_save takes no timer (the save runs in another thread)")
-    if mode not in MODES:
-        raise ConfigError(f"async_save mode must be one of {', '.join(MODES)}, got {mode!r}")
+    _check_mode(mode)
     _check_extra(save_kwargs.get("extra"))  # refused now, in the caller's thread, not in the background
     wait_for_async_saves()  # one in flight at a time: the staging buffers are reused
     t0 = time.perf_counter()

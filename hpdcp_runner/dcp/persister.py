@@ -42,6 +42,7 @@ from .core.errors import ConfigError, HpdcpError, PersistProcessError
 from .core.utils import get_logger
 from .format.metadata import WriteResult, dtype_from_name, dtype_name
 from .staging import StagingBuffers
+from .storage.commit import pid_alive
 from .storage.interfaces import StorageWriter
 
 log = get_logger(__name__)
@@ -59,16 +60,6 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clear_stale_segments(directory: str | None = None) -> list[str]:
     """Remove segment files whose training process is gone (killed before handing them over)."""
     removed = []
@@ -77,7 +68,7 @@ def clear_stale_segments(directory: str | None = None) -> list[str]:
             pid = int(os.path.basename(path)[len(_PREFIX):].split("-", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             try:
                 os.unlink(path)
                 removed.append(path)

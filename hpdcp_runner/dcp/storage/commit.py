@@ -84,7 +84,8 @@ def hold_staging_lock(staging: str) -> int:
     return fd
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with ``pid`` still runs (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -118,7 +119,7 @@ def staging_is_abandoned(staging: str, *, unlocked_age_s: float = 3600.0) -> boo
         if len(holder) != 2 or not holder[1].isdigit():
             return True  # free, holder unknown (a lock from before holders were recorded)
         if holder[0] == socket.gethostname():
-            return not _pid_alive(int(holder[1])) or time.time() - os.fstat(fd).st_mtime > unlocked_age_s
+            return not pid_alive(int(holder[1])) or time.time() - os.fstat(fd).st_mtime > unlocked_age_s
         return time.time() - max(os.fstat(fd).st_mtime, _newest_mtime(staging)) > unlocked_age_s
     finally:
         os.close(fd)
