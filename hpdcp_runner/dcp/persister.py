@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import glob
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -270,16 +269,18 @@ class Persister:
                 conn.close()
 
 
-def _error_from(blob: bytes | None, text: str) -> BaseException:
-    """The persisting process's exception, as raised there when it pickles, else one naming it."""
-    if blob is not None:
+def _error_from(kind: str, text: str) -> BaseException:
+    """The persisting process's failure, as the same ``HpdcpError`` class where one takes a
+    message (rebuilt from its name and text: nothing is unpickled), else one naming it."""
+    from .core import errors
+
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, errors.HpdcpError):
         try:
-            e = pickle.loads(blob)
-            if isinstance(e, BaseException):
-                return e
-        except Exception:
+            return cls(text)
+        except TypeError:  # a class with more to say than a message (DistributedError)
             pass
-    return PersistProcessError(f"the persisting process failed: {text}")
+    return PersistProcessError(f"the persisting process failed: {kind}: {text}")
 
 
 _PERSISTER = Persister()
@@ -453,16 +454,11 @@ def _serve(conn: Connection) -> None:
                         segments.pop(p, None)
                 conn.send(("ok", result, writer.counters.as_dict()))
             else:
-                conn.send(("error", None, f"unknown request {op!r}"))
+                conn.send(("error", "PersistProcessError", f"unknown request {op!r}"))
         except BaseException as e:  # the training process raises it
+            log.debug("persisting process: %s: %s\n%s", type(e).__name__, e, traceback.format_exc())
             try:
-                blob = pickle.dumps(e)
-            except Exception:
-                blob = None
-            text = f"{type(e).__name__}: {e}"
-            log.debug("persisting process: %s\n%s", text, traceback.format_exc())
-            try:
-                conn.send(("error", blob, text))
+                conn.send(("error", type(e).__name__, str(e)))
             except OSError:
                 return
 

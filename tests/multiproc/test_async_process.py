@@ -111,3 +111,40 @@ def test_tensors_outside_the_staging_go_through_scratch_segments(tmp_path):
     load(got, checkpoint_id=tmp_path / "s")
     assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"]) and got["n"] == 7
     assert glob.glob(os.path.join(persister.shm_dir(), f"hpdcp-stage-{os.getpid()}-*")) == []
+
+
+def test_a_failure_in_the_persisting_process_arrives_as_the_same_error(tmp_path, monkeypatch):
+    """A full disk met by the persisting process is the StorageAccessError a thread-mode save
+    raises, naming the file (rebuilt from its class name and text, nothing unpickled)."""
+    from hpdcp_runner.dcp import StorageAccessError
+
+    persister.shutdown()
+    monkeypatch.setenv("HPDCP_FAULTS", "file.write:enospc")
+    try:
+        response = async_save({"w": torch.ones(8)}, checkpoint_id=tmp_path / "full", mode="process")
+        with pytest.raises(StorageAccessError, match=r"No space left on device \(.*rank00000.safetensors\)"):
+            response.result(timeout=120)
+    finally:
+        monkeypatch.delenv("HPDCP_FAULTS")
+        persister.shutdown()
+    assert not (tmp_path / "full").exists()
+
+
+def test_every_dtype_of_the_format_round_trips_through_shared_memory(tmp_path):
+    from hpdcp_runner.dcp import load
+    from hpdcp_runner.dcp.tools import DTYPES
+
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, (dt, _) in sorted(DTYPES.items()):
+        raw = torch.randint(0, 2 if dt == torch.bool else 256, (3, 5 * torch.empty((), dtype=dt).element_size()),
+                            dtype=torch.uint8, generator=g)
+        state[name] = raw.view(dt)  # any bit pattern (NaNs too), odd sizes: 3 x 5 elements
+    try:
+        async_save(state, checkpoint_id=tmp_path / "all", mode="process").result(timeout=120)
+    finally:
+        persister.shutdown()
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(got, checkpoint_id=tmp_path / "all")
+    for k in state:
+        assert torch.equal(got[k].view(torch.uint8), state[k].view(torch.uint8)), k
