@@ -36,6 +36,7 @@ def test_a_fast_tier_drains_to_the_bucket_with_each_tiers_retention(cli, tmp_pat
     assert tools.full_tensor_digests(f"{durable}/step_20") == tools.full_tensor_digests(fast / "step_20")
 
 
+@pytest.mark.slow  # the slow tier (CI runs it too); tests/multiproc/test_async_process.py covers it at engine level
 def test_a_killed_persisting_process_fails_the_job_and_publishes_nothing(cli, tmp_path, monkeypatch):
     """Rank 1's persisting process is SIGKILLed as it writes step_5 (``persist.write`` armed in
     the persisting processes only): the job stops at its next save, every rank naming rank 1's
