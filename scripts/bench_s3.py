@@ -19,9 +19,12 @@ Workload: ``--tensors`` fp32 matrices of 1024 x ``--width`` as Shard(0) DTensors
 Cases: save; load (same layout); reshard Shard(0) -> Shard(1) (each rank keeps half of every row
 range: partial reads). Times are the max over ranks, median with min-max over repetitions (sides
 in rotating order); ratio = peer median / ours. "bound": the store itself at the same
-concurrency, measured in the same run: each rank PUTs its share of the bytes as part-sized objects
-(``--concurrency`` at a time), then GETs them back; bound/ours near 1 is the store's speed (the
-reshard's bound is the load's: read/kept says how many more bytes its layout makes a rank fetch).
+concurrency, measured in the same run: each rank uploads its share of the bytes as one object
+(multipart, part-sized parts, ``--concurrency`` in flight), then reads it back in part-sized ranged
+GETs; bound/ours near 1 is the store's speed (the reshard's bound is the load's: read/kept says how
+many more bytes its layout makes a rank fetch). "requests / MiB": requests and body bytes through
+the proxy, all ranks (the proxy sets TCP_NODELAY: with Nagle on, each small reply waited ~40 ms
+for a delayed ACK, which made clients of many small requests look slow).
 Needs the `s3` and `bench` extras (s3fs and s3torchconnector pinned there).
 """
 
@@ -107,28 +110,39 @@ def _peer_io(peer: str, base: str, s3tc_threads: int):
 
 
 def _store_bound(bucket: str, rank: int, nbytes: int, part: int, concurrency: int) -> tuple[float, float]:
-    """(seconds to PUT, seconds to GET) this rank's ``nbytes`` as part-sized objects,
-    ``concurrency`` at a time, through the same client and endpoint as ours."""
+    """(seconds to PUT, seconds to GET) this rank's ``nbytes`` as one object, through the same
+    client and endpoint as ours, with nothing of a checkpoint around it: a multipart upload of
+    ``part``-sized parts, ``concurrency`` in flight (create and complete included: a save of
+    this size needs them), then ``part``-sized ranged GETs of it, ``concurrency`` at a time.
+    (Whole part-sized objects, as this bound was first measured, each paid a store's lazy
+    ETag on its first GET: that bound came out slower than our loads on rclone. The bound leaves out what a store's lazy ETag
+    costs the first request that asks for it: a checkpoint's reads pay that in their listing.)"""
     import obstore
     from obstore.store import S3Store
 
     store = S3Store(bucket, endpoint=os.environ["AWS_ENDPOINT_URL"], region=os.environ["AWS_REGION"],
                     client_options={"allow_http": True})
-    sizes = [min(part, nbytes - a) for a in range(0, nbytes, part)]
-    blob = os.urandom(part)
-    keys = [f"bound/r{rank}/{i}" for i in range(len(sizes))]
+    part = max(5 << 20, min(part, -(-nbytes // concurrency)))  # as ours sizes parts (Bucket.part_for)
+    blob = memoryview(os.urandom(nbytes))
+    key = f"bound/r{rank}-{time.time_ns()}"
+    dist.barrier()
+    t0 = time.perf_counter()
+    with obstore.open_writer(store, key, buffer_size=part, max_concurrency=concurrency) as w:
+        for a in range(0, nbytes, part):
+            w.write(blob[a:a + part])
+    put_s = torch.tensor([time.perf_counter() - t0])
+    # untimed: a store that computes ETags lazily (rclone) does so here, once, not in every first
+    # ranged GET (8 concurrent first GETs of a fresh 64 MiB object took 0.94 s there, 0.16 s after)
+    obstore.head(store, key)
+    dist.barrier()
+    ranges = [(a, min(a + part, nbytes)) for a in range(0, nbytes, part)]
     with cf.ThreadPoolExecutor(concurrency) as pool:
-        dist.barrier()
         t0 = time.perf_counter()
-        list(pool.map(lambda kv: obstore.put(store, kv[0], memoryview(blob)[:kv[1]]), zip(keys, sizes)))
-        put_s = torch.tensor([time.perf_counter() - t0])
-        dist.barrier()
-        t0 = time.perf_counter()
-        list(pool.map(lambda k: obstore.get(store, k).bytes(), keys))
+        list(pool.map(lambda r: obstore.get_range(store, key, start=r[0], end=r[1]), ranges))
         get_s = torch.tensor([time.perf_counter() - t0])
     for t in (put_s, get_s):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    obstore.delete(store, keys)
+    obstore.delete(store, key)
     return put_s.item(), get_s.item()
 
 
@@ -204,14 +218,18 @@ def main() -> None:
             if not torch.equal(v.to_local(), distribute_tensor(full[k], mesh, v.placements).to_local()):
                 raise SystemExit(f"rank {rank}: {k} differs after {who}'s load")
 
-    def timed(fn) -> tuple[float, int]:
+    def timed(fn) -> tuple[float, int, int]:
+        """(seconds, max over ranks; requests and body bytes through the proxy, all ranks)."""
         dist.barrier()
-        r0 = proxy.requests if proxy and not a.direct else 0
+        counted = proxy is not None and not a.direct
+        r0, b0 = (proxy.requests, proxy.bytes_in + proxy.bytes_out) if counted else (0, 0)
         t0 = time.perf_counter()
         fn()
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        return dt.item(), (proxy.requests - r0) if proxy and not a.direct else 0
+        if not counted:
+            return dt.item(), 0, 0
+        return dt.item(), proxy.requests - r0, proxy.bytes_in + proxy.bytes_out - b0
 
     sides = ["ours", *a.peers]
     results: dict[str, dict[str, list]] = {}
@@ -315,11 +333,12 @@ def _report(a, ws: int, nbytes: int, server_name: str, results: dict, bounds: li
           f"writer thread_count={a.s3tc_threads}, fsspec writer thread_count=2")
     bound = {"save": [b[0] for b in bounds], "load": [b[1] for b in bounds], "reshard S0->S1": [b[1] for b in bounds]}
     head = ["case", "ours s", *[f"{p} s" for p in a.peers], *[f"{p}/ours" for p in a.peers],
-            "bound s", "bound/ours", "requests ours", *[f"requests {p}" for p in a.peers], "read/kept ours"]
+            "bound s", "bound/ours", "requests / MiB ours", *[f"requests / MiB {p}" for p in a.peers],
+            "read/kept ours"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for case, sides in results.items():
-        t = {s: [x for x, _ in v] for s, v in sides.items() if v}
-        req = {s: v[-1][1] for s, v in sides.items() if v}
+        t = {s: [x[0] for x in v] for s, v in sides.items() if v}
+        req = {s: f"{v[-1][1]} / {v[-1][2] / 2**20:.0f}" for s, v in sides.items() if v}
         o = statistics.median(t["ours"])
         row = [case, med(t["ours"]), *[med(t.get(p, [])) for p in a.peers], *[ratio(p, t, o) for p in a.peers],
                med(bound[case]), f"{statistics.median(bound[case]) / o:.2f}", str(req["ours"]),

@@ -33,6 +33,8 @@ class Proxy:
         self.strip_conditions = False  # forward without If-None-Match / If-Match (a store that ignores them)
         self.only: str | None = None  # faults apply to methods of this name only (None: all)
         self.requests = 0
+        self.bytes_in = 0  # request bodies received (uploads)
+        self.bytes_out = 0  # response bodies sent (downloads)
         self.log: list[tuple[str, str]] = []  # (method, path with query) of every request, in order
         self.last_authorization = ""  # to check which credentials a client signed with
         self.faults_served = 0
@@ -42,6 +44,10 @@ class Proxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # headers and body go out as two writes: with Nagle on, a small body waits for the
+            # client's delayed ACK of the headers (~40 ms per request on Linux loopback, measured),
+            # a cost no real store has and that fell hardest on clients with more small requests
+            disable_nagle_algorithm = True
 
             def log_message(self, *a) -> None:  # quiet
                 pass
@@ -85,6 +91,7 @@ class Proxy:
             self._pace(len(body))
         with self.lock:
             self.requests += 1
+            self.bytes_in += len(body)
             self.log.append((h.command, h.path))
             self.last_authorization = h.headers.get("Authorization", "")
             applies = self.only is None or self.only == h.command
@@ -131,6 +138,8 @@ class Proxy:
         h.send_header("Content-Length", resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data)))
         h.end_headers()
         if h.command != "HEAD":
+            with self.lock:
+                self.bytes_out += len(data)
             if self._bucket or self.conn_bps:
                 for i in range(0, len(data), 1 << 16):
                     self._pace(min(1 << 16, len(data) - i))
