@@ -39,7 +39,8 @@ class StorePrefix(CheckpointFiles):
         self.data: str | None = None if committed else ""  # the pinned save prefix ("" for the prefix itself)
         self.round_bytes = self.bucket.options.read_buffer_bytes
         self._sizes: dict[str, int] | None = None  # one listing of the pinned save
-        self._fetched: dict[str, list[tuple[int, int, Any]]] = {}
+        self._fetched: dict[str, list[tuple[int, int, cf.Future]]] = {}  # (lo, hi, its GET) per file
+        self._pool: cf.ThreadPoolExecutor | None = None  # the round's GETs in flight
         self._samples: list[tuple[int, float]] = []  # (bytes, seconds) of requests: the cost model
         self._arrived = 0
         self._arrived_lock = threading.Lock()
@@ -157,15 +158,19 @@ class StorePrefix(CheckpointFiles):
         return handle.size()
 
     def pread_into(self, handle: RemoteFile, offset: int, view: memoryview, name: str) -> None:
-        """From the ranges fetched ahead when they hold it, else one ranged GET."""
+        """From the ranges fetched ahead when they hold it (waiting for those still in flight),
+        else one ranged GET."""
         n = len(view)
         pieces = self._fetched.get(name, ())
         k = bisect.bisect_right(pieces, (offset, float("inf"))) - 1  # the piece holding ``offset``
         at = offset
         while 0 <= k < len(pieces) and at < offset + n and pieces[k][0] <= at < pieces[k][1]:
-            lo, hi, buf = pieces[k]
+            lo, hi, got = pieces[k]
+            buf = memoryview(got.result())  # (a failed GET raises here, as it would have in fetch)
+            if len(buf) != hi - lo:
+                raise CorruptCheckpointError(f"{self.url}/{name}: short read of bytes {lo}..{hi} (truncated?)")
             take = min(hi, offset + n) - at
-            view[at - offset:at - offset + take] = memoryview(buf)[at - lo:at - lo + take]
+            view[at - offset:at - offset + take] = buf[at - lo:at - lo + take]
             at += take
             k += 1
         if at == offset + n:
@@ -177,10 +182,14 @@ class StorePrefix(CheckpointFiles):
 
     # -- fetching ahead -------------------------------------------------------------------------
     def fetch(self, ranges: Sequence[tuple[str, int, int]], handles: dict[str, Any]) -> None:
-        """Coalesce the ranges per file, cut them into parts (``Bucket.part_for`` the round's
-        bytes: at most ``part_size``, small enough to keep every connection busy; a store serves
-        one connection at a bounded rate, many at once in parallel), and GET them ``concurrency``
-        at a time."""
+        """Start fetching these ranges and return: coalesced per file, cut into parts
+        (``Bucket.part_for`` the round's bytes: at most ``part_size``, small enough to keep every
+        connection busy; a store serves one connection at a bounded rate, many at once in
+        parallel), GET ``concurrency`` at a time in file and offset order. ``pread_into`` waits
+        only for the parts it reads, so the reader copies and verifies the first chunks while
+        the later ones are still arriving (measured: the copy and checksums of a round no longer
+        follow its last GET)."""
+        self.release()
         o = self.bucket.options
         merged: list[tuple[str, int, int]] = []
         for name, lo, hi in sorted(ranges):
@@ -197,42 +206,41 @@ class StorePrefix(CheckpointFiles):
             if hi > handles[name].size():
                 raise CorruptCheckpointError(f"{self.url}/{name}: a read of bytes {lo}..{hi} would end past the "
                                              f"file's {handles[name].size()} bytes (truncated file or bad metadata)")
+        if not merged:
+            return
 
-        def get(item: tuple[str, int, int]) -> tuple[str, int, int, Any]:
-            name, lo, hi = item
+        def get(name: str, key: str, lo: int, hi: int) -> Any:
             t0 = time.perf_counter()
             try:
-                buf = self.bucket.get_range(handles[name].key, lo, hi)
+                buf = self.bucket.get_range(key, lo, hi)
             except CheckpointNotFoundError:
                 raise self.missing(name) from None
             self._observe(hi - lo, time.perf_counter() - t0)
             with self._arrived_lock:
                 self._arrived += hi - lo
-            return name, lo, hi, buf
+            return buf
 
-        if len(merged) == 1:
-            results = [get(merged[0])]
-        else:
-            with cf.ThreadPoolExecutor(max_workers=min(o.concurrency, len(merged)),
-                                       thread_name_prefix="hpdcp-get") as pool:
-                results = list(pool.map(get, merged))
-        for name, lo, hi, buf in results:
-            if len(memoryview(buf)) != hi - lo:
-                raise CorruptCheckpointError(f"{self.url}/{name}: short read of bytes {lo}..{hi} (truncated?)")
-            self._fetched.setdefault(name, []).append((lo, hi, buf))
+        self._pool = cf.ThreadPoolExecutor(max_workers=min(o.concurrency, len(merged)), thread_name_prefix="hpdcp-get")
+        for name, lo, hi in merged:
+            self._fetched.setdefault(name, []).append((lo, hi, self._pool.submit(get, name, handles[name].key, lo, hi)))
             self.counters.bump("store_requests")
             self.counters.bump("bytes_requested", hi - lo)
         for pieces in self._fetched.values():
             pieces.sort(key=lambda p: p[0])
 
     def release(self) -> None:
+        """Drop the round's buffers; GETs not started are cancelled, running ones waited for (no
+        thread outlives the round, e.g. after a checksum failure)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         self._fetched.clear()
 
     def bytes_arrived(self) -> int:
         return self._arrived
 
     def close(self) -> None:
-        self._fetched.clear()
+        self.release()
 
     # -- the cost model: measured on these files' own requests ------------------------------------
     _DEFAULT_LATENCY_S = 0.01
