@@ -36,6 +36,7 @@ class Proxy:
         self.bytes_in = 0  # request bodies received (uploads)
         self.bytes_out = 0  # response bodies sent (downloads)
         self.log: list[tuple[str, str]] = []  # (method, path with query) of every request, in order
+        self.arrived: list[float] = []  # when each request of ``log`` reached the proxy (perf_counter)
         self.last_authorization = ""  # to check which credentials a client signed with
         self.faults_served = 0
         self._bucket = _TokenBucket(bandwidth_bps) if bandwidth_bps else None
@@ -83,6 +84,7 @@ class Proxy:
         self.server.server_close()
 
     def handle(self, h: BaseHTTPRequestHandler) -> None:
+        arrived = time.perf_counter()
         n = int(h.headers.get("Content-Length") or 0)
         body = h.rfile.read(n) if n else b""
         if self.latency_s:
@@ -93,6 +95,7 @@ class Proxy:
             self.requests += 1
             self.bytes_in += len(body)
             self.log.append((h.command, h.path))
+            self.arrived.append(arrived)
             self.last_authorization = h.headers.get("Authorization", "")
             applies = self.only is None or self.only == h.command
             fault = self.fail.pop(0) if self.fail and applies else None

@@ -431,3 +431,34 @@ def test_a_save_of_a_new_name_costs_few_round_trips(proxied):
                                    "chunk_index.safetensors", "metadata.json", "hpdcp-commit.json"]), p.log
     assert len(p.log) == 8, p.log
     assert _loads_as(f"{bucket}/new", 3)
+
+
+def test_the_lease_is_written_beside_the_first_listing(proxied):
+    """The save's lease does not wait for begin's listing: both reach the store within one
+    request's latency (one round trip before the first byte of a save, not two)."""
+    p, bucket = proxied
+    dcp.save(_sd(0), checkpoint_id=f"{bucket}/warm")  # the once-per-process probe of conditional writes
+    p.latency_s = 0.25
+    p.log.clear()
+    p.arrived.clear()
+    dcp.save(_sd(4), checkpoint_id=f"{bucket}/beside")
+    at = dict(zip(p.log, p.arrived))
+    listing = next(t for (m, path), t in at.items() if m == "GET" and "list-type" in path)
+    lease = next(t for (m, path), t in at.items() if m == "PUT" and path.endswith("/.lease"))
+    assert abs(lease - listing) < 0.15, p.log
+    p.latency_s = 0.0
+    assert _loads_as(f"{bucket}/beside", 4)
+
+
+def test_a_refused_save_leaves_no_lease(proxied):
+    """A save of an existing name without overwrite is refused in begin; the lease written beside
+    its listing is removed again (nothing of the refused save stays in the bucket)."""
+    p, bucket = proxied
+    path = f"{bucket}/taken"
+    dcp.save(_sd(5), checkpoint_id=path)
+    before = sorted(o["path"] for o in object_store.Bucket(path).list(object_store.Bucket(path).root))
+    with pytest.raises(dcp.CheckpointExistsError):
+        dcp.save(_sd(6), checkpoint_id=path)
+    after = sorted(o["path"] for o in object_store.Bucket(path).list(object_store.Bucket(path).root))
+    assert after == before
+    assert _loads_as(path, 5)

@@ -273,24 +273,39 @@ class ObjectStoreWriter(StorageWriter):
 
     def begin(self, *, overwrite: bool) -> str:
         # one listing of the name says whether a commit or an uploaded directory is there (a save
-        # of a new name reads nothing else) and feeds the clean-up of abandoned saves below
-        listing = list(self.bucket.list(self.name_key))
-        names = {o["path"][len(self.name_key) + 1:] for o in listing}
-        got = read_commit(self.bucket, self.name_key) if COMMIT_OBJECT in names else None
-        uploaded = got is None and METADATA_FILE in names
-        if (got is not None or uploaded) and not overwrite:  # an uploaded directory is a checkpoint too
-            raise CheckpointExistsError(f"checkpoint {self.uri} already exists; pass overwrite=True to replace it "
-                                        f"(the old one stays loadable until the new one commits)")
-        self._replaces = got[1] if got else None
+        # of a new name reads nothing else) and feeds the clean-up of abandoned saves below; the
+        # lease of this save is written beside it (one round trip before the first byte, not two)
         self.overwrite = overwrite
         self.save_id = f"{SAVE_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}"
-        check_conditional_writes(self.bucket, self._key(".probe"))
-        self._lease = _Lease(self.bucket, self._key(LEASE_OBJECT))
+        with ThreadPoolExecutor(1, thread_name_prefix="hpdcp-begin") as pool:
+            leasing = pool.submit(_Lease, self.bucket, self._key(LEASE_OBJECT))
+            try:
+                listing = list(self.bucket.list(self.name_key))
+                names = {o["path"][len(self.name_key) + 1:] for o in listing}
+                got = read_commit(self.bucket, self.name_key) if COMMIT_OBJECT in names else None
+                uploaded = got is None and METADATA_FILE in names
+                if (got is not None or uploaded) and not overwrite:  # an uploaded directory is a checkpoint too
+                    raise CheckpointExistsError(f"checkpoint {self.uri} already exists; pass overwrite=True to replace "
+                                                f"it (the old one stays loadable until the new one commits)")
+                check_conditional_writes(self.bucket, self._key(".probe"))
+            except BaseException:
+                self._drop_lease(leasing)
+                raise
+            self._lease = leasing.result()
+        self._replaces = got[1] if got else None
         # the lease's own time is "now" on the store's clock (never this machine's)
         clean_orphans(self.bucket, self.name_key, got,
                       lambda: server_now(self.bucket, self._key(LEASE_OBJECT), written=True), own=self.save_id,
                       listing=listing)
         return self.save_id
+
+    def _drop_lease(self, leasing: Any) -> None:
+        """A save refused in ``begin``: its lease, written beside the listing, goes again."""
+        try:
+            leasing.result().release()
+            self.bucket.delete([self._key(LEASE_OBJECT)])
+        except Exception as e:  # (not written, or not removable: a later save's clean-up takes it)
+            log.debug("no lease to remove for %s: %s", self.uri, e)
 
     def attach(self, token: str, *, rank: int, world_size: int) -> None:
         if not (isinstance(token, str) and token.startswith(SAVE_PREFIX) and "/" not in token):
