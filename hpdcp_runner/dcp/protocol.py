@@ -466,6 +466,7 @@ class LoadSteps:
         agreement (``local_plan`` raises it), so every rank raises it."""
         msg = MetadataMsg.from_wire(wire)
         try:
+            self.reader.attach_pin(msg.pin)  # (the v2 index parsing opens is the coordinator's checkpoint's)
             md = Metadata.from_json(msg.text, source=metadata_source(self.reader, self.path),
                                     open_file=self.reader.open_file)
             self.reader.attach_metadata(md, pin=msg.pin)

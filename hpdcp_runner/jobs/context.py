@@ -285,7 +285,9 @@ class JobContext:
         reader = self.reader(path, foreign=True)
         try:
             with self.user_errors(key):
-                got = self.comm.agree_root("read source metadata", reader.read_metadata_text)
+                got, pin = self.comm.agree_root("read source metadata",
+                                                lambda: [reader.read_metadata_text(), reader.pin()])
+                reader.attach_pin(pin)  # every rank parses (and opens the index of) what rank 0 read
                 source = f"{path} (as {reader.format_name})" if reader.format_name != "hpdcp" else \
                     join_location(path, METADATA_FILE)
                 md = dcp.Metadata.from_json(got, source=source, open_file=reader.open_file)

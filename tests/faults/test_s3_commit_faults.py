@@ -433,6 +433,22 @@ def test_a_save_of_a_new_name_costs_few_round_trips(proxied):
     assert _loads_as(f"{bucket}/new", 3)
 
 
+def test_a_load_costs_four_round_trips_before_its_first_byte(proxied):
+    """Counted at the proxy (issue 38): a load of ours reads the commit object once (it tells the
+    format and pins the save: no listing of the name to tell formats apart), metadata.json, one
+    listing of the save (the chunk index's size comes from it: no HEAD), the index, then data."""
+    p, bucket = proxied
+    dcp.save(_sd(7), checkpoint_id=f"{bucket}/four")
+    p.log.clear()
+    assert _loads_as(f"{bucket}/four", 7)
+    first_data = next(i for i, (m, path) in enumerate(p.log) if "rank00000." in path)
+    before = [(m, path.split("?")[0].rsplit("/", 1)[-1] if "list-type" not in path else "LIST")
+              for m, path in p.log[:first_data]]
+    assert before == [("GET", "hpdcp-commit.json"), ("GET", "metadata.json"), ("GET", "LIST"),
+                      ("GET", "chunk_index.safetensors")], p.log
+    assert not [m for m, _ in p.log if m == "HEAD"], p.log
+
+
 def test_the_lease_is_written_beside_the_first_listing(proxied):
     """The save's lease does not wait for begin's listing: both reach the store within one
     request's latency (one round trip before the first byte of a save, not two)."""

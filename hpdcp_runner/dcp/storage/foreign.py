@@ -68,6 +68,8 @@ def detect_format(path: "str | os.PathLike | Location") -> str:
         # a torch file is read by the import alone; our reader names any other problem (missing,
         # a file, a displaced overwrite)
         return "pt" if loc.url.endswith((".pt", ".pth", ".bin")) else "hpdcp"
+    if loc.holds_commit():  # (a store: ours is known from its commit object, no listing)
+        return "hpdcp"
     names = set(loc.files())
     if METADATA_FILE in names or COMMIT_OBJECT in names:
         return "hpdcp"

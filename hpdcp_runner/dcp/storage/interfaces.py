@@ -158,6 +158,11 @@ class StorageReader(ABC):
         """Every rank: the validated metadata, used to check files before reading them, and the
         coordinator's ``pin()`` (None: no check), so every rank reads the checkpoint rank 0 read."""
 
+    def attach_pin(self, pin: Any) -> None:
+        """Every rank, before it parses the coordinator's metadata: read from the checkpoint
+        ``pin`` names from here on, so what parsing opens (a format-v2 chunk index) is that
+        checkpoint's, not whatever the name holds by then (and costs no lookup of its own)."""
+
     def open_file(self, name: str) -> "int | RandomAccessFile":
         """The checkpoint's file ``name`` (a regular file inside the checkpoint) for reads by
         range, a random-access file or a descriptor: how every rank opens a format-v2 chunk

@@ -15,6 +15,7 @@ object-store client (``object_store.Bucket``).
 from __future__ import annotations
 
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
@@ -63,6 +64,11 @@ class Location(ABC):
     def checkpoint_files(self, *, committed: bool) -> "CheckpointFiles":
         """The files of the checkpoint here, for one load (``checkpoint_files``): ``committed``
         for ours (what the commit made visible), else the directory as it is (a foreign format)."""
+
+    def holds_commit(self) -> bool | None:
+        """Whether one small read says a checkpoint of ours is committed here (a store's commit
+        object), None where only a listing tells (a local directory: listing it costs nothing)."""
+        return None
 
     @abstractmethod
     def is_dir(self) -> bool:
@@ -162,11 +168,26 @@ class ObjectLocation(Location):
 
         self.url = normalize(uri)
         self.bucket = Bucket(self.url, options)  # type: ignore[arg-type]
+        self._commit: tuple | None = None  # (the commit as holds_commit read it, seconds it took)
 
     def checkpoint_files(self, *, committed: bool) -> "CheckpointFiles":
         from .object_files import StorePrefix
 
-        return StorePrefix(self.bucket, committed=committed)
+        seen, self._commit = self._commit, None  # (handed on once: a later reader reads its own)
+        return StorePrefix(self.bucket, committed=committed, commit=seen if committed else None)
+
+    def holds_commit(self) -> bool:
+        """One GET of the commit object, kept for the reader opened next: a load of ours learns
+        its format and its pin from the same round trip (a listing to tell formats apart, then
+        the commit, were two)."""
+        from .object_checkpoint import read_commit
+
+        if not self.bucket.root:
+            return False
+        t0 = time.perf_counter()
+        got = read_commit(self.bucket, self.bucket.root)
+        self._commit = (got, time.perf_counter() - t0)
+        return got is not None
 
     def is_dir(self) -> bool:
         return next(iter(self.bucket.list(self.bucket.root)), None) is not None

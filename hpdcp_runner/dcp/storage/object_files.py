@@ -31,7 +31,7 @@ class StorePrefix(CheckpointFiles):
 
     shared = True
 
-    def __init__(self, bucket: Bucket, *, committed: bool = True) -> None:
+    def __init__(self, bucket: Bucket, *, committed: bool = True, commit: tuple | None = None) -> None:
         self.bucket = bucket
         self.url = bucket.url(bucket.root).rstrip("/")
         self.name_key = self.bucket.root
@@ -44,6 +44,7 @@ class StorePrefix(CheckpointFiles):
         self._samples: list[tuple[int, float]] = []  # (bytes, seconds) of requests: the cost model
         self._arrived = 0
         self._arrived_lock = threading.Lock()
+        self._commit_seen = commit  # (read_commit's answer, seconds): read moments ago, used by the first pin
 
     def _key(self, name: str) -> str:
         return "/".join(p for p in (self.name_key, self.data, name) if p)
@@ -52,9 +53,13 @@ class StorePrefix(CheckpointFiles):
     def _resolve(self) -> tuple[dict, dict] | None:
         """Pin the save the commit object names (returned), or the prefix itself when a checkpoint
         directory was uploaded there as it is (None); neither is not found."""
-        t0 = time.perf_counter()
-        got = read_commit(self.bucket, self.name_key)
-        self._observe(0, time.perf_counter() - t0)  # a small request: the store's latency
+        if self._commit_seen is not None:  # the format's detection read it in this same load
+            (got, seconds), self._commit_seen = self._commit_seen, None
+        else:
+            t0 = time.perf_counter()
+            got = read_commit(self.bucket, self.name_key)
+            seconds = time.perf_counter() - t0
+        self._observe(0, seconds)  # a small request: the store's latency
         if got is None and self.bucket.head(f"{self.name_key}/{METADATA_FILE}") is None:
             raise self.not_found()
         self.data = got[0]["data"] if got else ""
@@ -131,8 +136,9 @@ class StorePrefix(CheckpointFiles):
         return got[0]
 
     def open_random(self, name: str) -> RandomAccessFile:
-        self.pin_directory()
-        size = self._sizes.get(name) if self._sizes is not None else None
+        # its size from the listing a load makes anyway (check_sizes), not a HEAD of its own: one
+        # round trip fewer before a load's first byte
+        size = self._listing().get(plain_name(name, self.url))
         return RemoteFile(self.bucket, self._key(plain_name(name, self.url)), size, lambda: self.missing(name),
                           self.counters)
 

@@ -123,6 +123,9 @@ class CheckpointReader(StorageReader):
         """The identity of the checkpoint whose metadata was read, for the other ranks."""
         return self.files.pin()
 
+    def attach_pin(self, pin: Any) -> None:
+        self.files.attach(pin)
+
     def attach_metadata(self, metadata: Metadata, pin: Any = None) -> None:
         """``pin``: the coordinator's :meth:`pin`; this rank must read the same checkpoint."""
         self.metadata = metadata
