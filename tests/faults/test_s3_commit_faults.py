@@ -433,10 +433,11 @@ def test_a_save_of_a_new_name_costs_few_round_trips(proxied):
     assert _loads_as(f"{bucket}/new", 3)
 
 
-def test_a_load_costs_four_round_trips_before_its_first_byte(proxied):
+def test_a_load_reaches_its_first_byte_in_three_round_trips(proxied):
     """Counted at the proxy (issue 38): a load of ours reads the commit object once (it tells the
-    format and pins the save: no listing of the name to tell formats apart), metadata.json, one
-    listing of the save (the chunk index's size comes from it: no HEAD), the index, then data."""
+    format and pins the save: no listing of the name to tell formats apart), then metadata.json
+    beside one listing of the save (the chunk index's size comes from it: no HEAD), the index,
+    then data (it was seven round trips)."""
     p, bucket = proxied
     dcp.save(_sd(7), checkpoint_id=f"{bucket}/four")
     p.log.clear()
@@ -444,9 +445,32 @@ def test_a_load_costs_four_round_trips_before_its_first_byte(proxied):
     first_data = next(i for i, (m, path) in enumerate(p.log) if "rank00000." in path)
     before = [(m, path.split("?")[0].rsplit("/", 1)[-1] if "list-type" not in path else "LIST")
               for m, path in p.log[:first_data]]
-    assert before == [("GET", "hpdcp-commit.json"), ("GET", "metadata.json"), ("GET", "LIST"),
-                      ("GET", "chunk_index.safetensors")], p.log
-    assert not [m for m, _ in p.log if m == "HEAD"], p.log
+    assert before[0] == ("GET", "hpdcp-commit.json") and before[3] == ("GET", "chunk_index.safetensors"), p.log
+    assert sorted(before[1:3]) == [("GET", "LIST"), ("GET", "metadata.json")], p.log  # (side by side)
+    assert len(before) == 4 and not [m for m, _ in p.log if m == "HEAD"], p.log
+
+
+def test_only_the_coordinator_lists_a_save(proxied):
+    """Rank 0's pin carries the sizes of the save's files: another rank attached to it checks its
+    files and opens the chunk index without a request of its own (one listing per load, not one
+    per rank). Two readers in one process stand for rank 0 and rank 1."""
+    from hpdcp_runner.dcp.storage.checkpoint_io import open_reader
+
+    p, bucket = proxied
+    path = f"{bucket}/pinned"
+    dcp.save(_sd(8), checkpoint_id=path)
+    rank0, rank1 = open_reader(path, "hpdcp"), open_reader(path, "hpdcp")
+    try:
+        rank0.read_metadata_text()
+        pin = rank0.pin()
+        p.log.clear()
+        rank1.attach_pin(pin)
+        rank1.check_files(["rank00000.safetensors", "rank00000.objects.json"])
+        rank1.open_file("chunk_index.safetensors")
+        assert p.log == [], p.log
+    finally:
+        rank0.close()
+        rank1.close()
 
 
 def test_the_lease_is_written_beside_the_first_listing(proxied):

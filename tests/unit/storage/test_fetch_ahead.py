@@ -38,13 +38,19 @@ def _getters():
     return [t for t in threading.enumerate() if t.name.startswith("hpdcp-get")]
 
 
-def test_the_first_part_is_read_while_the_rest_arrive(slow_prefix):
-    files, _, blob = slow_prefix
+def _fetch_and_read_first_mib(files, blob):
+    """Start the round (the whole blob), read its first MiB; the handle."""
     h = files.open_handle("blob.bin", SIZE)
     files.fetch([("blob.bin", 0, SIZE)], {"blob.bin": h})
     first = bytearray(MiB)
     files.pread_into(h, 0, memoryview(first), "blob.bin")
     assert bytes(first) == blob[:MiB]
+    return h
+
+
+def test_the_first_part_is_read_while_the_rest_arrive(slow_prefix):
+    files, _, blob = slow_prefix
+    h = _fetch_and_read_first_mib(files, blob)
     assert files.bytes_arrived() == 5 * MiB  # only the first GET had landed (it used to wait for all three)
     rest = bytearray(SIZE - MiB)
     files.pread_into(h, MiB, memoryview(rest), "blob.bin")
@@ -56,10 +62,7 @@ def test_the_first_part_is_read_while_the_rest_arrive(slow_prefix):
 
 def test_a_part_that_fails_after_others_arrived_names_the_file_and_leaves_no_thread(slow_prefix):
     files, bucket, blob = slow_prefix
-    h = files.open_handle("blob.bin", SIZE)
-    files.fetch([("blob.bin", 0, SIZE)], {"blob.bin": h})
-    first = bytearray(MiB)
-    files.pread_into(h, 0, memoryview(first), "blob.bin")
+    h = _fetch_and_read_first_mib(files, blob)
     bucket.delete([bucket.key("blob.bin")])  # the last GET starts only after the second one
     with pytest.raises(CheckpointNotFoundError, match="blob.bin is missing"):
         files.pread_into(h, 11 * MiB, memoryview(bytearray(MiB)), "blob.bin")
