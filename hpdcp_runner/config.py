@@ -153,6 +153,7 @@ class RuleConf:
     parts_dim: int = 0
     unit: Optional[Any] = None  # parts split only on multiples of this (head_dim: whole heads per rank)
     experts: Optional[Any] = None  # E on one key per expert: how many experts (default: counted from the keys)
+    why: Optional[str] = None  # what made this rule (layout=auto: the family's plan entry), shown by inspect
 
 
 @dataclass
@@ -162,7 +163,9 @@ class LayoutConf:
     mesh: list[int] = field(default_factory=lambda: [-1])  # -1: the rest of the world size
     rules: list[RuleConf] = field(default_factory=list)  # first match wins; no match -> replicate
     flat_units: list[int] = field(default_factory=list)  # kind=flat: relative share per rank (empty: even)
-    strict: bool = False  # true: a tensor that no rule names is an error (listing all of them), not replicated
+    # null: a block split only in part, or a weight the family's plan splits that auto cannot place,
+    # is an error; true: also every tensor that no rule names (listing all of them); false: none is
+    strict: Optional[bool] = None
     # the model's config.json (file or directory), for rule sizes named by config fields; null:
     # the source's own (a Hugging Face directory, or the one our checkpoints record)
     config: Optional[str] = None
@@ -773,6 +776,11 @@ def layout_from_file(layout: LayoutConf) -> LayoutConf:
                           f"experts)") from None
     out.file = path
     return out
+
+
+def make_layout(fields: dict) -> "LayoutConf":
+    """A LayoutConf from plain fields (``layout=auto`` built from a family's plan), checked by the schema."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConf), fields))
 
 
 def load_preset(name: str) -> "LayoutConf":

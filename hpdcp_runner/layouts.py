@@ -115,15 +115,44 @@ def recognise_family(raw_config: Mapping[str, Any] | None, keys: Iterable[str]) 
     return None, f"config.json model_type {mt!r}" if mt else "no config.json and no key we know"
 
 
-def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterable[str],
-                 load_preset: Callable[[str], Any]) -> tuple[Any, str]:
-    """``layout=auto`` made concrete: the preset ``<family>_<parallel>`` (the family named by
-    ``layout.family`` or recognised), with ``layout.mesh`` / ``strict`` / ``config`` kept when set.
-    ``load_preset(name)``: the config's preset loader (``config.load_preset``; the config module
-    imports this one, never the reverse). Returns the layout and one line saying what was
-    recognised and picked."""
+def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterable[str] | Mapping[str, Any],
+                 load_preset: Callable[[str], Any], make_layout: Callable[[dict], Any] | None = None,
+                 ranks: int | None = None) -> tuple[Any, str, dict | None]:
+    """``layout=auto`` made concrete. With a ``config.json`` whose family transformers gives a
+    parallel plan: rules derived from that plan (``hf_plan``), planned for ``ranks``. Else the
+    preset ``<family>_<parallel>`` (the family named by ``layout.family``, by ``model_type``, or,
+    with no config.json at all, by the key names). A ``model_type`` with neither a plan nor a
+    preset is refused by name: a guess from key names once replicated most of such a model.
+    ``load_preset`` / ``make_layout``: the config's loaders (the config module imports this one,
+    never the reverse). Returns the layout, one line saying what placed it, and the plan's report
+    (None for a preset)."""
+    mt = (raw_config or {}).get("model_type")
+    plan_missing = None
+    if not layout.family and isinstance(mt, str) and make_layout is not None:
+        from .hf_plan import PlanUnavailable, plan_rules
 
-    fam, why = (layout.family, "layout.family") if layout.family else recognise_family(raw_config, keys)
+        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in keys.items()} if isinstance(keys, Mapping) else {}
+        try:
+            fields, note, report = plan_rules(raw_config, shapes, layout.parallel, list(layout.mesh), ranks or 1)
+        except PlanUnavailable as e:
+            plan_missing = str(e)
+        else:
+            if report["unmapped"] and layout.strict is not False:
+                raise ConfigError(f"{note}; but {len(report['unmapped'])} weight(s) the plan splits cannot be placed "
+                                  f"from this checkpoint's keys, e.g. {report['unmapped'][0]}; name a layout "
+                                  f"(layout=<name> or layout.file=...), or set layout.strict=false to keep them whole")
+            out = make_layout(fields)
+            out.strict, out.config = layout.strict, layout.config
+            return out, note, report
+    if layout.family:
+        fam, why = layout.family, "layout.family"
+    elif isinstance(mt, str) and mt not in FAMILY_OF_MODEL_TYPE:
+        raise ConfigError(f"layout=auto: the {mt!r} family (config.json model_type) has no parallel plan we can use "
+                          f"({plan_missing or 'transformers was not consulted'}) and no preset of ours; name a layout "
+                          f"(layout=<name>, layout.file=<your rules>, docs/write_a_layout.md) or a family whose "
+                          f"preset fits (layout.family=<{'|'.join(FAMILY_PARALLEL)}>)")
+    else:
+        fam, why = recognise_family(raw_config, keys)
     if fam is None:
         raise ConfigError(f"layout=auto: cannot tell the model family ({why}); name it with layout.family="
                           f"<{'|'.join(FAMILY_PARALLEL)}> or pick a layout (layout=<name>)")
@@ -138,7 +167,10 @@ def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterab
     if list(layout.mesh):
         out.mesh = list(layout.mesh)
     out.strict, out.config = layout.strict, layout.config
-    return out, f"layout=auto: the {fam} family (from {why}) -> {name}, mesh {list(out.mesh)}"
+    note = f"layout=auto: the {fam} family (from {why}) -> {name}, mesh {list(out.mesh)}"
+    if plan_missing and not layout.family:
+        note += f" (no plan: {plan_missing})"
+    return out, note, None
 
 
 # -- model config values a rule may use -----------------------------------------------------------
@@ -355,6 +387,8 @@ class Placer:
         if r.parts:
             out["parts"] = self._part_sizes(r)
             out["parts_dim"] = r.parts_dim
+        if r.unit is not None:
+            out["unit"] = self._unit(r)
         if r.per_expert:
             out["expert"] = int(r.regex.fullmatch(fqn).group("expert"))
         return out
@@ -480,8 +514,8 @@ class Placer:
         rule = self._rules[i] if i is not None else None
         placements = self.placements_for(fqn, len(shape))
         coord = self.coordinate(rank)
-        if rule is None or not rule.parts:
-            return [self._box(rule, fqn, shape, placements, coord, None, 0)]
+        if rule is None or not rule.parts:  # a unit without parts counts on parts_dim (whole heads)
+            return [self._box(rule, fqn, shape, placements, coord, self._unit_dim(rule, fqn, shape, placements), 0)]
         d = rule.parts_dim + len(shape) if rule.parts_dim < 0 else rule.parts_dim
         if not 0 <= d < len(shape):
             raise ConfigError(f"{rule.where}: parts_dim {rule.parts_dim} does not exist in {fqn!r} "
@@ -497,6 +531,20 @@ class Placer:
             out.append(Box(b.offsets[:d] + (b.offsets[d] + start,) + b.offsets[d + 1:], b.sizes))
             start += n
         return out
+
+    @staticmethod
+    def _unit_dim(rule: _Rule | None, fqn: str, shape: tuple[int, ...], placements: list[str]) -> int | None:
+        """The dim a rule's ``unit`` counts on (``parts_dim``), checked to be one the placements
+        split: a unit is honoured or refused, never ignored."""
+        if rule is None or rule.unit is None:
+            return None
+        d = rule.parts_dim + len(shape) if rule.parts_dim < 0 else rule.parts_dim
+        split = {_dim(p, len(shape)) for p in placements if p not in ("R", "E")}
+        if not 0 <= d < len(shape) or (split and d not in split):
+            raise ConfigError(f"{rule.where}: unit {rule.conf.unit!r} counts along parts_dim {rule.parts_dim}, but its "
+                              f"placements {list(placements)} split {fqn!r} (shape {list(shape)}) along dim(s) "
+                              f"{sorted(x for x in split if x is not None)}; set parts_dim to the split dim")
+        return d
 
     def _box(self, rule: _Rule | None, fqn: str, shape: tuple[int, ...], placements: list[str],
              coord: tuple[int, ...], parts_dim: int | None, part: int) -> Box:

@@ -33,10 +33,17 @@ def partly_split_text(partial: Mapping[str, tuple[list[str], list[str]]]) -> str
             f"or choose a layout without tensor parallelism")
 
 
-def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False,
+def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool | None = None,
                         only: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """The nested load target for every key of ``md`` (that ``only`` admits) under ``placer``'s
-    layout. With ``strict``, tensors that no layout rule names are one error listing them all."""
+    layout. Unless ``strict`` is False, a block the layout splits only in part is an error (a
+    tensor-parallel forward could not use it); with ``strict`` True, so are tensors that no rule
+    names (one error listing them all) and tensors two rules place differently."""
+    if strict is not False:
+        partial = placer.partly_split({k: t.shape for k, t in md.tensors.items()})
+        if partial:
+            raise ConfigError(f"layout {placer.layout.name!r} {partly_split_text(partial)} (layout.strict=false "
+                              f"accepts it)")
     if strict:
         unmatched = placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape))
         if unmatched:
@@ -44,9 +51,6 @@ def state_from_metadata(md: Metadata, placer: Placer, *, strict: bool = False,
             more = f" ... ({len(unmatched) - 20} more)" if len(unmatched) > 20 else ""
             raise ConfigError(f"layout.strict: no rule of layout {placer.layout.name!r} names {len(unmatched)} "
                               f"tensor(s): {shown}{more}; add rules for them or set layout.strict=false")
-        partial = placer.partly_split({k: t.shape for k, t in md.tensors.items()})
-        if partial:
-            raise ConfigError(f"layout.strict: layout {placer.layout.name!r} {partly_split_text(partial)}")
         for k in sorted(md.tensors):
             clash = placer.clashing_rules(k)
             if clash:

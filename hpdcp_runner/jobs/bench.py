@@ -117,7 +117,7 @@ def run(ctx: JobContext) -> dict:
         with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
             state = select(ctx.target_from_metadata(md, path, only, copies=2), only, ctx.filter_keys_named())
             # placed as the first (target_from_metadata found the config and made layout=auto concrete)
-            target = select(state_from_metadata(md, ctx.placer(keys=md.tensors), only=only), only,
+            target = select(state_from_metadata(md, ctx.placer(keys=md.tensors), strict=ctx.cfg.layout.strict, only=only), only,
                             ctx.filter_keys_named())
         ctx.load(state, path, phase="source_load", key="job.source.path", foreign=True, strict=only is None)
         _copy_objects(state, target)

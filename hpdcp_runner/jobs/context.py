@@ -16,7 +16,7 @@ import torch
 
 from .. import dcp
 from .. import runtime
-from ..config import Config, EngineOptions, checkpoint_series, engine_options, load_preset
+from ..config import Config, EngineOptions, checkpoint_series, engine_options, load_preset, make_layout
 from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, configure_object_store,
                          join_location, local_pieces,
                          METADATA_FILE, resolve_location, series_extra, series_outsiders)
@@ -42,6 +42,8 @@ class JobContext:
         self.generation_config: dict | None = None
         #: what layout=auto recognised and picked (for the summary)
         self.layout_note: str | None = None
+        #: layout=auto from a family's plan: what it split, replicated and could not place (hf_plan)
+        self.layout_plan: dict | None = None
         #: what the job's result says about the layout it placed a source under (see place_facts)
         self.layout_result: dict = {}
         configure_object_store(self.engine.store)  # s3:// paths anywhere in this job use dcp.storage.*
@@ -197,7 +199,8 @@ class JobContext:
         self.find_model_config(source, md, every_rank=every_rank)
         if self.cfg.layout.kind != "auto":
             return
-        self.cfg.layout, self.layout_note = resolve_auto(self.cfg.layout, self.model_config, md.tensors, load_preset)
+        self.cfg.layout, self.layout_note, self.layout_plan = resolve_auto(
+            self.cfg.layout, self.model_config, md.tensors, load_preset, make_layout, ranks or self.info.world_size)
         bad = layout_problems(self.cfg.layout, ranks or self.info.world_size)
         if bad:
             raise dcp.ConfigError(f"{self.layout_note}: " + "; ".join(bad))

@@ -9,10 +9,11 @@ layout can be checked against a real checkpoint before any rank is started.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from ..dcp import ConfigError, Metadata, rename_keys
-from ..dcp.tools import METADATA_FILE, describe, join_location
+from ..dcp.tools import METADATA_FILE, describe, dtype_from_name, join_location
 from ..layouts import Placer, mesh_shape, problems
 from .context import JobContext
 
@@ -50,11 +51,23 @@ def _layout_lines(lay: dict) -> list[str]:
     for k, t in sorted(lay["tensors"].items()):
         rule = f"rules[{t['rule']}]" if t["rule"] is not None else "no rule (R)"
         shards = " ".join(f"{r}:{_shard(x)}" for r, x in enumerate(t["shards"][:ranks]))
-        extra = "".join(f" {n}={t[n]}" for n in ("parts", "expert") if n in t)
-        lines.append(f"  {k:<{kw}}{rule:<14}{','.join(t['placements']):<10}{shards}{extra}")
+        extra = "".join(f" {n}={t[n]}" for n in ("parts", "unit", "expert") if n in t)
+        why = f"  <- {t['why']}" if t.get("why") else ""
+        lines.append(f"  {k:<{kw}}{rule:<14}{','.join(t['placements']):<10}{shards}{extra}{why}")
     if lay["unmatched"]:
         lines.append(f"  {len(lay['unmatched'])} tensor(s) match no rule and are replicated on every rank "
                      f"(layout.strict=true refuses them)")
+    split, total = lay.get("split_bytes"), lay.get("tensor_bytes")
+    if total:
+        lines.append(f"  split across ranks: {split} of {total} tensor bytes ({100 * split / total:.0f}%); the rest is "
+                     f"whole on every rank")
+    plan = lay.get("plan") or {}
+    for what, text in (("replicated_kv", "key/value heads fewer than the tensor-parallel ranks: replicated"),
+                       ("no_entry", "weights the family's plan names no rule for: whole on every rank"),
+                       ("unmapped", "weights the plan splits that auto could not place")):
+        if plan.get(what):
+            names = plan[what]
+            lines.append(f"  {text}: {len(names)}, e.g. {', '.join(names[:3])}")
     if lay.get("picture"):
         lines.append(f"picture: {lay['picture']}")
     if lay.get("recognised"):
@@ -93,11 +106,19 @@ def layout_report(ctx: JobContext, md: Metadata, ranks: int, path: str | None = 
                       "shards": [[list(b[0].offsets), list(b[0].sizes)] if len(b) == 1 else
                                  [[list(x.offsets), list(x.sizes)] for x in b] for b in boxes],
                       **(placer.describe_rule(k) if layout.kind == "dtensor" else {})}
+        rule = layout.rules[tensors[k]["rule"]] if tensors[k]["rule"] is not None else None
+        if getattr(rule, "why", None):
+            tensors[k]["why"] = rule.why
+    nbytes = {k: math.prod(t.shape) * dtype_from_name(t.dtype).itemsize for k, t in md.tensors.items()}
+    split = sum(n for k, n in nbytes.items() if any(p not in ("R",) for p in tensors[k]["placements"])
+                and tensors[k]["placements"] != ["plain"] and len(md.tensors[k].shape))
     rules = [{k: v for k, v in vars(r).items() if v is not None and not (k == "parts_dim" and not r.parts)}
              for r in layout.rules]
     return {"name": layout.name, "kind": layout.kind, "ranks": ranks, "mesh": list(mesh_shape(layout, ranks)),
             "rules": rules, "recognised": ctx.layout_note, "model_config": ctx.model_config_from,
-            "tensors": tensors, "unmatched": placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape))}
+            "tensors": tensors, "unmatched": placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape)),
+            "split_bytes": split, "tensor_bytes": sum(nbytes.values()),
+            "plan": {k: v for k, v in (ctx.layout_plan or {}).items() if k in ("replicated_kv", "no_entry", "unmapped")}}
 
 
 def _layout_requested(ctx: JobContext) -> bool:

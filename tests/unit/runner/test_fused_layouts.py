@@ -146,20 +146,23 @@ def test_layout_problems_for_the_new_fields():
 
 def test_auto_recognises_the_family_and_picks_its_preset():
     auto = load_preset("auto")
-    lay, note = resolve_auto(auto, PHI3, [], load_preset)
+    lay, note, _ = resolve_auto(auto, PHI3, [], load_preset)
     assert lay.name == "phi3_tp" and "config.json model_type 'phi3'" in note
-    lay, note = resolve_auto(auto, None, ["model.layers.0.block_sparse_moe.experts.0.w1.weight"], load_preset)
+    lay, note, _ = resolve_auto(auto, None, ["model.layers.0.block_sparse_moe.experts.0.w1.weight"], load_preset)
     assert lay.name == "moe_ep" and "key 'model.layers.0" in note
     assert recognise_family({"model_type": "olmo2"}, [])[0] == "llama"
     assert recognise_family(None, ["tok_embeddings.weight"])[0] == "titan"
     auto.parallel = "fsdp_tp"
     auto.mesh = [-1, 4]
-    lay, _ = resolve_auto(auto, {"model_type": "gemma2"}, [], load_preset)
+    lay, _, _ = resolve_auto(auto, {"model_type": "gemma2"}, [], load_preset)
     assert lay.name == "llama_fsdp_tp" and lay.mesh == [-1, 4]
     with pytest.raises(ConfigError, match=r"'fsdp_tp' is not offered for the moe family .* choose ep or ep_tp"):
         resolve_auto(auto, {"model_type": "mixtral"}, [], load_preset)
     with pytest.raises(ConfigError, match=r"cannot tell the model family .*layout.family="):
-        resolve_auto(load_preset("auto"), {"model_type": "mamba"}, ["backbone.x"], load_preset)
+        resolve_auto(load_preset("auto"), None, ["backbone.x"], load_preset)
+    # a model_type we have no preset for is refused by name, never guessed from key names
+    with pytest.raises(ConfigError, match=r"the 'mamba' family \(config.json model_type\) has no parallel plan"):
+        resolve_auto(load_preset("auto"), {"model_type": "mamba"}, ["model.layers.0.q_proj.weight"], load_preset)
 
 
 def test_layout_picture_folds_leading_dims_into_bands_and_writes_a_png(tmp_path):
