@@ -24,7 +24,7 @@ def test_include_keeps_the_matching_leaves_of_a_nested_state():
 
 
 class _Ctx:
-    model_config = model_config_from = layout_note = None
+    model_config = model_config_from = layout_note = layout_plan = None
 
     class cfg:
         layout = load_preset("titan_tp")
