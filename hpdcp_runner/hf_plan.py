@@ -60,6 +60,7 @@ class PlannedRule:
     parts_dim: int = 0
     unit: int | None = None
     per_expert: bool = False  # E over keys, one per expert (the expert number is in the key)
+    experts: int | None = None  # how many (the stacked dim of the model parameter they fill)
     why: str = ""
 
 
@@ -104,6 +105,10 @@ def _meta_model(raw: Mapping[str, Any]):
     from transformers import AutoModel, AutoModelForCausalLM
 
     mt = raw.get("model_type")
+    layers = [v for k, v in _walk(raw) if k == "num_hidden_layers"]
+    if any(not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_LAYERS for n in layers):
+        raise ConfigError(f"layout=auto: config.json num_hidden_layers {layers} is not a layer count from 1 to "
+                          f"{MAX_LAYERS}")
     try:
         config = mapping[mt].from_dict({k: v for k, v in raw.items() if k not in ("auto_map", "quantization_config")})
     except Exception as e:  # a config this transformers cannot read is the user's to fix
@@ -116,6 +121,17 @@ def _meta_model(raw: Mapping[str, Any]):
         except (ValueError, KeyError) as e:  # no such head for this family: try the next
             last = e
     raise PlanUnavailable(f"transformers {_version()} cannot build a {mt!r} model: {last}")
+
+
+MAX_LAYERS = 1024  # the meta model is built layer by layer: a hostile config.json cannot make it hang
+
+
+def _walk(d: Any):
+    """Every (key, value) of a nested config.json (text and vision sub-configs too)."""
+    if isinstance(d, Mapping):
+        for k, v in d.items():
+            yield k, v
+            yield from _walk(v)
 
 
 def _conversions(model) -> tuple[list, list]:
@@ -194,12 +210,25 @@ class _Family:
         dims = [_int(text, n) for n in ("head_dim", "qk_head_dim", "v_head_dim")]
         if _int(text, "qk_nope_head_dim") and _int(text, "qk_rope_head_dim"):
             dims.append(_int(text, "qk_nope_head_dim") + _int(text, "qk_rope_head_dim"))
+        if _int(text, "qk_nope_head_dim") and _int(text, "v_head_dim"):  # MLA's kv_b_proj: k without rope, and v
+            dims.append(_int(text, "qk_nope_head_dim") + _int(text, "v_head_dim"))
         if hidden and self.heads:
             dims.append(hidden // self.heads)
         self.head_dims = sorted({d for d in dims if d}, reverse=True)
 
     def model_param(self, key: str) -> tuple[str | None, Any]:
-        """(model parameter, converter or None) a file key loads into."""
+        """(model parameter, converter or None) a file key loads into: the key itself as
+        ``save_pretrained`` wrote it, or the same under a prefix (``model.`` of a training state)
+        or with optimizer state after it (``.exp_avg``)."""
+        parts = key.split(".")
+        for head in range(min(4, len(parts))):
+            for tail in range(min(3, len(parts) - head)):
+                got = self._param(".".join(parts[head:len(parts) - tail]))
+                if got[0] is not None:
+                    return got
+        return None, None
+
+    def _param(self, key: str) -> tuple[str | None, Any]:
         from transformers.core_model_loading import rename_source_key
 
         try:
@@ -224,6 +253,13 @@ class _Family:
                 if n == self.kv_heads:
                     return n, hd, "key/value"
         return None
+
+    def interleaved_qkv(self, key: str, size: int) -> int | None:
+        """The unit of a q|k|v projection fused per head (GPT-NeoX's ``query_key_value``: each
+        head's q, k and v rows together), or None."""
+        if not ATTENTION.search(key) or not self.heads:
+            return None
+        return next((3 * hd for hd in self.head_dims if size == 3 * self.heads * hd), None)
 
     def fused_qkv(self, key: str, size: int) -> list[int] | None:
         """The q, k, v part sizes of a fused attention projection, or None."""
@@ -264,7 +300,7 @@ def _to_file(split: Split, model_shape: tuple[int, ...], conv: Any, pattern: str
             if dim == op.dim:
                 if split.kind not in ("E", "S"):
                     return "a split of stacked experts", None
-                return "ok", Split("E", -1)  # one key per expert: whole experts, by key
+                return "ok", Split("E", -1, model_shape[op.dim])  # one key per expert: whole experts, by key
             if dim > op.dim:
                 dim -= 1
         elif name == "Transpose":
@@ -326,6 +362,8 @@ def plan_rules(raw: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], p
     note = (f"layout=auto: the {mt} family's own {plans} (transformers {_version()}), "
             f"parallel={parallel}, mesh {mesh}: {len(report['split'])} weights "
             f"split, {100 * split / total if total else 0:.0f}% of the elements")
+    if report["no_entry"]:
+        note += f"; {len(report['no_entry'])} weight(s) the plan has no entry for are whole on every rank"
     if report["replicated_kv"]:
         note += f"; {len(report['replicated_kv'])} key/value projection(s) replicated ({fam.kv_heads} key/value heads " \
                 f"for {sizes[-1]} tensor-parallel ranks)"
@@ -406,7 +444,8 @@ def _place(fam: _Family, key: str, shape: tuple[int, ...], file: list[Split], pa
             continue
         if s.kind == "E":
             out.placements.append("E")
-            out.per_expert = s.dim == -1  # one key per expert: the Placer counts them from the keys
+            out.per_expert = s.dim == -1  # one key per expert: ``parts`` carries how many experts there are
+            out.experts = s.parts if out.per_expert else None
             continue
         out.placements.append(f"S{s.dim}")
         if mesh_dim != tp_dim:
@@ -421,10 +460,14 @@ def _place(fam: _Family, key: str, shape: tuple[int, ...], file: list[Split], pa
                 _check_heads(fam, key, [fam.heads, fam.kv_heads], sizes[mesh_dim], report, out)
             continue
         heads = fam.heads_of(key, size)
+        per_head = fam.interleaved_qkv(key, size) if heads is None else None
         if heads:
             n, hd, what = heads
             out.unit, out.parts_dim = hd, s.dim
             _check_heads(fam, key, [n], sizes[mesh_dim], report, out, what)
+        elif per_head:
+            out.unit, out.parts_dim = per_head, s.dim
+            _check_heads(fam, key, [fam.heads], sizes[mesh_dim], report, out, "query")
     if parallel == "fsdp_tp" and out.placements[-1] != "R":
         out.placements[0] = _fsdp_dim(shape, out)
     elif parallel == "fsdp_tp" and shape:
@@ -499,4 +542,6 @@ def _rule_dict(pattern: str, r: PlannedRule) -> dict:
         out["parts_dim"] = r.parts_dim
     if r.unit is not None:
         out["unit"] = r.unit
+    if r.experts is not None:
+        out["experts"] = r.experts
     return out

@@ -19,7 +19,7 @@ VARIANTS = {
     "starcoder2": dict(num_key_value_heads=2, intermediate_size=72),
     "qwen2": dict(hidden_size=192, num_attention_heads=12, num_key_value_heads=4, head_dim=16, intermediate_size=100),
     "gemma2": dict(head_dim=16, hidden_size=96, num_attention_heads=4, num_key_value_heads=2),
-    "mixtral": dict(num_local_experts=8, num_key_value_heads=2),
+    "mixtral": dict(num_local_experts=8, num_experts=8, num_key_value_heads=2),
     "qwen3_moe": dict(num_experts=8, moe_intermediate_size=24),
 }
 BF16 = {"llama", "qwen3", "olmoe", "granitemoe", "phi3"}

@@ -148,3 +148,29 @@ def test_auto_prefers_the_plan_and_refuses_a_family_with_neither_plan_nor_preset
 class _Meta:
     def __init__(self, shape):
         self.shape = shape
+
+
+def test_gpt_neox_query_key_value_splits_on_whole_heads_of_q_k_and_v(written):
+    raw, shapes = written["gpt_neox"]  # q, k and v rows of each head together: a unit of 3 * head_dim
+    layout, _, _ = _plan(raw, shapes, None, 4)
+    placer = Placer(layout, 0, 4, model_config=raw, keys=shapes)
+    assert placer.describe_rule("gpt_neox.layers.0.attention.query_key_value.weight")["unit"] == 3 * 8
+
+
+def test_a_training_state_under_a_prefix_with_optimizer_state_follows_the_plan(written):
+    raw, shapes = written["mixtral"]
+    state = {f"model.{k}": s for k, s in shapes.items()}
+    state |= {f"optim.state.{k}.exp_avg": s for k, s in shapes.items()}
+    layout, _, report = _plan(raw, state, "ep_tp", 4)
+    placer = Placer(layout, 0, 4, model_config=raw, keys=state)
+    key = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
+    for k in (f"model.{key}", f"optim.state.{key}.exp_avg"):
+        assert placer.placements_for(k, 2) == ["E", "S1"] and k in report["split"]
+        assert [bool(placer.boxes(k, (64, 32), r)) for r in range(4)] == [False, False, True, True]  # 8 experts / 2
+    assert layout.rules[placer.rule_for(f"model.{key}")].experts == 8
+
+
+def test_a_hostile_config_cannot_make_the_meta_model_hang(written):
+    raw, shapes = written["llama"]
+    with pytest.raises(ConfigError, match=r"num_hidden_layers \[1000000000\] is not a layer count from 1 to 1024"):
+        _plan({**raw, "num_hidden_layers": 10 ** 9}, shapes, None, 2)
