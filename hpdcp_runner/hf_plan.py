@@ -314,6 +314,8 @@ def _to_file(split: Split, model_shape: tuple[int, ...], conv: Any, pattern: str
 
 
 PARALLEL = ("tp", "fsdp_tp", "ep", "ep_tp")
+#: what the plan does not split: replicated, or FSDP-sharded on dim 0 under fsdp_tp
+REST = {"tp": ("R",), "ep": ("R",), "fsdp_tp": ("S0", "R"), "ep_tp": ("R", "R")}
 
 
 def plan_rules(raw: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], parallel: str | None,
@@ -352,11 +354,10 @@ def plan_rules(raw: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], p
     rules = _group(planned)
     # the rest (norms, routers, what the plan leaves whole) by choice, not by omission: replicated,
     # or FSDP-sharded on dim 0 under fsdp_tp
-    rest = {"tp": ["R"], "ep": ["R"], "fsdp_tp": ["S0", "R"], "ep_tp": ["R", "R"]}[parallel]
-    rules.append({"pattern": ".*", "placements": rest, "why": f"{parallel}: not split by the plan"})
+    rules.append({"pattern": ".*", "placements": list(REST[parallel]), "why": f"{parallel}: not split by the plan"})
     total = sum(_numel(s) for s in tensors.values())
     split = sum(_numel(tensors[k]) for k in report["split"])
-    report.update(bytes_split=split, elements=total, parallel=parallel, family=mt, transformers=_version())
+    report.update(elements_split=split, elements=total, parallel=parallel, family=mt, transformers=_version())
     plans = {"tp": "tensor-parallel plan", "fsdp_tp": "tensor-parallel plan (FSDP beside it)",
              "ep": "expert-parallel plan", "ep_tp": "expert- and tensor-parallel plans"}[parallel]
     note = (f"layout=auto: the {mt} family's own {plans} (transformers {_version()}), "
@@ -411,8 +412,9 @@ def _rule_for(fam: _Family, key: str, name: str, how: Any, shape: tuple[int, ...
     else:  # ep: non-experts are replicated (the catch-all rule)
         return None
     if why is None:
-        if len(shape) >= 2 and leaf == "weight":
-            report["no_entry"].append(key)
+        if len(shape) >= 2 and leaf == "weight":  # whole as the family's own runtime keeps it (DeepSeek's
+            report["no_entry"].append(key)        # q_a_proj beside a split q_b_proj): a rule says so
+            return PlannedRule(placements=list(REST[parallel]), why="no entry in the family's plan: kept whole")
         return None
     file = []
     for s in model:

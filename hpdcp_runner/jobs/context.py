@@ -329,6 +329,12 @@ class JobContext:
         out: dict = {}
         if self.layout_note:
             out["layout_recognised"] = self.layout_note
+        if self.layout_plan:  # layout=auto from the family's plan: what it split and kept whole
+            plan = self.layout_plan
+            out["layout_plan"] = {"family": plan["family"], "parallel": plan["parallel"],
+                                  "transformers": plan["transformers"], "weights_split": len(plan["split"]),
+                                  "elements_split": plan["elements_split"], "elements": plan["elements"],
+                                  "kv_replicated": plan["replicated_kv"][:8], "no_plan_entry": len(plan["no_entry"])}
         if self.cfg.layout.file:
             out["layout_file"] = self.cfg.layout.file
         overridden = layout_overrides()
@@ -356,7 +362,7 @@ class JobContext:
                 if self.info.rank == 0:
                     guessed = " (its family was recognised from key names only)" if self.layout_note and \
                         "(from key " in self.layout_note else ""
-                    get_logger(__name__).warning("layout %s%s %s (layout.strict=true refuses it)",
+                    get_logger(__name__).warning("layout %s%s %s (accepted: layout.strict=false)",
                                                  self.cfg.layout.name, guessed, partly_split_text(partial))
         return out
 

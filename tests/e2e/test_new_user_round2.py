@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from hpdcp_runner.dcp import read_metadata
+
 from tests.e2e.conftest import _env
 
 
@@ -151,27 +153,43 @@ def _deepseek_v2_dir(path):
 
 
 def test_a_layout_that_splits_attention_in_part_says_so(cli, tmp_path):
-    """Item 4: layout=auto on DeepSeek-V2 split o_proj by rows while its q/kv projections fell to
-    the catch-all (replicated), with no word; now a warning and a metrics entry name the block,
-    and layout.strict=true refuses it."""
+    """Item 4: layout=auto on DeepSeek-V2 once picked the MoE preset from its key names, which split
+    o_proj by rows while its q/kv projections fell to the catch-all (replicated), with no word.
+    Now auto follows DeepSeek-V2's own plan (q_b/kv_b column-parallel, o_proj row-parallel, the
+    low-rank q_a/kv_a projections whole, as its runtime keeps them), and the preset, named by
+    hand, fails naming the block unless layout.strict=false (then a warning and a metrics entry)."""
     import json
 
+    pytest.importorskip("transformers", minversion="5.0")
     src = tmp_path / "ds"
     _deepseek_v2_dir(str(src))
-    args = ["+job=reshard", f"job.source.path={src}", "layout=auto", "layout.parallel=ep_tp"]
-    r = cli([*args, f"hydra.run.dir={tmp_path}/a"], nproc=2)
+    args = ["+job=reshard", f"job.source.path={src}"]
+    r = cli([*args, "layout=auto", "layout.parallel=ep_tp", f"job.output={tmp_path}/o", f"hydra.run.dir={tmp_path}/a"],
+            nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not [ln for ln in r.stderr.splitlines() if "only in part" in ln], r.stderr[-3000:]
+    with open(tmp_path / "a" / "metrics.json") as f:
+        result = json.load(f)["result"]
+    assert "the deepseek_v2 family's own expert- and tensor-parallel plans" in result["layout_recognised"]
+    assert "partly_split" not in result
+    md = read_metadata(str(tmp_path / "o"))
+    pieces = lambda k: len(md.tensors[k].chunks)  # noqa: E731
+    p = "model.layers.0.self_attn."
+    assert [pieces(p + n + ".weight") for n in ("q_b_proj", "kv_b_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa")] \
+        == [2, 2, 2, 1, 1]
+    preset = [*args, "layout=moe_ep_tp"]
+    r = _hpdcp(["--nproc-per-node=2", *preset, f"hydra.run.dir={tmp_path}/b"], tmp_path)
+    assert r.returncode == 2 and "layout 'moe_ep_tp' splits 1 block(s) only in part" in r.stderr and \
+        "'model.layers.0.self_attn'" in r.stderr and "layout.strict=false" in r.stderr, r.stderr[-3000:]
+    r = cli([*preset, "layout.strict=false", f"hydra.run.dir={tmp_path}/c"], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     warned = [ln for ln in r.stderr.splitlines() if "only in part" in ln]
-    assert len(warned) == 1 and "'model.layers.0.self_attn'" in warned[0], r.stderr[-3000:]
-    assert "o_proj.weight are split while kv_a_proj_with_mqa.weight, kv_b_proj.weight, q_a_proj.weight, " \
-           "q_b_proj.weight fall to the default" in warned[0] and "recognised from key names" in warned[0], warned
-    with open(tmp_path / "a" / "metrics.json") as f:
+    assert len(warned) == 1 and "o_proj.weight are split while kv_a_proj_with_mqa.weight, kv_b_proj.weight, " \
+        "q_a_proj.weight, q_b_proj.weight fall to the default" in warned[0], warned
+    with open(tmp_path / "c" / "metrics.json") as f:
         partly = json.load(f)["result"]["partly_split"]
     assert partly["first"] == "model.layers.0.self_attn"
     assert partly["split"] == ["model.layers.0.self_attn.o_proj.weight"]
-    r = _hpdcp(["--nproc-per-node=2", *args, "layout.strict=true", f"hydra.run.dir={tmp_path}/b"], tmp_path)
-    assert r.returncode == 2 and "layout.strict: layout 'moe_ep_tp' splits 1 block(s) only in part" in r.stderr, \
-        r.stderr[-3000:]
 
 
 @pytest.mark.slow  # the slow tier (bash .ci/run runs it after the default tier)
