@@ -46,6 +46,7 @@ class Split:
     kind: str
     dim: int = 0
     parts: int = 1
+    unit: int = 1  # cut only on multiples of this (interleaved gate/up pairs)
 
 
 R = Split("R")
@@ -178,15 +179,24 @@ def _tp_split(style: str, leaf: str, ndim: int) -> Split | None:
     return None
 
 
-def _expert_tp_split(param: str, ndim: int) -> Split | None:
-    """Tensor parallelism inside stacked experts ``[experts, out, in]`` where the plan names none:
-    gate|up packed by output (each rank its rows of gate and of up), down by input."""
+def _expert_tp_split(param: str, ndim: int, transposed: bool = False, concatenated: bool = True) -> Split | None:
+    """Tensor parallelism inside stacked experts where the plan names none: gate|up by output
+    (each rank its rows of gate and of up: parts when concatenated, whole gate/up pairs when
+    interleaved), down by input, their biases likewise. ``transposed``: stored ``[experts, in,
+    out]`` (GPT-OSS) rather than ``[experts, out, in]``."""
+    leaf = param.rsplit(".", 1)[-1]
+    down = "down" in leaf or leaf == "w2"
+    if ndim == 2:  # a bias [experts, out]: the output dim of gate|up, whole for down (added after the reduce)
+        return None if down else (Split("S", 1, 2) if concatenated and "gate_up" in leaf else
+                                  Split("S", 1, unit=2) if "gate_up" in leaf else Split("S", 1))
     if ndim != 3:
         return None
-    leaf = param.rsplit(".", 1)[-1]
-    if "down" in leaf or leaf in ("w2",):
-        return Split("S", 2)
-    return Split("S", 1, 2 if "gate_up" in leaf else 1)
+    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    if down:
+        return Split("S", in_dim)
+    if "gate_up" not in leaf:
+        return Split("S", out_dim)
+    return Split("S", out_dim, 2) if concatenated else Split("S", out_dim, unit=2)
 
 
 class _Family:
@@ -239,6 +249,17 @@ class _Family:
             return None, None
         conv = next((c for c in self.converters if pattern in c.source_patterns), None) if pattern else None
         return name, (conv, pattern)
+
+    def experts_layout(self, param: str) -> tuple[bool, bool] | None:
+        """(transposed, concatenated) of a stacked experts parameter, as its module declares
+        (transformers' experts interface: ``is_transposed``, ``is_concatenated``); None when the
+        module says nothing."""
+        try:
+            mod = self.model.get_submodule(param.rsplit(".", 1)[0])
+        except AttributeError:
+            return None
+        t, c = getattr(mod, "is_transposed", None), getattr(mod, "is_concatenated", None)
+        return (t, c) if isinstance(t, bool) and isinstance(c, bool) else None
 
     def heads_of(self, key: str, size: int) -> tuple[int, int, str] | None:
         """(heads, head size, 'query'/'key/value') when ``size`` counts whole heads of an
@@ -310,7 +331,7 @@ def _to_file(split: Split, model_shape: tuple[int, ...], conv: Any, pattern: str
             return f"transformers' {name} conversion", None
     if not 0 <= dim < file_ndim:
         return f"dim {dim} of a {file_ndim}-d weight", None
-    return "ok", Split(split.kind, dim, parts)
+    return "ok", Split(split.kind, dim, parts, split.unit)
 
 
 PARALLEL = ("tp", "fsdp_tp", "ep", "ep_tp")
@@ -344,7 +365,8 @@ def plan_rules(raw: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], p
     if len(mesh) != (2 if two_d else 1):
         raise ConfigError(f"layout.mesh: {mesh} needs {2 if two_d else 1} dimension(s) for layout.parallel={parallel}")
     sizes = _mesh_sizes(mesh, ranks)
-    planned, report = {}, {"split": [], "whole_by_plan": [], "replicated_kv": [], "unmapped": [], "no_entry": []}
+    planned, report = {}, {"split": [], "whole_by_plan": [], "replicated_kv": [], "unmapped": [], "no_entry": [],
+                           "experts_whole_in_tp": []}
     for key, (name, how) in mapped.items():
         if name is None:
             continue
@@ -365,6 +387,9 @@ def plan_rules(raw: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], p
             f"split, {100 * split / total if total else 0:.0f}% of the elements")
     if report["no_entry"]:
         note += f"; {len(report['no_entry'])} weight(s) the plan has no entry for are whole on every rank"
+    if report["experts_whole_in_tp"]:
+        note += f"; experts whole inside their tensor-parallel group ({len(report['experts_whole_in_tp'])} weights: " \
+                f"stacked as the family stores them, with no plan entry saying how to split them)"
     if report["replicated_kv"]:
         note += f"; {len(report['replicated_kv'])} key/value projection(s) replicated ({fam.kv_heads} key/value heads " \
                 f"for {sizes[-1]} tensor-parallel ranks)"
@@ -403,7 +428,17 @@ def _rule_for(fam: _Family, key: str, name: str, how: Any, shape: tuple[int, ...
         model = [None, _tp_split(tp_style, leaf, len(mshape)) if tp_style else None]
         why = f"tp plan {tp_entry}: {tp_style}" if tp_style else None
     elif expert:
-        inner = _tp_split(tp_style, leaf, len(mshape)) if tp_style else _expert_tp_split(name, len(mshape))
+        # tensor parallelism inside each expert: as the plan says; else gate|up by output, down
+        # by input, oriented as the experts module declares (transformers' is_transposed /
+        # is_concatenated: GPT-OSS stores [experts, in, out] with gate and up interleaved) or as
+        # stacking per-expert Linear weights implies; with neither, whole inside, and said
+        orient = fam.experts_layout(name)
+        if orient is None and conv is not None and any(type(op).__name__ == "MergeModulelist" for op in conv.operations):
+            orient = (False, True)  # stacked from per-expert Linear weights: [out, in], gate and up concatenated
+        inner = _tp_split(tp_style, leaf, len(mshape)) if tp_style else \
+            _expert_tp_split(name, len(mshape), *orient) if orient else None
+        if parallel == "ep_tp" and not tp_style and orient is None and len(shape) >= 2:
+            report["experts_whole_in_tp"].append(key)
         model = [Split("E", 0)] + ([inner] if parallel == "ep_tp" else [])
         why = f"ep plan {ep_entry}: {ep_style}" + (f", tp inside experts" if parallel == "ep_tp" else "")
     elif parallel == "ep_tp":
@@ -454,6 +489,9 @@ def _place(fam: _Family, key: str, shape: tuple[int, ...], file: list[Split], pa
             continue
         size = shape[s.dim]
         qkv = fam.fused_qkv(key, size) if s.dim == 0 else None
+        if s.unit > 1:  # interleaved pairs (GPT-OSS's gate/up): whole pairs per rank
+            out.unit, out.parts_dim = s.unit, s.dim
+            continue
         if s.parts > 1 or qkv:
             out.parts = qkv or [size // s.parts] * s.parts
             out.parts_dim = s.dim

@@ -64,7 +64,9 @@ def _layout_lines(lay: dict) -> list[str]:
     plan = lay.get("plan") or {}
     for what, text in (("replicated_kv", "key/value heads fewer than the tensor-parallel ranks: replicated"),
                        ("no_entry", "weights the family's plan names no rule for: whole on every rank"),
-                       ("unmapped", "weights the plan splits that auto could not place")):
+                       ("unmapped", "weights the plan splits that auto could not place"),
+                       ("experts_whole_in_tp", "stacked expert weights kept whole inside their tensor-parallel "
+                                               "group (no plan entry says how they split)")):
         if plan.get(what):
             names = plan[what]
             lines.append(f"  {text}: {len(names)}, e.g. {', '.join(names[:3])}")
@@ -118,7 +120,7 @@ def layout_report(ctx: JobContext, md: Metadata, ranks: int, path: str | None = 
             "rules": rules, "recognised": ctx.layout_note, "model_config": ctx.model_config_from,
             "tensors": tensors, "unmatched": placer.unmatched(sorted(k for k, t in md.tensors.items() if t.shape)),
             "split_bytes": split, "tensor_bytes": sum(nbytes.values()),
-            "plan": {k: v for k, v in (ctx.layout_plan or {}).items() if k in ("replicated_kv", "no_entry", "unmapped")}}
+            "plan": {k: v for k, v in (ctx.layout_plan or {}).items() if k in ("replicated_kv", "no_entry", "unmapped", "experts_whole_in_tp")}}
 
 
 def _layout_requested(ctx: JobContext) -> bool:

@@ -174,3 +174,22 @@ def test_a_hostile_config_cannot_make_the_meta_model_hang(written):
     raw, shapes = written["llama"]
     with pytest.raises(ConfigError, match=r"num_hidden_layers \[1000000000\] is not a layer count from 1 to 1024"):
         _plan({**raw, "num_hidden_layers": 10 ** 9}, shapes, None, 2)
+
+
+def test_experts_split_inside_as_their_module_declares_them(written):
+    """ep_tp with no tensor-parallel entry for the experts: gate|up by output and down by input,
+    oriented as transformers' experts module declares (GPT-OSS: [experts, in, out], gate and up
+    interleaved, so whole gate/up pairs per rank; GraniteMoE: [experts, out, in], concatenated)."""
+    raw, shapes = written["gpt_oss"]
+    layout, note, report = _plan(raw, shapes, "ep_tp", 4)
+    placer = Placer(layout, 0, 4, model_config=raw, keys=shapes)
+    up = "model.layers.0.mlp.experts.gate_up_proj"
+    assert placer.placements_for(up, 3) == ["E", "S2"] and placer.describe_rule(up)["unit"] == 2
+    assert placer.placements_for("model.layers.0.mlp.experts.down_proj", 3) == ["E", "S1"]
+    assert placer.placements_for("model.layers.0.mlp.experts.down_proj_bias", 2) == ["E", "R"]
+    assert report["experts_whole_in_tp"] == [] and "experts whole inside" not in note
+    raw, shapes = written["granitemoe"]
+    layout, _, _ = _plan(raw, shapes, "ep_tp", 4)
+    placer = Placer(layout, 0, 4, model_config=raw, keys=shapes)
+    key = "model.layers.1.block_sparse_moe.input_linear.weight"
+    assert placer.placements_for(key, 3) == ["E", "S1"] and placer.describe_rule(key)["parts"] == [64, 64]
