@@ -489,6 +489,8 @@ def _place(fam: _Family, key: str, shape: tuple[int, ...], file: list[Split], pa
             continue
         size = shape[s.dim]
         qkv = fam.fused_qkv(key, size) if s.dim == 0 else None
+        if s.parts == 1 and s.dim == 0 and _fused_gate_up(key) and size % 2 == 0:
+            s = Split(s.kind, s.dim, 2)  # Phi-3's gate_up_proj: each rank its rows of gate and of up
         if s.unit > 1:  # interleaved pairs (GPT-OSS's gate/up): whole pairs per rank
             out.unit, out.parts_dim = s.unit, s.dim
             continue
@@ -513,6 +515,13 @@ def _place(fam: _Family, key: str, shape: tuple[int, ...], file: list[Split], pa
     elif parallel == "fsdp_tp" and shape:
         out.placements[0] = "S0"
     return out
+
+
+def _fused_gate_up(key: str) -> bool:
+    """A dense MLP's gate and up projections fused in one Linear (``gate_up_proj``), whose plan
+    style (``colwise_gather_output``) would let a plain split give one rank all of gate."""
+    parts = key.split(".")
+    return len(parts) >= 2 and "gate_up" in parts[-2] and ".experts." not in key
 
 
 def _fsdp_dim(shape: tuple[int, ...], rule: PlannedRule) -> str:

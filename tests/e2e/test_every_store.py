@@ -85,7 +85,7 @@ def _workflow(cli, request, tmp_path, source, ours, back):
              f"hydra.run.dir={tmp_path}/r1"], nproc=2)
     assert r.returncode == 0, _tail(r)
     res = metrics(tmp_path / "r1")["result"]
-    assert res["target_layout"] == "llama_tp" and res["model_config"] == f"{src.uri}/config.json", res
+    assert res["target_layout"] == "auto:llama_tp" and res["model_config"] == f"{src.uri}/config.json", res
     assert res["verified_tensors"] > 0
     r = cli(["+job=reshard", f"job.source.path={mid.uri}", f"job.output={out.uri}", "job.output_format=hf",
              "job.hf_max_shard_size=20KB", f"hydra.run.dir={tmp_path}/r2"], nproc=2)

@@ -90,8 +90,8 @@ def _round_trip(cli, tmp_path, model, first, second, n_first=2, n_second=4):
 def test_phi3_qkv_and_gate_up_split_by_head_at_2_and_4_ranks(cli, tmp_path):
     model = _model(tmp_path, "phi3")
     a, b = _round_trip(cli, tmp_path, model, ["layout=auto"], ["layout=phi3_fsdp_tp"])
-    assert a["target_layout"] == "phi3_tp"
-    assert "phi3 family (from config.json model_type 'phi3')" in a["layout_recognised"]
+    assert a["target_layout"] == "auto:phi3_tp"
+    assert "the phi3 family's own tensor-parallel plan" in a["layout_recognised"]
     # rank r of 2 holds heads 4r..4r+3 of q (8 heads of 8) and heads 2r..2r+1 of k and of v (4 kv heads)
     q, kv = 64, 32
     assert _written_by(tmp_path / "a", "model.layers.1.self_attn.qkv_proj.weight") == {
@@ -107,7 +107,7 @@ def test_phi3_qkv_and_gate_up_split_by_head_at_2_and_4_ranks(cli, tmp_path):
     r = cli(["+job=bench", f"job.source.path={tmp_path}/a", "layout=auto", "job.repeats=1", "job.warmup=0",
              f"hydra.run.dir={tmp_path}/run_bench"], nproc=2)
     assert r.returncode == 0, _tail(r)
-    assert metrics(tmp_path / "run_bench")["layout"] == "phi3_tp"
+    assert metrics(tmp_path / "run_bench")["layout"] == "auto:phi3_tp"
     # straight to phi3_tp at 4 ranks too: 2 q heads, 1 kv head each
     _reshard(cli, tmp_path, "tp4", 4, f"job.source.path={tmp_path}/hf", "layout=phi3_tp", f"job.output={tmp_path}/tp4")
     assert _written_by(tmp_path / "tp4", "model.layers.0.self_attn.qkv_proj.weight")[3] == sorted(
@@ -117,7 +117,7 @@ def test_phi3_qkv_and_gate_up_split_by_head_at_2_and_4_ranks(cli, tmp_path):
 def test_mixtral_experts_expert_parallel_then_expert_x_tensor_parallel(cli, tmp_path):
     model = _model(tmp_path, "mixtral")
     a, b = _round_trip(cli, tmp_path, model, ["layout=auto"], ["layout=auto", "layout.parallel=ep_tp"])
-    assert a["target_layout"] == "moe_ep" and b["target_layout"] == "moe_ep_tp"
+    assert a["target_layout"] == "auto:mixtral_ep" and b["target_layout"] == "auto:mixtral_ep_tp"
     assert "unmatched" not in a and "unmatched" not in b
     # ep=2: rank 0 wrote experts 0 and 1 whole, rank 1 experts 2 and 3, of every layer
     for e in range(4):
@@ -130,13 +130,13 @@ def test_mixtral_experts_expert_parallel_then_expert_x_tensor_parallel(cli, tmp_
         2: [([0, 0], [64, 24])], 3: [([0, 24], [64, 24])]}
 
 
-@pytest.mark.parametrize("family, preset", [("gemma2", "llama_tp"), ("qwen3_moe", "moe_ep"), ("olmo2", "llama_tp")])
-def test_other_families_round_trip_under_auto(cli, tmp_path, family, preset):
+@pytest.mark.parametrize("family, parallel", [("gemma2", "tp"), ("qwen3_moe", "ep"), ("olmo2", "tp")])
+def test_other_families_round_trip_under_auto(cli, tmp_path, family, parallel):
     model = _model(tmp_path, family)
-    second = ["layout=auto", "layout.parallel=ep_tp"] if preset.startswith("moe") else \
+    second = ["layout=auto", "layout.parallel=ep_tp"] if parallel == "ep" else \
         ["layout=auto", "layout.parallel=fsdp_tp"]
     a, b = _round_trip(cli, tmp_path, model, ["layout=auto"], second)
-    assert a["target_layout"] == preset and f"model_type '{family}'" in a["layout_recognised"]
+    assert a["target_layout"] == f"auto:{family}_{parallel}" and f"the {family} family's own" in a["layout_recognised"]
     assert "unmatched" not in a and "unmatched" not in b
 
 

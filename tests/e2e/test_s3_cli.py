@@ -89,7 +89,8 @@ def test_hf_directory_in_bucket_resharded_in_place(cli, tmp_path, s3_endpoint, s
     res = metrics(tmp_path / "r")["result"]
     assert res["verified_tensors"] == 3
     # the family is recognised from the config.json in the bucket, which the output records
-    assert "config.json model_type 'llama'" in res["layout_recognised"] and res["target_layout"] == "llama_tp"
+    assert "the llama family's own tensor-parallel plan" in res["layout_recognised"]
+    assert res["target_layout"] == "auto:llama_tp"
     assert res["model_config"] == f"{s3_bucket}/models/tiny/config.json"
     from hpdcp_runner.dcp import load
 

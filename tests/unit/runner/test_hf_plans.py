@@ -193,3 +193,16 @@ def test_experts_split_inside_as_their_module_declares_them(written):
     placer = Placer(layout, 0, 4, model_config=raw, keys=shapes)
     key = "model.layers.1.block_sparse_moe.input_linear.weight"
     assert placer.placements_for(key, 3) == ["E", "S1"] and placer.describe_rule(key)["parts"] == [64, 64]
+
+
+def test_fused_gate_up_and_qkv_split_per_part(written):
+    """Phi-3's plan gathers its fused outputs (colwise_gather_output), so a plain split would give
+    rank 0 all of gate; auto splits each part on its own (its heads of q, k, v; its rows of gate, up)."""
+    raw, shapes = written["phi3"]
+    layout, _, _ = _plan(raw, shapes, None, 2)
+    placer = Placer(layout, 0, 2, model_config=raw, keys=shapes)
+    up = [[(b.offsets, b.sizes) for b in placer.boxes("model.layers.0.mlp.gate_up_proj.weight", (128, 64), r)]
+          for r in range(2)]
+    assert up == [[((0, 0), (32, 64)), ((64, 0), (32, 64))], [((32, 0), (32, 64)), ((96, 0), (32, 64))]]
+    qkv = placer.describe_rule("model.layers.0.self_attn.qkv_proj.weight")
+    assert qkv["parts"] == [64, 32, 32] and qkv["unit"] == 8
