@@ -197,6 +197,23 @@ class RankZeroFilter(logging.Filter):
         return env_rank() == 0 or record.levelno >= logging.WARNING
 
 
+def write_out(text: str, file=None) -> None:
+    """Print a job's output. A reader that left (``... | head -3``) is not the job's failure: the
+    rest of the output goes to /dev/null (so neither this nor the interpreter's last flush raises
+    BrokenPipeError) and the job ends as it would have."""
+    out = file or sys.stdout
+    try:
+        print(text, file=out, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, out.fileno())
+        except (OSError, ValueError):  # not a real file descriptor (captured output)
+            pass
+        finally:
+            os.close(devnull)
+
+
 def detail_logger() -> logging.Logger:
     """Where jobs log what only the rank log needs (phases, tracebacks of failures)."""
     return logging.getLogger(DETAIL_LOGGER)

@@ -257,7 +257,4 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
     doc["metrics_path"] = write_metrics(ctx.run_dir, doc)
     # a job that prints machine-readable output keeps stdout for it alone
     machine = ctx.cfg.job.name == "inspect" and getattr(ctx.cfg.job, "format", None) == "json"
-    try:
-        print(summary_table(doc), file=sys.stderr if machine else sys.stdout, flush=True)
-    except BrokenPipeError:  # `... | head`: the reader left; not the job's failure
-        sys.stdout = open(os.devnull, "w")
+    runtime.write_out(summary_table(doc), sys.stderr if machine else sys.stdout)

@@ -15,6 +15,7 @@ import os
 from ..dcp import ConfigError, Metadata, rename_keys
 from ..dcp.tools import METADATA_FILE, describe, dtype_from_name, join_location
 from ..layouts import Placer, mesh_shape, problems
+from ..runtime import write_out
 from .context import JobContext
 
 SHOWN_RANKS = 8
@@ -162,6 +163,6 @@ def run(ctx: JobContext) -> dict:
             for k, t in d["layout"]["tensors"].items():
                 t["shape"] = list(md.tensors[k].shape)
             d["layout"]["picture"] = draw(d["layout"], ctx.abspath(job.picture), os.path.basename(path))
-    print(json.dumps(d, indent=2) if job.format == "json" else format_table(d), flush=True)
+    write_out(json.dumps(d, indent=2) if job.format == "json" else format_table(d))
     return {"tensors": len(d["tensors"]), "objects": len(d["objects"]), "tensor_bytes": d["tensor_bytes"],
             "format": d["format"]}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..dcp import CorruptCheckpointError
 from ..dcp.tools import full_tensor_digests, verify
+from ..runtime import write_out
 from .context import JobContext
 
 
@@ -27,7 +28,7 @@ def run(ctx: JobContext) -> dict:
         crcs = reader.counters.chunks_verified
         how = (f"{crcs} records matched their zip CRC-32" if crcs else
                "this format records no checksums, so flipped bits cannot be detected")
-        print(f"OK: {path} ({reader.format_name}): structure valid, {n} tensors read in full; {how}", flush=True)
+        write_out(f"OK: {path} ({reader.format_name}): structure valid, {n} tensors read in full; {how}")
         return {"tensors_read": n, "format": reader.format_name, "checksums": bool(crcs), "records_crc_checked": crcs}
     reader.close()
     with ctx.metrics.phase("verify"), ctx.bytes_bar(f"verify {path}") as bar, ctx.user_errors(key):
@@ -35,5 +36,5 @@ def run(ctx: JobContext) -> dict:
     if not report.ok:
         raise CorruptCheckpointError(f"{report.path}: {len(report.problems)} problem(s):\n  - "
                                      + "\n  - ".join(report.problems))
-    print(f"OK: {report.path}: {report.files_checked} files, {report.bytes_checked} bytes verified", flush=True)
+    write_out(f"OK: {report.path}: {report.files_checked} files, {report.bytes_checked} bytes verified")
     return {"files_checked": report.files_checked, "bytes_checked": report.bytes_checked}
