@@ -44,21 +44,31 @@ def run(ctx: JobContext) -> dict:
     try:
         res = ctx.load(target, path, strict=job.strict)
     except KeyMismatchError as e:
-        raise _hinted(e, "; to load a checkpoint as it is, without model=, use job.source.path=<it>") from None
+        keys = len(flatten_state_dict(ref)[0])
+        if len(e.missing) * 2 > keys:  # most of model= is not there: the checkpoint is not of that model
+            raise _hinted(e, f"checkpoint.path={path} is not a checkpoint of model={ctx.cfg.model.name} ("
+                             f"{len(e.missing)} of its {keys} keys are missing): to load the checkpoint as it is, "
+                             f"use job.source.path={path} instead") from None
+        raise _hinted(e) from None
     problems = []
+    skipped = frozenset(res.missing_keys)  # job.strict=false: the keys the checkpoint lacks stay as they were
     if job.verify:
         with ctx.metrics.phase("verify"):
-            problems = compare_state(target, place_state(ref, placer))
+            problems = compare_state(target, place_state(ref, placer), skip=skipped)
     if problems:
         raise HpdcpError(f"loaded state differs from the reference ({len(problems)} problems): {problems[:10]}")
-    return {"checkpoint": path, "verified": bool(job.verify), "loaded_keys": len(flatten_state_dict(ref)[0]),
-            "missing_keys": list(res.missing_keys), "unused_checkpoint_keys": list(res.unexpected_keys)}
+    return {"checkpoint": path, "verified": bool(job.verify), "loaded_keys": len(flatten_state_dict(ref)[0]) -
+            len(skipped), "missing_keys": list(res.missing_keys), "unused_checkpoint_keys": list(res.unexpected_keys)}
 
 
-def _hinted(e: KeyMismatchError, more: str = "") -> KeyMismatchError:
-    text = str(e).replace("(pass strict=False to load the common keys)",
-                          f"(add job.strict=false to load the common keys, or job.include=<regex> to pick keys{more})")
-    return KeyMismatchError(text, e.missing, e.unexpected)
+def _hinted(e: KeyMismatchError, lead: str = "") -> KeyMismatchError:
+    """The engine's key mismatch with the fix first: ``lead`` (what to do instead), else the
+    job's own knobs; the lists (already shortened by the engine) after it."""
+    fix = lead or "add job.strict=false to load the keys both hold, or job.include=<regex> to pick keys"
+    eg = lambda keys: ", ".join(repr(k) for k in sorted(keys)[:3]) + (", ..." if len(keys) > 3 else "")  # noqa: E731
+    parts = ([f"{len(e.missing)} key(s) missing from the checkpoint, e.g. {eg(e.missing)}"] if e.missing else []) + \
+        ([f"{len(e.unexpected)} checkpoint key(s) not in the state, e.g. {eg(e.unexpected)}"] if e.unexpected else [])
+    return KeyMismatchError(f"{fix}. Strict load: {'; '.join(parts)}", e.missing, e.unexpected)
 
 
 def _load_source(ctx: JobContext) -> dict:

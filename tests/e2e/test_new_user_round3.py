@@ -31,3 +31,54 @@ def test_output_to_a_closed_pipe_ends_quietly(tmp_path):
     code = p.wait(timeout=240)
     assert first.startswith(b"checkpoint ") and code == 0, err[-3000:]
     assert "BrokenPipe" not in err and "error:" not in err, err[-3000:]
+
+
+def _load(args, tmp_path):
+    return subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=load", *args], capture_output=True, text=True,
+                          env=_env(), cwd=str(tmp_path), timeout=240)
+
+
+def test_a_load_of_another_models_checkpoint_leads_with_the_fix(tmp_path):
+    """Item 5: ``+job=load checkpoint.path=<an imported model>`` failed with a 1.7 kB line listing
+    the keys, the fix (``job.source.path=``) at its very end. Now the fix comes first, the lists
+    after it, shortened."""
+    from safetensors.torch import save_file
+
+    from hpdcp_runner.dcp import save
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({f"model.layers.{i}.mlp.w{j}.weight": torch.randn(4, 4) for i in range(10) for j in range(5)},
+              str(hf / "model.safetensors"), metadata={"format": "pt"})
+    from safetensors.torch import load_file
+
+    save(load_file(str(hf / "model.safetensors")), checkpoint_id=str(tmp_path / "imported"))
+    r = _load([f"checkpoint.path={tmp_path}/imported", f"hydra.run.dir={tmp_path}/r"], tmp_path)
+    err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode != 0 and len(err) == 1, r.stderr[-3000:]
+    fix = f"use job.source.path={tmp_path}/imported instead"
+    assert err[0].startswith("error: KeyMismatchError: checkpoint.path=") and fix in err[0], err
+    assert err[0].index(fix) < err[0].index("missing from the checkpoint") and len(err[0]) < 1200, err
+
+
+def test_strict_false_verifies_only_what_it_loaded(tmp_path):
+    """Item 10: following the load's advice (``job.strict=false``) then failed its own check on
+    the keys it skipped (``meta.step: 0 != 100``). Now the skipped keys are reported, not compared."""
+    from omegaconf import OmegaConf
+
+    from hpdcp_runner.config import ModelConf
+    from hpdcp_runner.dcp import save
+    from hpdcp_runner.paths import find_conf_dir
+    from hpdcp_runner.workloads import reference_state
+
+    tiny = OmegaConf.load(f"{find_conf_dir()}/model/tiny.yaml")
+    tiny.pop("defaults")
+    state = reference_state(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConf), tiny)))
+    del state["meta"]  # a checkpoint of the model's weights alone
+    save(state, checkpoint_id=str(tmp_path / "weights"))
+    r = _load([f"checkpoint.path={tmp_path}/weights", "job.strict=false", f"hydra.run.dir={tmp_path}/r"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    result = json.loads((tmp_path / "r" / "metrics.json").read_text())["result"]
+    assert result["verified"] is True and sorted(result["missing_keys"]) == ["meta.model", "meta.seed", "meta.step"]
