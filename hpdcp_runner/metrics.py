@@ -79,7 +79,8 @@ def summary_table(doc: dict) -> str:
     changed = doc.get("model_overridden")  # the preset's name alone would describe another model
     what = f"source={doc['source']}" if doc.get("source") else \
         f"model={doc['model']}" + (f" ({' '.join(changed)})" if changed else "")
-    lines = [f"hpdcp {doc['job']}: world_size={doc['world_size']} layout={doc['layout']} {what}"]
+    layout = f" layout={doc['layout']}" if doc.get("layout") else ""
+    lines = [f"hpdcp {doc['job']}: world_size={doc['world_size']}{layout} {what}"]
     lines.append(f"{'phase':<20}{'seconds(max)':>14}{'bytes':>16}{'GB/s':>10}")
     for p, row in doc["summary"].items():
         if p.startswith("warmup."):  # timed, kept in metrics.json, not part of the measurement

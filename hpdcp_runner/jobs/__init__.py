@@ -52,6 +52,10 @@ def registry() -> dict[str, Callable[[JobContext], Any]]:
             "verify": verify.run, "bench": bench.run, "train": train.run, "transform": transform.run}
 
 
+#: jobs that read a checkpoint and build no model= state (their summary names the checkpoint)
+READ_ONLY_JOBS = ("inspect", "verify")
+
+
 def run(cfg: DictConfig, run_dir: str | None = None) -> Any:
     """The Hydra task function's body (or a launcher worker's, with ``run_dir``). Returns the
     job's objective (for sweepers). SIGINT/SIGTERM end it with one line and ``FAILED`` saying
@@ -246,9 +250,12 @@ def _report(ctx: JobContext, result: dict, digest: str) -> None:
         _objective(ctx.cfg.job.name, result, summary)
     # a job on a user's checkpoint names it instead of the (unused) synthetic model= preset
     source = getattr(getattr(ctx.cfg.job, "source", None), "path", None)
+    layout = ctx.cfg.layout.name
+    if ctx.cfg.job.name in READ_ONLY_JOBS and isinstance(result, dict):  # they read a checkpoint: name it, and
+        source, layout = result.get("checkpoint", source), result.get("layout")  # a layout only if one was used
     from .context import section_overrides
 
-    doc = {"job": ctx.cfg.job.name, "world_size": ctx.info.world_size, "layout": ctx.cfg.layout.name,
+    doc = {"job": ctx.cfg.job.name, "world_size": ctx.info.world_size, "layout": layout,
            "model": None if source else ctx.cfg.model.name, "source": source,
            "model_overridden": [] if source else section_overrides("model"), "run_dir": ctx.run_dir, "config": ctx.plain,
            "config_digest": digest, "ranks": records,

@@ -164,5 +164,6 @@ def run(ctx: JobContext) -> dict:
                 t["shape"] = list(md.tensors[k].shape)
             d["layout"]["picture"] = draw(d["layout"], ctx.abspath(job.picture), os.path.basename(path))
     write_out(json.dumps(d, indent=2) if job.format == "json" else format_table(d))
-    return {"tensors": len(d["tensors"]), "objects": len(d["objects"]), "tensor_bytes": d["tensor_bytes"],
-            "format": d["format"]}
+    return {"checkpoint": path, "tensors": len(d["tensors"]), "objects": len(d["objects"]),
+            "tensor_bytes": d["tensor_bytes"], "format": d["format"],
+            **({"layout": d["layout"]["name"]} if "layout" in d else {})}

@@ -29,7 +29,7 @@ def run(ctx: JobContext) -> dict:
         how = (f"{crcs} records matched their zip CRC-32" if crcs else
                "this format records no checksums, so flipped bits cannot be detected")
         write_out(f"OK: {path} ({reader.format_name}): structure valid, {n} tensors read in full; {how}")
-        return {"tensors_read": n, "format": reader.format_name, "checksums": bool(crcs), "records_crc_checked": crcs}
+        return {"checkpoint": path, "tensors_read": n, "format": reader.format_name, "checksums": bool(crcs), "records_crc_checked": crcs}
     reader.close()
     with ctx.metrics.phase("verify"), ctx.bytes_bar(f"verify {path}") as bar, ctx.user_errors(key):
         report = verify(path, on_bytes=bar)
@@ -37,4 +37,4 @@ def run(ctx: JobContext) -> dict:
         raise CorruptCheckpointError(f"{report.path}: {len(report.problems)} problem(s):\n  - "
                                      + "\n  - ".join(report.problems))
     write_out(f"OK: {report.path}: {report.files_checked} files, {report.bytes_checked} bytes verified")
-    return {"files_checked": report.files_checked, "bytes_checked": report.bytes_checked}
+    return {"checkpoint": path, "files_checked": report.files_checked, "bytes_checked": report.bytes_checked}

@@ -82,3 +82,17 @@ def test_strict_false_verifies_only_what_it_loaded(tmp_path):
 
     result = json.loads((tmp_path / "r" / "metrics.json").read_text())["result"]
     assert result["verified"] is True and sorted(result["missing_keys"]) == ["meta.model", "meta.seed", "meta.step"]
+
+
+def test_inspect_and_verify_name_the_checkpoint_not_a_model_or_layout_they_do_not_use(tmp_path):
+    """Item 11: inspect and verify printed ``layout=fsdp model=tiny``, which they do not use."""
+    from hpdcp_runner.dcp import save
+
+    save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp_path / "ck"))
+    for job in ("inspect", "verify"):
+        r = subprocess.run([sys.executable, "-m", "hpdcp_runner", f"+job={job}", f"checkpoint.path={tmp_path}/ck",
+                            f"hydra.run.dir={tmp_path}/{job}"], capture_output=True, text=True, env=_env(),
+                           cwd=str(tmp_path), timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        head = next(x for x in r.stdout.splitlines() if x.startswith(f"hpdcp {job}:"))
+        assert head == f"hpdcp {job}: world_size=1 source={tmp_path}/ck", head
