@@ -141,6 +141,10 @@ class DcpConf:
     # async saves: thread = files written by a thread of the training process; process = by a
     # persisting process per rank (shared-memory staging), off the training process's GIL
     async_mode: str = "thread"
+    # process mode: how long a job waits, before its first step, for the persisting process to
+    # finish starting. 0: never (a save made while it starts is written by a thread instead, so
+    # its start-up never lands on the training loop); more: every save goes through the process
+    persist_start_wait_s: float = 0.0
 
 
 @dataclass
@@ -668,6 +672,7 @@ class EngineOptions:
     cache_plan: bool
     format_version: int = 2
     async_mode: str = "thread"
+    persist_start_wait_s: float = 0.0
 
     def knobs(self) -> dict:
         """The knob values as the engine received them, for metrics.json."""
@@ -678,7 +683,7 @@ class EngineOptions:
                 "dcp.storage.read_gap_bytes": "auto" if r.read_gap_bytes is None else r.read_gap_bytes,
                 "dcp.storage.max_request_bytes": r.max_request_bytes,
                 "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s, "dcp.format_version": self.format_version,
-                "dcp.async_mode": self.async_mode,
+                "dcp.async_mode": self.async_mode, "dcp.persist_start_wait_s": self.persist_start_wait_s,
                 **{f"dcp.storage.{k}": v for k, v in self.store.kwargs().items()}}
 
 
@@ -725,6 +730,8 @@ def engine_options(c: Config) -> EngineOptions:
         problems.append(f"dcp.format_version: {d.format_version!r} is not 1 or 2 (the format versions this build writes)")
     if d.async_mode not in ("thread", "process"):
         problems.append(f"dcp.async_mode: {d.async_mode!r} is not thread or process")
+    if not 0 <= d.persist_start_wait_s <= 3600:  # nan fails both
+        problems.append(f"dcp.persist_start_wait_s: {d.persist_start_wait_s!r} is not seconds from 0 to 3600")
     if d.broadcast.mode not in ("always", "never", "auto"):
         problems.append(f"dcp.broadcast.mode: {d.broadcast.mode!r} is not always, never or auto")
     if problems:
@@ -742,7 +749,7 @@ def engine_options(c: Config) -> EngineOptions:
     if problems:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
-                         d.verify_replicas, d.cache_plan, d.format_version, d.async_mode)
+                         d.verify_replicas, d.cache_plan, d.format_version, d.async_mode, d.persist_start_wait_s)
 
 
 def layout_from_file(layout: LayoutConf) -> LayoutConf:

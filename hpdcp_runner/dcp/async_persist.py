@@ -107,6 +107,9 @@ class AsyncSaveResponse:
         self.checkpoint_id = checkpoint_id
         self.staging_seconds = staging_seconds
         self.persist_seconds: float | None = None
+        #: what writes the files: "thread", or "process" (a process-mode save made while the
+        #: persisting process was still starting is written by a thread instead)
+        self.mode = "thread"
         self._future: Future = Future()
         self._thread: threading.Thread | None = None
 
@@ -164,14 +167,18 @@ def _check_mode(mode: str) -> None:
         raise ConfigError(f"async_save mode must be one of {', '.join(MODES)}, got {mode!r}")
 
 
-def start_async_persist(mode: str) -> None:
+def start_async_persist(mode: str, wait_s: float = 0.0) -> bool:
     """Start what ``async_save(mode=...)`` persists with ahead of the first save (``process``: the
-    persisting process, which takes a second or two to import torch), so that save does not wait."""
+    persisting process, which takes seconds to import torch). ``wait_s``: how long to wait for it
+    to finish starting; a process-mode save made before then is written by a thread of this
+    process instead (its start-up never lands on the caller's loop). Returns whether it is ready."""
     _check_mode(mode)
-    if mode == "process":
-        from . import persister
+    if mode != "process":
+        return True
+    from . import persister
 
-        persister.prepare()
+    persister.prepare()
+    return persister.persister().wait_ready(wait_s) if wait_s > 0 else persister.persister().ready()
 
 
 def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, process_group: Any = None,
@@ -184,8 +191,10 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
     allow_pickle, verify_replicas, extra). ``callback(metadata)`` runs in the background thread
     after the commit. ``mode``: ``thread`` writes the files in a thread of this process;
     ``process`` stages into shared memory and writes them in a persisting process of this rank
-    (``persister.py``), so serialising, hashing and uploads never hold this process's GIL (every
-    rank must pass the same mode). Returns an ``AsyncSaveResponse``.
+    (``persister.py``), so serialising, hashing and uploads never hold this process's GIL; a
+    rank whose persisting process is still starting writes that save by a thread instead (its
+    start-up never lands on the caller; ``response.mode`` says which, and the ranks need not
+    agree). Returns an ``AsyncSaveResponse``.
     """
     global _IN_FLIGHT
     from .api import _check_extra, save  # api imports this module's names lazily; avoid a cycle at import time
@@ -200,9 +209,15 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
     bufs = None
     if mode == "process":
         from . import persister
-        from .storage.checkpoint_io import open_writer
 
         bufs = persister.prepare()
+        if not persister.persister().ready():  # still starting: its start-up must not land on this loop
+            log.info("async save of %s: the persisting process is still starting; this save is written by a "
+                     "thread of this process", checkpoint_id)
+            mode, bufs = "thread", None
+    if mode == "process":
+        from .storage.checkpoint_io import open_writer
+
         writer = save_kwargs.get("storage_writer")
         if writer is None:
             if checkpoint_id is None:
@@ -215,6 +230,7 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
         torch.cuda.synchronize()  # non-blocking device-to-pinned copies done before we return
     path = None if checkpoint_id is None else str(checkpoint_id)
     response = AsyncSaveResponse(path, time.perf_counter() - t0)
+    response.mode = mode
 
     def persist() -> None:
         t1 = time.perf_counter()

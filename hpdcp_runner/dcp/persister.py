@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -192,10 +193,36 @@ class Persister:
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.dead: str | None = None  # why the last one is gone (until a new one starts)
+        self._ready = False  # it said it finished starting (imports done): a save may wait on it
         self._lock = threading.Lock()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and self.dead is None
+
+    def ready(self) -> bool:
+        """True once the process has finished starting (it imports torch: seconds, on a busy
+        host more). Never waits: a save that finds it still starting is written another way
+        rather than putting the start-up on the training loop."""
+        if self._ready or not self.alive():
+            return self._ready
+        if not self._lock.acquire(blocking=False):  # a request is being served: it started long ago
+            return True
+        try:
+            while self.conn.poll(0):
+                if self.conn.recv()[0] == "ready":
+                    self._ready = True
+        except (EOFError, OSError):
+            return False
+        finally:
+            self._lock.release()
+        return self._ready
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for :meth:`ready` (tests, benchmarks, a job's start)."""
+        deadline = time.monotonic() + timeout
+        while not self.ready() and self.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self._ready
 
     def start(self) -> None:
         """Start the process if none runs (returns at once; it imports torch in the background)."""
@@ -216,7 +243,7 @@ class Persister:
         finally:
             child.close()
         self.conn = Connection(parent.detach())
-        self.dead = None
+        self.dead, self._ready = None, False
         log.info("persisting process started (pid %d)", self.proc.pid)
 
     def _died(self, doing: str) -> PersistProcessError:
@@ -241,6 +268,9 @@ class Persister:
                 self.conn.send(msg)
                 while True:
                     reply = self.conn.recv()
+                    if reply[0] == "ready":  # its start-up finished (nobody polled for it)
+                        self._ready = True
+                        continue
                     if reply[0] == "mapped":
                         if on_mapped is not None:
                             on_mapped()
@@ -329,6 +359,10 @@ class ProcessWriter(StorageWriter):
         self.process = process or _PERSISTER
         self.counters = inner.counters
         self._attached: tuple[str, int, int] | None = None
+
+    @property
+    def protocol_kind(self) -> str:  # the wrapped writer's: a rank writing by thread saves with it
+        return self.inner.protocol_kind
 
     @property
     def checkpoint_id(self) -> str | None:  # type: ignore[override]
@@ -470,7 +504,11 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[%(asctime)s][persister of pid {parent}][%(levelname)s] "
                                                        f"%(message)s")
     torch.set_num_threads(1)
-    _serve(Connection(fd))
+    from .storage import checkpoint_io  # noqa: F401  (what the first write needs, imported before "ready")
+
+    conn = Connection(fd)
+    conn.send(("ready",))
+    _serve(conn)
 
 
 if __name__ == "__main__":

@@ -277,7 +277,7 @@ class SaveSteps:
         shared = self.shared.columns_digest() if self.shared_idx.numel() else "00" * 16
         extra = {k: v for k, v in (self.extra or {}).items() if k != "committed_at_ns"}  # (each rank's clock)
         options = [self.overwrite, self.allow_pickle, self.verify_replicas, self.cache_plan, self.format_version,
-                   type(self.writer).__name__, extra]
+                   self.writer.protocol_kind, extra]
         inputs = _digest8(str(self.path or self.writer.checkpoint_id)) + _digest8(options)
         return SaveSummary(True, self.digest, c.table_digest(), shared, c.unique_bytes(), inputs)
 

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -155,7 +156,7 @@ def run(ctx: JobContext) -> dict:
             rank_state = _restore(ctx, tr, resumed_from, losses)
         start = tr.step
         if job.async_save and job.save_every:
-            dcp.start_async_persist(ctx.engine.async_mode)
+            dcp.start_async_persist(ctx.engine.async_mode, ctx.engine.persist_start_wait_s)
         timeline: dict[str, list] = {"steps": [], "saves": [], "committed": []}
         _loop(ctx, tr, losses, ckdir, tiers, timeline)
         drains = tiers.finish() if tiers is not None else None
@@ -166,6 +167,7 @@ def run(ctx: JobContext) -> dict:
     result: dict[str, Any] = {"start_step": start, "final_step": tr.step, "resumed_from": resumed_from,
                               "rank_state": rank_state, "save_mode": f"async ({ctx.engine.async_mode})" if job.async_save else "sync",
                               "final_loss": losses.get(tr.step),
+                              "save_writers": dict(Counter(m for _, m in timeline.get("writers", []))),
                               "checkpoints": [e.name for e in list_checkpoints(ckdir, ctx.series[1])]}
     outsiders = series_outsiders(ckdir, ctx.series[1]) if rank == 0 else []
     if outsiders:  # named like the series but not in it: never resumed from, never deleted
@@ -227,13 +229,15 @@ def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, ti
             pending = _checkpoint(ctx, tr, losses, ckdir, pending, tiers, timeline)
             staged = pending.staging_seconds if pending is not None else None
             timeline["saves"].append([tr.step, round(time.perf_counter() - t0, 6), staged])
+            if pending is not None:  # what wrote it (a process-mode save made while its process started: a thread)
+                timeline.setdefault("writers", []).append([tr.step, pending.mode])
         # the drill kills once: a restarted attempt (torchrun --max-restarts, a requeue) runs on
         if job.kill_after_step == tr.step and rank == kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                                                    "0") == "0":
             log.warning("job.kill_after_step=%d: SIGKILL to rank %d", tr.step, rank)
             os.kill(os.getpid(), signal.SIGKILL)
-    if pending is not None:
-        with ctx.metrics.phase("train.save_wait"):
+    if pending is not None:  # after the last step: the job waits, training does not
+        with ctx.metrics.phase("train.final_commit_wait"):
             pending.result()
 
 
@@ -243,6 +247,16 @@ def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: s
     """Save ``step_<n>`` (to the fast tier when there is one); async saves first collect the
     previous one's outcome (raising its failure). Retention (and a tier's drain) runs only after
     a commit, never after a failed save."""
+    if not ctx.cfg.job.async_save:
+        return _save(ctx, tr, losses, ckdir, pending, tiers, timeline)
+    # everything an async save costs the loop: the wait for the previous save to commit, then the
+    # staging copy (train.save_blocking, the job's objective, holds both)
+    with ctx.metrics.phase("train.save_blocking"):
+        return _save(ctx, tr, losses, ckdir, pending, tiers, timeline)
+
+
+def _save(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, pending: dcp.AsyncSaveResponse | None,
+          tiers: Tiers | None, timeline: dict[str, list]) -> dcp.AsyncSaveResponse | None:
     started = time.perf_counter()
     if pending is not None:
         with ctx.metrics.phase("train.save_wait"):
@@ -263,7 +277,7 @@ def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: s
 
     key = "checkpoint.fast_tier.dir" if tiers is not None else "checkpoint.dir"
     if ctx.cfg.job.async_save:
-        return ctx.async_save(state, path, phase="train.save_blocking", series=(series, tr.step), callback=committed,
+        return ctx.async_save(state, path, phase="train.save_staging", series=(series, tr.step), callback=committed,
                               key=key)
     ctx.save(state, path, phase="train.save", series=(series, tr.step), key=key)
     committed()

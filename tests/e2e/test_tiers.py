@@ -43,7 +43,8 @@ def test_a_killed_persisting_process_fails_the_job_and_publishes_nothing(cli, tm
     persisting process, and step_5 was never published (nor any staging left)."""
     monkeypatch.setenv("HPDCP_FAULTS", "persist.write@1:kill")
     ck = tmp_path / "ck"
-    r = cli(COMMON + ["dcp.async_mode=process", f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path}/run"], nproc=2)
+    r = cli(COMMON + ["dcp.async_mode=process", "dcp.persist_start_wait_s=120", f"checkpoint.dir={ck}",
+                      f"hydra.run.dir={tmp_path}/run"], nproc=2)  # every save through the process: wait for it
     assert r.returncode != 0, _tail(r)
     assert "rank 1: the persisting process" in r.stderr and "killed by signal 9" in r.stderr, _tail(r)
     assert "error: PersistProcessError: save: write failed on 1 rank(s): rank 1: the persisting process" in r.stderr, \

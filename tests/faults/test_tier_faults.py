@@ -41,6 +41,7 @@ def test_a_persisting_process_killed_while_it_writes_publishes_nothing(place, mo
     persister.shutdown()
     monkeypatch.setenv("HPDCP_FAULTS", "persist.write:kill")  # read by the persisting process it starts
     try:
+        assert dcp.start_async_persist("process", wait_s=120)  # the save goes to the process, not a thread
         response = dcp.async_save(_sd(2), checkpoint_id=place, overwrite=True, mode="process")
         with pytest.raises(dcp.PersistProcessError, match=r"persisting process \(pid \d+\) died \(killed by signal 9\)"
                                                           r" while writing rank 0's files"):

@@ -14,8 +14,14 @@ import torch
 
 from tests.multiproc.harness import run_ranks
 
-from hpdcp_runner.dcp import ConfigError, FileSystemWriter, async_save, faults, load
+from hpdcp_runner.dcp import ConfigError, FileSystemWriter, async_save, faults, load, start_async_persist
 from hpdcp_runner.dcp import persister
+
+
+def _ready() -> None:
+    """Start this rank's persisting process and wait until it finished starting (a save made
+    before then is written by a thread instead, which these tests are not about)."""
+    assert start_async_persist("process", wait_s=120)
 
 
 def _mesh(ws):
@@ -32,6 +38,7 @@ def _process_cases(rank: int, ws: int, root: str) -> dict:
     state = {"w": distribute_tensor(full.clone(), _mesh(ws), [Shard(0)]), "h": torch.arange(7, dtype=torch.bfloat16),
              "step": 3, "odd": torch.arange(12, dtype=torch.int16).reshape(3, 4)[:, 1]}  # a non-contiguous leaf
     gate = threading.Event()
+    _ready()
     with faults.armed("save.write", lambda **_: gate.wait(60)):  # hold the write until the state is mutated
         resp = async_save(state, checkpoint_id=f"{root}/p1", timeout=60, mode="process")
         with torch.no_grad():
@@ -52,6 +59,7 @@ def _process_cases(rank: int, ws: int, root: str) -> dict:
     persister.shutdown()
     os.environ["HPDCP_FAULTS"] = "persist.write@1:kill"
     try:
+        _ready()
         resp = async_save({"v": torch.full((5,), 3.0)}, checkpoint_id=f"{root}/p3", timeout=60, mode="process")
         try:
             resp.result(timeout=120)
@@ -121,6 +129,7 @@ def test_a_failure_in_the_persisting_process_arrives_as_the_same_error(tmp_path,
     persister.shutdown()
     monkeypatch.setenv("HPDCP_FAULTS", "file.write:enospc")
     try:
+        _ready()
         response = async_save({"w": torch.ones(8)}, checkpoint_id=tmp_path / "full", mode="process")
         with pytest.raises(StorageAccessError, match=r"No space left on device \(.*rank00000.safetensors\)"):
             response.result(timeout=120)
@@ -141,10 +150,35 @@ def test_every_dtype_of_the_format_round_trips_through_shared_memory(tmp_path):
                             dtype=torch.uint8, generator=g)
         state[name] = raw.view(dt)  # any bit pattern (NaNs too), odd sizes: 3 x 5 elements
     try:
-        async_save(state, checkpoint_id=tmp_path / "all", mode="process").result(timeout=120)
+        _ready()
+        response = async_save(state, checkpoint_id=tmp_path / "all", mode="process")
+        assert response.mode == "process"
+        response.result(timeout=120)
     finally:
         persister.shutdown()
     got = {k: torch.zeros_like(v) for k, v in state.items()}
     load(got, checkpoint_id=tmp_path / "all")
     for k in state:
         assert torch.equal(got[k].view(torch.uint8), state[k].view(torch.uint8)), k
+
+
+def test_a_save_made_while_the_persisting_process_starts_is_written_by_a_thread(tmp_path):
+    """The persisting process imports torch for seconds (more on a busy host); a save made before
+    it finished starting must not wait for it on the training loop (it once blocked the next save
+    for 4-6 s): that save is written by a thread, the next ones by the process."""
+    persister.shutdown()
+    try:
+        assert start_async_persist("process") is False  # just started: still importing
+        first = async_save({"v": torch.full((4,), 1.0)}, checkpoint_id=tmp_path / "a", mode="process")
+        assert first.mode == "thread"
+        first.result(timeout=120)
+        _ready()
+        second = async_save({"v": torch.full((4,), 2.0)}, checkpoint_id=tmp_path / "b", mode="process")
+        assert second.mode == "process"
+        second.result(timeout=120)
+    finally:
+        persister.shutdown()
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        got = {"v": torch.zeros(4)}
+        load(got, checkpoint_id=tmp_path / name)
+        assert got["v"].tolist() == [value] * 4

@@ -84,6 +84,12 @@ class StorageWriter(ABC):
     checkpoint_id: str | None = None
     counters: IOCounters
 
+    @property
+    def protocol_kind(self) -> str:
+        """What every rank's writer must agree on (the storage whose begin/attach/commit the
+        save runs); a wrapper that only moves where ``write`` runs reports its inner writer's."""
+        return type(self).__name__
+
     @abstractmethod
     def begin(self, *, overwrite: bool) -> str:
         """Coordinator only: check the target and create the staging area; returns its token."""

@@ -368,7 +368,10 @@ def test_a_process_mode_async_save_writes_from_its_persisting_process(store):
 
     path = join(store.root, "proc")
     try:
-        dcp.async_save(_state(5), checkpoint_id=path, mode="process").result(timeout=120)
+        assert dcp.start_async_persist("process", wait_s=120)  # ready, so the save is the process's
+        response = dcp.async_save(_state(5), checkpoint_id=path, mode="process")
+        assert response.mode == "process"
+        response.result(timeout=120)
         assert persister.persister().alive()
     finally:
         persister.shutdown()
