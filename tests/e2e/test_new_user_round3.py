@@ -96,3 +96,24 @@ def test_inspect_and_verify_name_the_checkpoint_not_a_model_or_layout_they_do_no
         assert r.returncode == 0, r.stderr[-2000:]
         head = next(x for x in r.stdout.splitlines() if x.startswith(f"hpdcp {job}:"))
         assert head == f"hpdcp {job}: world_size=1 source={tmp_path}/ck", head
+
+
+def test_process_mode_saves_report_all_they_block_and_who_wrote_them(tmp_path):
+    """Item 1: in process mode the next save waited seconds for the previous one (the persisting
+    process was still starting) and that wait sat in train.save_wait while the objective,
+    train.save_blocking, said 0.06 s. Now the blocking phase holds the wait and the staging copy,
+    and a save made while the persisting process starts is written by a thread (save_writers)."""
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=train", "job.steps=12", "job.save_every=3",
+                        "dcp.async_mode=process", f"checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/r"],
+                       capture_output=True, text=True, env=_env(), cwd=str(tmp_path), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "r" / "metrics.json").read_text())
+    phases = doc["ranks"][0]["phases_s"]
+    assert doc["result"]["objective_is"] == "summary.train.save_blocking.seconds_max"
+    # nested: what the loop waited for the previous save and the staging copy are both inside it
+    assert phases["train.save_blocking"] >= phases["train.save_wait"] + phases["train.save_staging"]
+    writers = doc["result"]["save_writers"]
+    assert set(writers) <= {"thread", "process"} and sum(writers.values()) == 4, writers
+    assert "train.final_commit_wait" in phases  # after the last step: the job waits, not the loop
