@@ -117,3 +117,43 @@ def test_process_mode_saves_report_all_they_block_and_who_wrote_them(tmp_path):
     writers = doc["result"]["save_writers"]
     assert set(writers) <= {"thread", "process"} and sum(writers.values()) == 4, writers
     assert "train.final_commit_wait" in phases  # after the last step: the job waits, not the loop
+
+
+SETUP_MISTAKES = {
+    # item 3: the endpoint without the account's path gave a raw XML "400 Bad Request"
+    "azure endpoint without the account": (
+        "az://ckpts/x", {"AZURE_STORAGE_ACCOUNT_NAME": "devstoreaccount1", "AZURE_STORAGE_ACCOUNT_KEY": "a2V5",
+                         "AZURE_STORAGE_ENDPOINT": "http://127.0.0.1:10000", "AZURE_ALLOW_HTTP": "true"},
+        "AZURE_STORAGE_ENDPOINT=http://127.0.0.1:10000 does not name the account"),
+    # item 3: AZURE_ALLOW_HTTP unset gave "builder error"
+    "azure over http without allow_http": (
+        "az://ckpts/x", {"AZURE_STORAGE_ACCOUNT_NAME": "devstoreaccount1", "AZURE_STORAGE_ACCOUNT_KEY": "a2V5",
+                         "AZURE_STORAGE_ENDPOINT": "http://127.0.0.1:10000/devstoreaccount1"},
+        "set AZURE_ALLOW_HTTP=true"),
+    # item 3: no account gave "Account must be specified"
+    "azure without an account": ("az://ckpts/x", {"AZURE_STORAGE_ACCOUNT_KEY": "a2V5"},
+                                 "set AZURE_STORAGE_ACCOUNT_NAME=<account>"),
+    # item 2: an emulator without GOOGLE_SKIP_SIGNATURE asked 169.254.169.254 for a token
+    "gcs emulator without skip-signature": (
+        "gs://models/x", {"GOOGLE_BASE_URL": "http://127.0.0.1:4443", "GOOGLE_ALLOW_HTTP": "true"},
+        "needs GOOGLE_SKIP_SIGNATURE=true"),
+    "s3 over http without allow_http": (
+        "s3://ckpts/x", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_ACCESS_KEY_ID": "k",
+                         "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1"}, "set AWS_ALLOW_HTTP=true"),
+}
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("case", sorted(SETUP_MISTAKES))
+def test_a_store_set_up_mistake_is_one_line_naming_the_variable(tmp_path, case):
+    """Items 2 and 3: each store's set-up variables are checked before its client is built, one
+    line naming the one to set, instead of the client's raw error from its first request."""
+    uri, env, expected = SETUP_MISTAKES[case]
+    clean = {k: v for k, v in _env().items() if not k.startswith(("AWS_", "AZURE_", "GOOGLE_", "HPDCP_TEST_"))}
+    r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=inspect", f"job.source.path={uri}",
+                        f"hydra.run.dir={tmp_path}/r"], capture_output=True, text=True, env={**clean, **env},
+                       cwd=str(tmp_path), timeout=240)
+    err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 2 and len(err) == 1 and expected in err[0], r.stderr[-3000:]

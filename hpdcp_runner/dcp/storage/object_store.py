@@ -19,6 +19,7 @@ import datetime as _dt
 import os
 import re
 import threading
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -126,6 +127,7 @@ def _store(scheme: str, bucket: str, o: ObjectStoreOptions) -> Any:
                 allow_http = os.environ.get(kind.allow_http_env, "").lower() in ("1", "true", "yes") or \
                     os.environ.get("AZURE_STORAGE_USE_EMULATOR", "").lower() in ("1", "true") and scheme == "az"
             client["allow_http"] = allow_http
+            preflight(scheme, bucket, o, allow_http)
             retry = {"max_retries": o.max_retries, "retry_timeout": _dt.timedelta(seconds=o.retry_timeout_s),
                      "backoff": {"init_backoff": _dt.timedelta(milliseconds=100),
                                  "max_backoff": _dt.timedelta(seconds=15), "base": 2.0}}
@@ -137,6 +139,41 @@ def _store(scheme: str, bucket: str, o: ObjectStoreOptions) -> Any:
                 raise ConfigError(f"{scheme}://{bucket}: cannot configure the object-store client: "
                                   f"{_first_line(e)}") from None
         return _STORES[key]
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def preflight(scheme: str, bucket: str, o: ObjectStoreOptions, allow_http: bool) -> None:
+    """The set-up mistakes a client would only report as a raw error from its first request
+    (a ``builder error``, a 400 in XML, a token error from the cloud metadata address), checked
+    before it is built: one line naming the variable to set."""
+    kind = KINDS[scheme]
+    where = f"{scheme}://{bucket}"
+    endpoint = o.endpoint or os.environ.get(kind.endpoint_env) or ""
+    named = "dcp.storage.endpoint" if o.endpoint else kind.endpoint_env
+    if endpoint.lower().startswith("http://") and not allow_http:
+        raise ConfigError(f"{where}: {named}={endpoint} is plain http: set {kind.allow_http_env}=true (a loopback "
+                          f"emulator or test server), or use an https endpoint")
+    if scheme == "az":
+        account = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME") or os.environ.get("AZURE_STORAGE_ACCOUNT")
+        if not account and not _env_true("AZURE_STORAGE_USE_EMULATOR"):
+            raise ConfigError(f"{where}: no Azure storage account: set AZURE_STORAGE_ACCOUNT_NAME=<account> (with "
+                              f"AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or Azure AD credentials), or "
+                              f"AZURE_STORAGE_USE_EMULATOR=true for azurite on its default port")
+        host = (urllib.parse.urlparse(endpoint).hostname or "") if endpoint else ""
+        path = urllib.parse.urlparse(endpoint).path.strip("/") if endpoint else ""
+        if endpoint and account and ".blob.core." not in host and path != account:
+            raise ConfigError(f"{where}: {named}={endpoint} does not name the account: an emulator's endpoint ends "
+                              f"in /<account> (azurite: http://127.0.0.1:10000/{account})")
+    if scheme == "gs" and endpoint:
+        creds = [v for v in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH",
+                             "GOOGLE_SERVICE_ACCOUNT_KEY") if os.environ.get(v)]
+        if not creds and not _env_true("GOOGLE_SKIP_SIGNATURE"):  # else it asks the cloud's metadata address
+            raise ConfigError(f"{where}: no Google credentials for {named}={endpoint}: an emulator (fake-gcs-server) "
+                              f"needs GOOGLE_SKIP_SIGNATURE=true; another endpoint a key file in "
+                              f"GOOGLE_APPLICATION_CREDENTIALS")
 
 
 def _s3_client(obs: Any, bucket: str, o: ObjectStoreOptions, client: dict, retry: dict) -> Any:
@@ -257,6 +294,11 @@ class Bucket:
                                       f"{kind.container}'s policy)")
         if isinstance(e, FileNotFoundError):
             return CheckpointNotFoundError(f"{what}: {where} does not exist")
+        if "169.254.169.254" in str(e) or "metadata.google.internal" in str(e):  # no credentials: the client
+            return StorageAccessError(                                       # asked the cloud's metadata server
+                f"{what}: no credentials for {where}: the client fell back to the cloud's metadata server, which "
+                f"gave none; set {kind.credentials}" + (" (GOOGLE_SKIP_SIGNATURE=true for an emulator)"
+                                                        if self.scheme == "gs" else ""))
         text = _first_line(e)
         why = _unreachable(str(e))
         if why is not None:  # the library's one line says only "error sending request"
