@@ -34,6 +34,30 @@ def split_launcher_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours, argv[i:]
 
 
+def compose_error(job: list[str]) -> str | None:
+    """The one line a rank would print for a config that does not compose (a mistyped key, a
+    value of the wrong type), found by composing it here once; None when it composes, or when
+    the command line holds Hydra flags or sweeps that only a Hydra run handles."""
+    if any(a.startswith("-") for a in job) or any("," in a.split("=", 1)[-1] for a in job if "=" in a):
+        return None  # --cfg, -m, a sweep (a=1,2): left to the ranks' own Hydra run
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from . import config, runtime
+    from .__main__ import config_error_line
+    from .paths import find_conf_dir
+
+    runtime.register_resolvers()
+    config.register()
+    try:
+        with initialize_config_dir(config_dir=find_conf_dir(), version_base="1.3"):
+            compose(config_name="config", overrides=list(job), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        return config_error_line(e)
+    return None
+
+
 def launch(argv: list[str]) -> int | None:
     """Launch the workers when ``argv`` starts with a launch option; returns the exit code, or
     None when this is not a launch (a worker, or a one-process run)."""
@@ -46,6 +70,10 @@ def launch(argv: list[str]) -> int | None:
     from .cli_help import report_mistakes
 
     if report_mistakes(job, 0):  # a mistake every rank would make: said before any starts
+        return 2
+    wrong = compose_error(job)
+    if wrong is not None:  # a key that does not exist: said in a second, not after every rank started
+        sys.stderr.write(f"error: ConfigError: {wrong}\n")
         return 2
     # torchrun's agent logs its banner and a failure summary at WARNING/ERROR: the workers
     # already said what went wrong, once

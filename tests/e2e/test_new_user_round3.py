@@ -157,3 +157,20 @@ def test_a_store_set_up_mistake_is_one_line_naming_the_variable(tmp_path, case):
                        cwd=str(tmp_path), timeout=240)
     err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert r.returncode == 2 and len(err) == 1 and expected in err[0], r.stderr[-3000:]
+
+
+def test_a_mistyped_key_is_reported_before_any_rank_starts(tmp_path):
+    """Item 7: under ``hpdcp --nproc-per-node=2`` a mistyped key came only after every rank had
+    started (12-16 s). The launcher composes the config once first: one line, no rank started (no
+    run directory), exit 2."""
+    r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "--nproc-per-node=2", "+job=save",
+                        "checkpoint.kep_last=2", f"hydra.run.dir={tmp_path}/run"], capture_output=True, text=True,
+                       env=_env(), cwd=str(tmp_path), timeout=240)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == ["error: ConfigError: checkpoint.kep_last: no such config key (did you "
+                                             "mean checkpoint.keep_last or checkpoint.path?)"], r.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # no rank ever ran
+    # a sweep or Hydra's own flags are left to the ranks' Hydra run (composing them here would refuse them)
+    r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "--nproc-per-node=2", "+job=save", "--cfg", "job"],
+                       capture_output=True, text=True, env=_env(), cwd=str(tmp_path), timeout=240)
+    assert r.returncode == 0 and "checkpoint:" in r.stdout, r.stderr[-3000:]
