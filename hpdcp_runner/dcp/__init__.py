@@ -13,7 +13,7 @@ from .async_persist import (AsyncSaveResponse, async_save, release_staging_buffe
 from .comm.broadcast import BroadcastOptions, release_broadcast_groups
 from .drain import Drainer, copy_checkpoint
 from .core import faults  # noqa: F401  test-only fault points (HPDCP_FAULTS): hpdcp_runner.dcp.faults
-from .core.errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError,
+from .core.errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError, PeerLostError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, InsufficientMemoryError,
                      KeyMismatchError, PersistProcessError,
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
@@ -48,6 +48,6 @@ __all__ = [
     "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
     "CommitDurabilityError", "CheckpointChangedError",
     "MetadataError", "CorruptCheckpointError", "StateDictError", "KeyMismatchError", "ShapeMismatchError",
-    "CoverageError", "PickleNotAllowedError", "StorageAccessError", "ReplicaMismatchError", "DistributedError", "InsufficientMemoryError", "CollectiveTimeoutError",
+    "CoverageError", "PickleNotAllowedError", "StorageAccessError", "ReplicaMismatchError", "DistributedError", "InsufficientMemoryError", "CollectiveTimeoutError", "PeerLostError",
     "PersistProcessError",
 ]

@@ -30,6 +30,7 @@ from ..core.errors import CollectiveTimeoutError, ConfigError
 from ..format.metadata import dtype_from_name
 from ..planning.load_replicas import MODES, Batch
 from ..core.utils import get_logger
+from .collectives import collective_error
 from .groups import WeakGroups
 
 log = get_logger(__name__)
@@ -194,7 +195,7 @@ def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, contr
         try:
             work.wait()
         except Exception as e:
-            raise CollectiveTimeoutError(f"a replica broadcast failed on rank {rank}: {e}") from e
+            raise collective_error("a replica broadcast", rank, size, e) from None
 
     try:
         for i, b in mine:

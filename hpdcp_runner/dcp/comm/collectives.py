@@ -76,6 +76,27 @@ def gloo_group(group: Any, timeout: float | _dt.timedelta | None, purpose: str) 
     return g
 
 
+#: what gloo (and the TCP store) say when the other end of a connection went away
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed",
+              "read error", "end of file", "eof")
+
+
+def collective_error(phase: str, rank: int, world_size: int, e: BaseException) -> CollectiveTimeoutError:
+    """One line for a failed collective: a peer whose connection closed (its process is gone)
+    apart from one that is slow or elsewhere; the backend's multi-line text (a C++ trace) is cut
+    to its first line and kept whole in the rank's log."""
+    text = str(e).strip()
+    log.debug("collective during %r failed on rank %d: %s", phase, rank, text)
+    first = (text.splitlines() or [type(e).__name__])[0][:300]
+    if any(p in text.lower() for p in _PEER_GONE):
+        return errmod.PeerLostError(
+            f"during '{phase}' a peer rank's connection closed (rank {rank} of {world_size} saw it: {first}): that "
+            f"rank's process is gone (killed, out of memory or crashed); its own log says why")
+    return CollectiveTimeoutError(
+        f"collective during '{phase}' failed on rank {rank} of {world_size}: {first}. A peer rank probably died, hung "
+        f"or took a different code path (raise the timeout if it is just slow)")
+
+
 class Comm:
     """A process group's rank/size plus the gloo group used for control messages."""
 
@@ -106,10 +127,7 @@ class Comm:
         except HpdcpError:
             raise
         except Exception as e:  # gloo raises RuntimeError on timeouts and closed peers
-            raise CollectiveTimeoutError(
-                f"collective during '{phase}' failed on rank {self.rank} of {self.world_size}: {e}. A peer rank "
-                f"probably died, hung or took a different code path (raise the timeout if it is just slow)"
-            ) from e
+            raise collective_error(phase, self.rank, self.world_size, e) from None
 
     def all_gather_json(self, obj: Any, phase: str = "all_gather") -> list[Any]:
         payload = json.dumps(obj, separators=(",", ":")).encode()

@@ -102,3 +102,8 @@ class PersistProcessError(HpdcpError, RuntimeError):
 
 class CollectiveTimeoutError(HpdcpError, TimeoutError):
     """A collective did not complete in time: a rank is dead, hung or diverged."""
+
+
+class PeerLostError(CollectiveTimeoutError):
+    """A collective failed because a peer rank's connection closed: that process is gone
+    (killed, out of memory, crashed), not slow; its own log says why."""
