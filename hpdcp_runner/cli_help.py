@@ -172,7 +172,7 @@ def report_mistakes(argv: list[str], rank: int) -> bool:
     choices, locations = unknown_choices(argv), unsupported_locations(argv)
     if (choices or locations) and rank == 0:
         hint = ["  (python -m hpdcp_runner --help lists every group's choices)"] if choices else []
-        print("\n".join(choices + locations + hint), file=sys.stderr)
+        print("\n".join([f"error: {line}" for line in choices + locations] + hint), file=sys.stderr)
     return bool(choices or locations)
 
 

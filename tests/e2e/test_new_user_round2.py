@@ -120,7 +120,7 @@ def test_errors_point_the_right_way(cli, tmp_path, s3_endpoint, s3_bucket):
     # hdfs:// (a scheme no storage serves): one line before any rank starts, so no run directory
     r = _hpdcp(["--nproc-per-node=2", "+job=verify", "checkpoint.path=hdfs://b/x"], tmp_path)
     assert r.returncode == 2 and _lines(r.stderr) == [
-        "ConfigError: checkpoint.path=hdfs://b/x: the hdfs:// scheme is not supported; a checkpoint location is a "
+        "error: ConfigError: checkpoint.path=hdfs://b/x: the hdfs:// scheme is not supported; a checkpoint location is a "
         "local directory or s3://bucket/prefix / gs://bucket/prefix / az://container/prefix"], r.stderr
     assert not (tmp_path / "outputs").exists()
 

@@ -174,3 +174,15 @@ def test_a_mistyped_key_is_reported_before_any_rank_starts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "--nproc-per-node=2", "+job=save", "--cfg", "job"],
                        capture_output=True, text=True, env=_env(), cwd=str(tmp_path), timeout=240)
     assert r.returncode == 0 and "checkpoint:" in r.stdout, r.stderr[-3000:]
+
+
+def test_every_early_refusal_has_the_error_prefix(tmp_path):
+    """Item 11: the credentials-in-URI refusal (and every mistake found before Hydra composes)
+    lacked the ``error:`` prefix every other failure line has."""
+    for arg, expected in (("job.source.path=s3://user:secret@bucket/x", "credentials in a URI are refused"),
+                          ("layout=nonesuch", "layout=nonesuch: no such choice")):
+        r = subprocess.run([sys.executable, "-m", "hpdcp_runner", "+job=inspect", arg, f"hydra.run.dir={tmp_path}/r"],
+                           capture_output=True, text=True, env=_env(), cwd=str(tmp_path), timeout=240)
+        first = r.stderr.strip().splitlines()[0]
+        assert r.returncode == 2 and first.startswith("error: ConfigError: ") and expected in first, r.stderr
+        assert "secret" not in r.stderr
