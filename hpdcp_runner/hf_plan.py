@@ -137,9 +137,13 @@ def _walk(d: Any):
 
 def _conversions(model) -> tuple[list, list]:
     """The family's renamings and converters, as ``save_pretrained`` reverses them (the load
-    direction maps a file key to the model parameter it fills)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+    direction maps a file key to the model parameter it fills). transformers 4.x has none: its
+    files name the parameters as the model does."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+    except ImportError:
+        return [], []
 
     conv = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
     return ([c for c in conv if isinstance(c, WeightRenaming) and not isinstance(c, WeightConverter)],
@@ -239,8 +243,11 @@ class _Family:
         return None, None
 
     def _param(self, key: str) -> tuple[str | None, Any]:
-        from transformers.core_model_loading import rename_source_key
-
+        try:
+            from transformers.core_model_loading import rename_source_key
+        except ImportError:  # transformers 4.x: the file's names are the model's (with or without its prefix)
+            name = key if key in self.shapes else f"{self.prefix}.{key}"
+            return (name, (None, None)) if name in self.shapes else (None, None)
         try:
             name, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)
         except Exception:  # a key transformers' own renaming cannot read: not a model parameter
