@@ -38,8 +38,9 @@ def compose_error(job: list[str]) -> str | None:
     """The one line a rank would print for a config that does not compose (a mistyped key, a
     value of the wrong type), found by composing it here once; None when it composes, or when
     the command line holds Hydra flags or sweeps that only a Hydra run handles."""
-    if any(a.startswith("-") for a in job) or any("," in a.split("=", 1)[-1] for a in job if "=" in a):
-        return None  # --cfg, -m, a sweep (a=1,2): left to the ranks' own Hydra run
+    if any(a.lstrip("+~").startswith(("-", "hydra/")) for a in job) or \
+            any("," in a.split("=", 1)[-1] for a in job if "=" in a):
+        return None  # --cfg, -m, a sweep (a=1,2), Hydra's own groups: left to the ranks' own Hydra run
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
