@@ -66,6 +66,11 @@ def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
             result = doc.get("result") if isinstance(doc.get("result"), dict) else {}
             row["no_effect"] = [k for k in result.get("no_effect") or [] if isinstance(k, str)]
             row["store_timed"] = result.get("store_timed")
+            summary = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
+            row["phases"] = {p: float(v["seconds_max"]) for p, v in summary.items()
+                             if isinstance(v, dict) and isinstance(v.get("seconds_max"), (int, float))
+                             and not p.startswith("warmup.")}
+            row["objective_is"] = result.get("objective_is")
             try:
                 row["objective"] = float(_get(doc, objective))
             except (KeyError, TypeError, ValueError):
@@ -129,33 +134,50 @@ def write(root: str, rows: list[dict], knobs: list[str], objective: str, maximiz
     ok.sort(key=lambda r: -r["objective"] if maximize else r["objective"])
     failed = [r for r in rows if r["status"] != "ok"]
     _noise_verdicts(ok)
-    for r in ok:
-        r["min_max"] = f"{r['range'][0]:.4g}-{r['range'][1]:.4g}" if r["range"] else ""
-    cols = ["point", *knobs, "objective", "min_max", "vs_best", "status", "cause"]
-    with open(os.path.join(root, "report.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for r in ok + failed:
-            w.writerow([r.get(c, "") if r.get(c) is not None else "" for c in cols])
-    lines = [f"# Sweep report: {root}", "", f"objective: `{objective}` ({'max' if maximize else 'min'} is best)", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in ok + failed:
-        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
     tied = [r for r in ok if r.get("vs_best") == "within noise"]
     measured = bool(ok) and all(r["range"] is not None for r in ok)
     # a best point only where every point's spread was measured and the best stands out of it:
     # one sample per point cannot tell a 5% difference from the machine's noise
     best = ok[0] if ok and measured and not tied else None
+    idle = [k for k in knobs if ok and all(k in r.get("no_effect", ()) for r in ok)]
+    if idle and set(idle) == set(knobs):  # nothing swept changed what was timed: no point is better
+        best = None
+    if ok and ok[0].get("vs_best") == "best" and best is None:  # the table never says "best" where the text does not
+        ok[0]["vs_best"] = "highest median" if maximize else "lowest median"
+    others = _other_phases(ok, objective)
+    for r in ok:
+        r["min_max"] = f"{r['range'][0]:.4g}-{r['range'][1]:.4g}" if r["range"] else ""
+        for p in others:
+            r[p] = f"{r['phases'][p]:.4g}"
+    cols = ["point", *knobs, "objective", "min_max", "vs_best", *others, "status", "cause"]
+    with open(os.path.join(root, "report.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in ok + failed:
+            w.writerow([r.get(c, "") if r.get(c) is not None else "" for c in cols])
+    stores = sorted({str(r["store_timed"]) for r in ok if r.get("store_timed")})
+    lines = [f"# Sweep report: {root}", "", f"objective: `{objective}` ({'max' if maximize else 'min'} is best)"
+             + (f", from `{ok[0]['objective_is']}`" if ok and ok[0].get("objective_is") else "")]
+    if stores:
+        lines.append(f"storage timed: {'; '.join(stores)}")
+    lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in ok + failed:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    for p in others:  # what the ranking by the objective leaves out, said where it differs
+        lo, hi = min(ok, key=lambda r: r["phases"][p]), max(ok, key=lambda r: r["phases"][p])
+        if hi["phases"][p] > 1.1 * lo["phases"][p]:
+            lines += ["", f"Also timed, not ranked: `{p}` (seconds, max over ranks) is lowest at point {lo['point']} "
+                          f"({lo['phases'][p]:.4g}) and highest at point {hi['point']} ({hi['phases'][p]:.4g}); "
+                          f"sweep with --objective summary.{p}.seconds_max to rank by it."]
 
     def named(r: dict) -> str:
         return f"point {r['point']} ({' '.join(r['overrides'])})"
 
-    idle = [k for k in knobs if ok and all(k in r.get("no_effect", ()) for r in ok)]
     if idle:  # e.g. an object store's knobs swept over a bench that timed a local directory
         lines += ["", f"No effect: {', '.join(idle)} do not apply to the storage timed ({ok[0].get('store_timed')}); "
                   f"the differences above between their values are the machine's noise."]
-    if idle and set(idle) == set(knobs):  # nothing swept changed what was timed: no point is better
-        best, tied = None, []
+    if idle and set(idle) == set(knobs):
+        tied = []
     elif best:
         lines += ["", "Best point:", "", "```", " ".join(o for o in best["overrides"]), "```"]
     elif tied:
@@ -172,6 +194,20 @@ def write(root: str, rows: list[dict], knobs: list[str], objective: str, maximiz
     if plot:
         _plot(os.path.join(root, "report.png"), ok, knobs, objective)
     return best, ([ok[0], *tied] if tied else [])
+
+
+MAX_OTHER_PHASES = 4
+
+
+def _other_phases(ok: list[dict], objective: str) -> list[str]:
+    """Timed phases every point recorded, besides the one the objective is (a bench ranked on
+    its load time also timed its save): shown beside it, at most ``MAX_OTHER_PHASES``."""
+    if not ok:
+        return []
+    own = {objective.removeprefix("summary.").removesuffix(".seconds_max")}
+    own |= {str(r.get("objective_is") or "").removeprefix("summary.").removesuffix(".seconds_max") for r in ok}
+    common = set.intersection(*(set(r.get("phases") or {}) for r in ok))
+    return sorted(p for p in common if p not in own)[:MAX_OTHER_PHASES]
 
 
 def _plot(path: str, ok: list[dict], knobs: list[str], objective: str) -> None:

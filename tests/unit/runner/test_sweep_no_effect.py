@@ -34,3 +34,26 @@ def test_knobs_that_did_not_apply_are_named_and_no_best_point_is(tmp_path):
     best, _ = write(str(used), rows, knobs, "result.objective", False, plot=False)
     assert best is not None and best["overrides"] == ["dcp.storage.concurrency=2"]
     assert "No effect" not in (used / "report.md").read_text()
+
+
+def test_the_report_says_what_it_timed_what_it_did_not_rank_and_no_best_inside_noise(tmp_path):
+    """Issue 54 item 9: the report did not say which store was timed, ranked on load time alone
+    while the save medians (17.1 s vs 12.3 s) went unmentioned, and labelled a row "best" in a
+    table whose text said every difference was noise."""
+    root = tmp_path / "sweep"
+    for i, (load, save) in enumerate(((10.0, 17.1), (10.2, 12.3))):
+        d = root / str(i)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- dcp.storage.concurrency={4 * (i + 1)}\n")
+        result = {"objective": load, "objective_range": [9.0, 11.0], "objective_is": "summary.bench.load.seconds_max",
+                  "store_timed": "Azure Blob Storage az://ckpts (endpoint http://127.0.0.1:10000/devstoreaccount1)"}
+        summary = {"bench.load": {"seconds_max": load}, "bench.save": {"seconds_max": save}}
+        (d / "metrics.json").write_text(json.dumps({"result": result, "summary": summary}))
+    rows, knobs = collect(str(root), "result.objective")
+    best, tied = write(str(root), rows, knobs, "result.objective", False, plot=False)
+    md = (root / "report.md").read_text()
+    assert best is None and len(tied) == 2
+    assert "storage timed: Azure Blob Storage az://ckpts" in md
+    assert "| best |" not in md and "| lowest median |" in md
+    assert "Also timed, not ranked: `bench.save` (seconds, max over ranks) is lowest at point 1 (12.3) and highest at " \
+           "point 0 (17.1)" in md
