@@ -186,3 +186,23 @@ def test_every_early_refusal_has_the_error_prefix(tmp_path):
         first = r.stderr.strip().splitlines()[0]
         assert r.returncode == 2 and first.startswith("error: ConfigError: ") and expected in first, r.stderr
         assert "secret" not in r.stderr
+
+
+def test_a_source_path_load_says_what_it_verified(tmp_path):
+    """Item 11: a ``job.source.path`` load printed ``verified: false`` although it checked every
+    chunk's checksum (ours); it says what it checked, or that the format records none (HF)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hpdcp_runner.dcp import save
+
+    save({"w": torch.arange(12.0).reshape(3, 4)}, checkpoint_id=str(tmp_path / "ours"))
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.arange(12.0).reshape(3, 4)}, str(tmp_path / "hf" / "model.safetensors"),
+              metadata={"format": "pt"})
+    for name, expected in (("ours", "1 chunk checksum(s) on rank 0"), ("hf", "no checksums in this format")):
+        r = _load([f"job.source.path={tmp_path}/{name}", f"hydra.run.dir={tmp_path}/r_{name}"], tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        result = json.loads((tmp_path / f"r_{name}" / "metrics.json").read_text())["result"]
+        assert expected in str(result["verified"]), result
