@@ -111,7 +111,10 @@ def _meta_model(raw: Mapping[str, Any]):
         raise ConfigError(f"layout=auto: config.json num_hidden_layers {layers} is not a layer count from 1 to "
                           f"{MAX_LAYERS}")
     try:
-        config = mapping[mt].from_dict({k: v for k, v in raw.items() if k not in ("auto_map", "quantization_config")})
+        cls = mapping[mt]
+        given = {k: v for k, v in raw.items() if k not in ("auto_map", "quantization_config")}
+        # config.json writes Infinity / NaN as {"__float__": ...}; transformers' own reader decodes them
+        config = cls.from_dict(getattr(cls, "_decode_special_floats", lambda d: d)(given))
     except Exception as e:  # a config this transformers cannot read is the user's to fix
         raise ConfigError(f"layout=auto: transformers {_version()} cannot read this config.json as {mt!r}: {e}") from None
     last = None

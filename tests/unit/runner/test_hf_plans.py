@@ -206,3 +206,15 @@ def test_fused_gate_up_and_qkv_split_per_part(written):
     assert up == [[((0, 0), (32, 64)), ((64, 0), (32, 64))], [((32, 0), (32, 64)), ((96, 0), (32, 64))]]
     qkv = placer.describe_rule("model.layers.0.self_attn.qkv_proj.weight")
     assert qkv["parts"] == [64, 32, 32] and qkv["unit"] == 8
+
+
+def test_a_config_json_with_infinity_is_read_as_transformers_reads_it(tmp_path):
+    """Falcon-H1's config.json holds Infinity, which transformers writes as {"__float__": ...}."""
+    hf = tmp_path / "falcon_h1"
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("falcon_h1", **hf_families.BASE)).save_pretrained(hf)
+    raw, shapes = hf_families.shapes(hf)
+    assert "__float__" in (hf / "config.json").read_text()
+    _, note, report = _plan(raw, shapes, None, 2)
+    assert "the falcon_h1 family's own tensor-parallel plan" in note and report["unmapped"] == []
