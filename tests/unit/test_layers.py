@@ -128,7 +128,7 @@ def test_public_surface_is_the_documented_one():
         "SAVE_PLANNERS", "HpdcpError", "ConfigError", "CheckpointNotFoundError", "CheckpointExistsError",
         "CommitDurabilityError", "CheckpointChangedError", "MetadataError", "CorruptCheckpointError",
         "StateDictError", "InsufficientMemoryError", "KeyMismatchError", "ShapeMismatchError", "CoverageError", "PickleNotAllowedError",
-        "StorageAccessError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError"])
+        "StorageAccessError", "ReplicaMismatchError", "DistributedError", "CollectiveTimeoutError", "PeerLostError"])
     for name in dcp.__all__:
         assert hasattr(dcp, name), name
 

@@ -30,7 +30,7 @@ from ..core.errors import CollectiveTimeoutError, ConfigError
 from ..format.metadata import dtype_from_name
 from ..planning.load_replicas import MODES, Batch
 from ..core.utils import get_logger
-from .collectives import collective_error
+from .failures import collective_error
 from .groups import WeakGroups
 
 log = get_logger(__name__)

@@ -23,6 +23,7 @@ from ..core import errors as errmod
 from ..core.errors import CollectiveTimeoutError, DistributedError, HpdcpError
 from ..core.utils import get_logger
 from ..core.columns import decode_frame, encode_frame
+from .failures import collective_error
 from .groups import WeakGroups
 
 log = get_logger(__name__)
@@ -74,27 +75,6 @@ def gloo_group(group: Any, timeout: float | _dt.timedelta | None, purpose: str) 
                 f"rank probably died, hung or did not call the same checkpoint function") from e
         _GROUP_CACHE[key] = g
     return g
-
-
-#: what gloo (and the TCP store) say when the other end of a connection went away
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed",
-              "read error", "end of file", "eof")
-
-
-def collective_error(phase: str, rank: int, world_size: int, e: BaseException) -> CollectiveTimeoutError:
-    """One line for a failed collective: a peer whose connection closed (its process is gone)
-    apart from one that is slow or elsewhere; the backend's multi-line text (a C++ trace) is cut
-    to its first line and kept whole in the rank's log."""
-    text = str(e).strip()
-    log.debug("collective during %r failed on rank %d: %s", phase, rank, text)
-    first = (text.splitlines() or [type(e).__name__])[0][:300]
-    if any(p in text.lower() for p in _PEER_GONE):
-        return errmod.PeerLostError(
-            f"during '{phase}' a peer rank's connection closed (rank {rank} of {world_size} saw it: {first}): that "
-            f"rank's process is gone (killed, out of memory or crashed); its own log says why")
-    return CollectiveTimeoutError(
-        f"collective during '{phase}' failed on rank {rank} of {world_size}: {first}. A peer rank probably died, hung "
-        f"or took a different code path (raise the timeout if it is just slow)")
 
 
 class Comm:
