@@ -2,8 +2,9 @@
 transformers wrote (``save_pretrained``): Hugging Face -> ours at 2 ranks -> ours at 4 ranks ->
 Hugging Face, every weight the plan splits written split by the ranks (each rank its whole heads,
 its whole experts), the export bitwise equal to the original files and transformers' logits equal.
-The default tier runs two families (one dense with fewer key/value heads than ranks, one with
-experts); the slow tier runs 30 (10 with experts). Plan-level checks of 40 families:
+The default tier inspects one family with experts and refuses a partly split block and a
+family with neither plan nor preset; the slow tier runs Starcoder2 (fewer key/value heads than
+ranks) and 30 families (10 with experts) through the whole round trip. Plan-level checks of 40 families:
 tests/unit/runner/test_hf_plans.py."""
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def _logits(model):
         return model(ids).logits
 
 
+@pytest.mark.slow  # three launches; the default tier plans 40 families in tests/unit/runner/test_hf_plans.py
 def test_starcoder2_tensor_parallel_by_its_plan_kv_heads_replicated_at_4_ranks(cli, tmp_path):
     """Starcoder2 (c_fc / c_proj MLP, 2 key/value heads): once copied whole by a guessed Llama
     preset; now split by its own plan, the 2 key/value heads replicated at 4 ranks and said so."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.e2e.conftest import _env
@@ -98,6 +99,7 @@ def test_inspect_and_verify_name_the_checkpoint_not_a_model_or_layout_they_do_no
         assert head == f"hpdcp {job}: world_size=1 source={tmp_path}/ck", head
 
 
+@pytest.mark.slow  # the slow tier (bash .ci/run runs it after the default tier)
 def test_process_mode_saves_report_all_they_block_and_who_wrote_them(tmp_path):
     """Item 1: in process mode the next save waited seconds for the previous one (the persisting
     process was still starting) and that wait sat in train.save_wait while the objective,
@@ -143,8 +145,6 @@ SETUP_MISTAKES = {
 }
 
 
-import pytest  # noqa: E402
-
 
 @pytest.mark.parametrize("case", sorted(SETUP_MISTAKES))
 def test_a_store_set_up_mistake_is_one_line_naming_the_variable(tmp_path, case):
@@ -159,6 +159,7 @@ def test_a_store_set_up_mistake_is_one_line_naming_the_variable(tmp_path, case):
     assert r.returncode == 2 and len(err) == 1 and expected in err[0], r.stderr[-3000:]
 
 
+@pytest.mark.slow  # the slow tier (bash .ci/run runs it after the default tier)
 def test_a_mistyped_key_is_reported_before_any_rank_starts(tmp_path):
     """Item 7: under ``hpdcp --nproc-per-node=2`` a mistyped key came only after every rank had
     started (12-16 s). The launcher composes the config once first: one line, no rank started (no
