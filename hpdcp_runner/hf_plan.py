@@ -292,13 +292,13 @@ class _Family:
             return None
         return next((3 * hd for hd in self.head_dims if size == 3 * self.heads * hd), None)
 
-    def fused_qkv(self, key: str, size: int) -> list[int] | None:
-        """The q, k, v part sizes of a fused attention projection, or None."""
+    def fused_qkv(self, key: str, size: int) -> tuple[list[int], int] | None:
+        """(the q, k, v part sizes, the head size) of a fused attention projection, or None."""
         if not self.heads or "qkv" not in key.rsplit(".", 2)[-2]:
             return None
         for hd in self.head_dims:
             if size == (self.heads + 2 * self.kv_heads) * hd:
-                return [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd]
+                return [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], hd
         return None
 
 
@@ -505,10 +505,10 @@ def _place(fam: _Family, key: str, shape: tuple[int, ...], file: list[Split], pa
             out.unit, out.parts_dim = s.unit, s.dim
             continue
         if s.parts > 1 or qkv:
-            out.parts = qkv or [size // s.parts] * s.parts
+            out.parts = qkv[0] if qkv else [size // s.parts] * s.parts
             out.parts_dim = s.dim
             if qkv:
-                out.unit = fam.head_dims[[ (fam.heads + 2 * fam.kv_heads) * h for h in fam.head_dims].index(size)]
+                out.unit = qkv[1]
                 _check_heads(fam, key, [fam.heads, fam.kv_heads], sizes[mesh_dim], report, out)
             continue
         heads = fam.heads_of(key, size)
@@ -549,9 +549,7 @@ def _check_heads(fam: _Family, key: str, counts: list[int], ranks: int, report: 
     bad = [n for n in counts if n % ranks]
     if not bad:
         return
-    kv_only = bad == [fam.kv_heads] and fam.kv_heads < ranks and ranks % fam.kv_heads == 0 and \
-        (what == "key/value" or len(counts) == 1)
-    if kv_only and what == "key/value":
+    if what == "key/value" and fam.kv_heads < ranks and ranks % fam.kv_heads == 0:
         rule.placements[-1], rule.unit, rule.parts = "R", None, None
         report["replicated_kv"].append(key)
         return
