@@ -8,8 +8,6 @@ import math
 import os
 import re
 import sys
-import threading
-import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,6 +21,7 @@ from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, conf
 from ..dcp import open_reader, open_writer, rename_keys
 from ..layouts import Placer, problems as layout_problems, read_model_config, resolve_auto
 from ..metrics import Metrics
+from ..progress import ProgressLine
 from ..runtime import RankInfo
 
 
@@ -89,43 +88,24 @@ class JobContext:
     @contextlib.contextmanager
     def byte_progress(self, desc: str, done: Callable[[], tuple[int, int]],
                       counters: Any = None) -> Iterator[None]:
-        """While the body runs, a bar of rank 0's bytes done of the total (once ``counters`` or the
-        body says it: ``expected_bytes``), the rate and the time left, polled from ``done() ->
-        (bytes, files)``, with what the operation waits for when bytes do not move
+        """While the body runs, one line (see :mod:`hpdcp_runner.progress`) of rank 0's bytes done
+        of the total (once ``counters`` or the body says it: ``expected_bytes``), polled from
+        ``done() -> (bytes, files)``, with what the operation waits for once bytes stop
         (``counters.stage``); shown only once the phase has run for 2 s."""
         if not self.show_progress():
             yield
             return
-        bar = _byte_bar(f"{desc} (rank 0)")
-        stop = threading.Event()
-        started = time.monotonic()
 
-        def poll() -> None:
-            shown = 0
-            while not stop.wait(0.25):
-                nbytes, files = done()
-                total = counters.expected_bytes if counters is not None else 0
-                if total and bar.total != total:
-                    bar.total = total
-                nbytes = min(nbytes, total) if total else nbytes  # read-through gaps count, never past 100%
-                stage = counters.stage if counters is not None else ""
-                if stage == "writing" and total and nbytes >= total:
-                    stage = "waiting for the other ranks"
-                bar.set_postfix_str(", ".join(x for x in (f"{files} files", stage) if x), refresh=False)
-                if nbytes != shown:
-                    bar.update(nbytes - shown)
-                    shown = nbytes
-                elif time.monotonic() - started > 2.0:  # still: the hint says what it waits for
-                    bar.refresh()
+        def poll() -> tuple[int, int, int, str]:
+            nbytes, files = done()
+            total = counters.expected_bytes if counters is not None else 0
+            stage = counters.stage if counters is not None else ""
+            if stage == "writing" and total and nbytes >= total and self.info.world_size > 1:
+                stage = "waiting for the other ranks"
+            return nbytes, files, total, stage
 
-        t = threading.Thread(target=poll, name="hpdcp-progress", daemon=True)
-        t.start()
-        try:
+        with ProgressLine(f"{desc} (rank 0)", poll):
             yield
-        finally:
-            stop.set()
-            t.join()
-            bar.close()
 
     @contextlib.contextmanager
     def bytes_bar(self, desc: str) -> Iterator[Callable[[int, int], None] | None]:

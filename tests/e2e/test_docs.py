@@ -80,11 +80,60 @@ def test_every_command_of_the_document_runs(doc, tmp_path, request):
     steps = _steps(doc)
     if any("submitit" in c for _, c in steps):
         pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the slurm extra (.ci/run has it)")
-    if any("s3://" in c for _, c in steps):
-        bucket = request.getfixturevalue("s3_bucket")  # a fresh bucket on the loopback S3 server
-        steps = [(kind, c.replace("s3://ckpts", bucket)) for kind, c in steps]
-        env.update({k: os.environ[k] for k in os.environ if k.startswith("AWS_")})
+    steps = _on_the_test_stores(steps, env, request)
+    exports: list[str] = []  # a reader's shell keeps what they exported
     for kind, cmd in steps:
-        argv = ["bash", "-c", cmd] if kind == "bash" else [sys.executable, "-c", cmd]
+        if kind == "bash" and cmd.startswith("export "):
+            exports.append(cmd)
+            continue
+        argv = ["bash", "-c", "; ".join(exports + [cmd])] if kind == "bash" else [sys.executable, "-c", cmd]
         r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"{doc}: {cmd}\n--- stdout\n{r.stdout[-2000:]}\n--- stderr\n{r.stderr[-3000:]}"
+
+
+STORE_VARS = ("AWS_", "AZURE_", "GOOGLE_")
+
+
+def _on_the_test_stores(steps: list[tuple[str, str]], env: dict, request) -> list[tuple[str, str]]:
+    """The steps pointed at the loopback stores: a fresh S3 bucket for ``s3://ckpts``, a fresh
+    Azure container for ``az://ckpts``, a new GCS bucket name for ``models`` (the page creates
+    it), and each emulator's port for its default one (9000, 10000, 4443). A page that exports a
+    store's variables itself runs without any set beforehand (its set-up is what is tested);
+    a page that does not gets them from the test's servers."""
+    import uuid
+    from urllib.parse import urlparse
+
+    text = "\n".join(c for _, c in steps)
+    subs: list[tuple[str, str]] = []
+    if "s3://" in text:
+        subs += [("s3://ckpts", request.getfixturevalue("s3_bucket")),
+                 ("http://127.0.0.1:9000", request.getfixturevalue("s3_endpoint"))]
+    if "az://" in text:
+        subs += [("az://ckpts", request.getfixturevalue("az_container")),
+                 ("http://127.0.0.1:10000/devstoreaccount1", request.getfixturevalue("az_endpoint"))]
+    if "gs://" in text:
+        gcs, bucket = request.getfixturevalue("gcs_endpoint"), f"models-{uuid.uuid4().hex[:10]}"
+        assert urlparse(gcs).path in ("", "/")
+        subs += [("http://127.0.0.1:4443", gcs.rstrip("/")), ("gs://models", f"gs://{bucket}"),
+                 ("/b/models/", f"/b/{bucket}/"), ('{"name": "models"}', f'{{"name": "{bucket}"}}')]
+    if any(c.startswith("export ") for _, c in steps):
+        for k in [k for k in env if k.startswith(STORE_VARS)]:
+            del env[k]
+    else:
+        env.update({k: os.environ[k] for k in os.environ if k.startswith(STORE_VARS)})
+    for a, b in subs:
+        steps = [(kind, c.replace(a, b)) for kind, c in steps]
+    return steps
+
+
+def test_the_object_store_page_sets_up_every_store_itself():
+    """The object-store page's set-up exports each store's variables (the run above strips the
+    test's own, so a missing one fails it): S3, Azure and GCS, with the variables a user of each
+    emulator needs."""
+    text = "\n".join(c for _, c in _steps("docs/object_storage.md"))
+    for var in ("AWS_ENDPOINT_URL", "AWS_ALLOW_HTTP", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_ENDPOINT=http://127.0.0.1:10000/devstoreaccount1",
+                "AZURE_ALLOW_HTTP", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "GOOGLE_BASE_URL",
+                "GOOGLE_ALLOW_HTTP", "GOOGLE_SKIP_SIGNATURE"):
+        assert var in text, var
+    for scheme in ("s3://", "az://", "gs://"):
+        assert scheme in text, scheme

@@ -3,6 +3,7 @@ meets it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -207,3 +208,57 @@ def test_a_source_path_load_says_what_it_verified(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         result = json.loads((tmp_path / f"r_{name}" / "metrics.json").read_text())["result"]
         assert expected in str(result["verified"]), result
+
+
+def _run_on_a_terminal(args, tmp_path, env, cols=80):
+    """Run the CLI with its stderr on a pseudo-terminal ``cols`` wide (as a user's window) and
+    return every progress frame it drew (the text between carriage returns, colour codes out)."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, cols, 0, 0))
+    p = subprocess.Popen([sys.executable, "-m", "hpdcp_runner", *args], stdout=subprocess.PIPE, stderr=slave,
+                         env=env, cwd=str(tmp_path))
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the other end closed: the process is gone
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert p.wait(timeout=240) == 0, out.decode(errors="replace")[-3000:]
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", out.decode(errors="replace"))
+    return [f for f in re.split(r"[\r\n]", text) if "(rank 0)" in f]
+
+
+def test_the_progress_line_fits_the_terminal_and_says_what_a_save_waits_for(tmp_path):
+    """Item 8: on an 80-column terminal the line was cut mid-word, the file count stayed 0, and
+    the bar sat at 100% "waiting" with a frozen rate for seconds. A save slowed at each step
+    (each tensor written, the file's flush, the commit) draws frames that all fit in 79 columns;
+    while bytes move they carry a rate; while the file is flushed they say so, with the time
+    waited and no rate; the file count appears once the file is complete."""
+    env = {k: v for k, v in _env().items() if k != "CI"}
+    env["HPDCP_FAULTS"] = "file.write:sleep=0.15;file.fsync:sleep=2.5;save.commit:sleep=1.5"
+    frames = _run_on_a_terminal(["+job=save", f"checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/r"],
+                                tmp_path, env)
+    assert frames, "no progress line was drawn"
+    assert all(len(f) <= 79 for f in frames), [f for f in frames if len(f) > 79]
+    assert not any(f.endswith(("…", " ")) and "·" not in f for f in frames)
+    writing = [f for f in frames if f.endswith("· writing")]
+    assert writing and all("/s" in f for f in writing), frames
+    flushing = [f for f in frames if "flushing to disk" in f]
+    assert flushing and not any("/s" in f for f in flushing), frames
+    waited = [f.rsplit(" ", 1)[1] for f in flushing]
+    assert "0:02" in waited, waited  # the wait's clock moves
+    counted = [int(m.group(1)) for f in frames for m in [re.search(r"  (\d+) files? · ", f)] if m]
+    assert counted and counted[-1] >= 1 and not any("waiting for the other ranks" in f for f in frames), frames
+    assert any(" · committing 0:01" in f for f in frames), frames  # (one rank: nobody else to wait for)

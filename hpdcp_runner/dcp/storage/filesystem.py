@@ -161,14 +161,17 @@ class FileSystemWriter(StorageWriter):
         written (files, chunk locations with checksums and block digests)."""
         files, chunks, objs = [], {}, {}
         if stream is not None:
-            name, wf = stream.close()
+            with self.counters.staged("flushing to disk" if self.fsync else "closing the file"):
+                name, wf = stream.close()
+            self.counters.files_written += 1  # (counted as each completes: progress shows it move)
             files.append(FileMeta(name, wf.size, wf.checksum, rank))
             for e in wf.entries:
                 chunks[e.key] = (name, e.byte_offset, e.checksum, e.blocks)
         if objects:
             name = rank_file(rank, "objects.json")
             body, digests = objcodec.encode_object_file(objects)
-            with open(os.path.join(self.staging, name), "xb") as f, naming(f.name):
+            with open(os.path.join(self.staging, name), "xb") as f, naming(f.name), \
+                    self.counters.staged("flushing to disk" if self.fsync else "closing the file"):
                 f.write(body)
                 f.flush()
                 if self.fsync:
@@ -177,7 +180,7 @@ class FileSystemWriter(StorageWriter):
             files.append(FileMeta(name, len(body), digest(body), rank))
             objs.update((k, (name, d)) for k, d in digests.items())
             self.counters.bytes_written += len(body)
-        self.counters.files_written += len(files)
+            self.counters.files_written += 1
         return WriteResult(rank, tuple(files), chunks, objs)
 
     def commit(self, metadata: Metadata) -> None:

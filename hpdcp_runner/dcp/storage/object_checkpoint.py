@@ -326,10 +326,12 @@ class ObjectStoreWriter(StorageWriter):
                 for key, t in tensors:
                     w.append(key, t)
                     self.counters.bytes_written += t.numel() * t.element_size()
-                wf = w.close()
+                with self.counters.staged("finishing the upload"):
+                    wf = w.close()
             except BaseException:
                 w.abort()
                 raise
+            self.counters.files_written += 1  # (counted as each completes: progress shows it move)
             files.append(FileMeta(name, wf.size, wf.checksum, self.rank))
             for e in wf.entries:
                 chunks[e.key] = (name, e.byte_offset, e.checksum, e.blocks)
@@ -341,7 +343,7 @@ class ObjectStoreWriter(StorageWriter):
             files.append(FileMeta(name, len(body), digest(body), self.rank))
             objs.update((k, (name, d)) for k, d in digests.items())
             self.counters.bytes_written += len(body)
-        self.counters.files_written += len(files)
+            self.counters.files_written += 1
         return WriteResult(self.rank, tuple(files), chunks, objs)
 
     def upload_file(self, name: str, local_path: str) -> None:
