@@ -236,7 +236,10 @@ class SourceConf:
     # from its own metadata and placed by layout=; model= plays no part
     path: Optional[str] = None
     layout: str = "tp"  # reshard without source.path: the layout the demo source is written in
-    format: str = "auto"  # auto | hpdcp | hf | torch_dcp (torch_dcp needs dcp.allow_pickle=true)
+    format: str = "auto"  # auto | hpdcp | hf | torch_dcp (needs dcp.allow_pickle=true) | deepspeed
+    # a DeepSpeed checkpoint's weights: fp32 (its fp32 master copy, as zero_to_fp32 gives) | module
+    # (the module's own, in the dtype it trained in; ZeRO 1/2 only)
+    weights: str = "fp32"
     # [{pattern: <regex>, replace: <text>}, ...]: applied in order to the checkpoint's keys at load
     # (None, not an empty list: OmegaConf cannot merge a list default under the Optional job node)
     rename: Optional[list[Any]] = None
@@ -462,6 +465,8 @@ def _source_problems(c: Config) -> list[str]:
     if source is not None:
         if source.format not in FORMATS:
             out.append(f"job.source.format: {source.format!r} is not one of {', '.join(FORMATS)}")
+        if source.weights not in ("fp32", "module"):
+            out.append(f"job.source.weights: {source.weights!r} is not one of fp32, module")
         out += _rename_problems(source.rename or [], "job.source.rename")
     if isinstance(j, ReshardJob):
         if j.output_format not in ("hpdcp", "hf"):

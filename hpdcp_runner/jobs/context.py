@@ -239,8 +239,9 @@ class JobContext:
         (auto: ours, Hugging Face or torch DCP by the files present), else our format."""
         source = getattr(self.cfg.job, "source", None)
         fmt = source.format if foreign and source is not None else "hpdcp"
+        weights = source.weights if foreign and source is not None else "fp32"
         return open_reader(path, fmt, allow_pickle=self.engine.allow_pickle, store_options=self.engine.store,
-                           **self.engine.reader.kwargs())
+                           weights=weights, **self.engine.reader.kwargs())
 
     def key_filter(self) -> Callable[[str], bool] | None:
         """``job.include`` / ``job.exclude`` (regexes, ``re.search``) as one predicate on a key;

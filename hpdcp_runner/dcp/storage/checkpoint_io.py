@@ -18,10 +18,11 @@ from .stores import is_remote
 from .uri import check_uri, normalize
 
 def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
-                store_options: object = None, **reader_kwargs: Any) -> StorageReader:
+                store_options: object = None, weights: str = "fp32", **reader_kwargs: Any) -> StorageReader:
     """The reader for ``path`` (a local path or a store URI) in ``format`` (auto: from what is
     there): one reader per format, over the location's files. ``store_options``: an
-    ``ObjectStoreOptions`` for a store (default: the process's)."""
+    ``ObjectStoreOptions`` for a store (default: the process's). ``weights``: which weights of a
+    DeepSpeed checkpoint (``fp32`` master copy or ``module``; see ``storage/deepspeed.py``)."""
     if format not in FORMATS:
         raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
     loc = locate(path, options=store_options)
@@ -31,6 +32,12 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
     only = None
     if fmt == "hf" and loc.url.endswith(".safetensors") and loc.is_file():  # one file: its directory, that file
         only, loc = loc.name, locate(loc.parent().url, options=store_options)
+    if fmt == "deepspeed":
+        from .deepspeed import DeepSpeedReader, step_directory
+
+        loc = step_directory(loc, store_options)
+        return DeepSpeedReader(loc.checkpoint_files(committed=False), names=sorted(loc.files()), weights=weights,
+                               **reader_kwargs)
     files = loc.checkpoint_files(committed=False)
     if fmt == "hf":
         return HfReader(files, only=only, **reader_kwargs)

@@ -50,12 +50,12 @@ HF_SINGLE = "model.safetensors"
 DCP_METADATA = ".metadata"
 MAX_INDEX_BYTES = 64 << 20
 MAX_ENTRIES_PER_FILE = 65536
-FORMATS = ("auto", "hpdcp", "hf", "torch_dcp")
+FORMATS = ("auto", "hpdcp", "hf", "torch_dcp", "deepspeed")
 _DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 
 
 def detect_format(path: "str | os.PathLike | Location") -> str:
-    """``hpdcp`` | ``hf`` | ``torch_dcp`` | ``hyper_parallel`` | ``pt`` from what is there, on any
+    """``hpdcp`` | ``hf`` | ``torch_dcp`` | ``deepspeed`` | ``hyper_parallel`` | ``pt`` from what is there, on any
     location (one listing of a store's prefix): the one format detector of the engine and the
     offline tools."""
     from .location import locate
@@ -75,6 +75,10 @@ def detect_format(path: "str | os.PathLike | Location") -> str:
         return "hpdcp"
     if HF_INDEX in names or HF_SINGLE in names:
         return "hf"
+    from .deepspeed import is_deepspeed_run, is_deepspeed_step
+
+    if is_deepspeed_step(names) or is_deepspeed_run(names):
+        return "deepspeed"
     if DCP_METADATA in names:
         if any(n.startswith("_rank") and n.endswith("_.safetensors") for n in names):
             return "hyper_parallel"

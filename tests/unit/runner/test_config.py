@@ -86,7 +86,7 @@ dcp.storage.max_retries dcp.storage.coalesce_bytes dcp.storage.read_buffer_bytes
 dcp.storage.request_timeout_s dcp.storage.retry_timeout_s dcp.storage.unconditional_ok
 job.fail_on_rank job.name job.output job.output_format job.hf_max_shard_size job.hf_files_from job.verify
 job.include job.exclude job.model_only job.dtype job.experts
-job.source.layout job.source.path job.source.format job.source.rename
+job.source.layout job.source.path job.source.format job.source.weights job.source.rename
 layout.config layout.family layout.file layout.flat_units layout.kind layout.mesh layout.name layout.parallel layout.rules
 layout.strict
 model.big_rows model.dtype model.ffn model.hidden model.kind model.layers model.name model.seed model.vocab

@@ -1,0 +1,471 @@
+"""DeepSpeed ZeRO checkpoints read in place: no ``zero_to_fp32``, no conversion step.
+
+A DeepSpeed save (``engine.save_checkpoint``) is a step directory (``global_step<N>``, named by the
+run directory's ``latest`` file) of ``torch.save`` archives:
+
+* ``mp_rank_00_model_states.pt`` (ZeRO 1/2) or ``zero_pp_rank_<R>_mp_rank_00_model_states.pt``
+  (ZeRO 3): the module's state dict (ZeRO 3: empty placeholders), ``param_shapes`` (per parameter
+  group, every parameter's name and shape in the order of the flat buffers), buffers;
+* ``[bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt``, one per data-parallel rank: that rank's
+  partition of the fp32 master weights and of the Adam moments, as flat buffers per group.
+  ZeRO 1/2 (``single_partition_of_fp32_groups``): a group's flat buffer is cut in equal pieces
+  across ranks, parameters lie one after another in it. ZeRO 3 (``fp32_flat_groups``): every
+  parameter is cut in ``ceil(numel / world)`` pieces, rank R's piece of each parameter lying one
+  after another in R's flat buffer.
+
+This reader describes each parameter (its fp32 master weight, the default, or the module's own
+weight, ``weights="module"``) and its optimizer moments (``optim.state.<name>.exp_avg``,
+``exp_avg_sq``, ``step``) as our metadata: a parameter's elements are segments of the rank files'
+flat buffers, and each segment of a row-major tensor is a few boxes (a partial row, whole rows, a
+partial row), each contiguous in its file. So every load, reshard, partial read and export works
+on it unchanged, reading only the bytes of the slices it keeps.
+
+Nothing in these files is unpickled as code. Their ``data.pkl`` is read by a restricted
+unpickler that admits torch's tensor rebuild, storage types, ``torch.Size`` and the three
+DeepSpeed classes these files hold (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``), each
+turned into plain data; any other class is refused with the file and the class named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import pickle
+import re
+import zipfile
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from ..core.rafile import RandomAccessFile
+from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, dtype_name
+from .foreign import _DescribedReader, _Window, _bounded_read, _entry_data, _row_major, _STORAGE_DTYPES
+
+if TYPE_CHECKING:
+    from .checkpoint_files import CheckpointFiles
+    from .location import Location
+
+TRACKER = "latest"
+MAX_PICKLE = 64 << 20  # a model-states data.pkl holds names, shapes and configs: megabytes at most
+_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+_MODEL3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
+_MODEL12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+WEIGHTS = ("fp32", "module")
+
+
+def is_deepspeed_step(names: set[str]) -> bool:
+    """A DeepSpeed step directory holds model-states and optimizer-states archives."""
+    return any(_MODEL12.fullmatch(n) or _MODEL3.fullmatch(n) for n in names) and any(_OPTIM.fullmatch(n) for n in names)
+
+
+def step_directory(loc: "Location", options: object = None) -> "Location":
+    """``loc`` itself when it is a step directory, else the step its ``latest`` file names (a run
+    directory), checked to be a plain name inside it."""
+    from .location import locate
+    from .uri import join
+
+    names = set(loc.files())
+    if is_deepspeed_step(names) or TRACKER not in names:
+        return loc
+    tracker = join(loc.url, TRACKER)
+    tag = (loc.read_small(TRACKER, 4096) or b"").decode("utf-8", "replace").strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or len(tag) > 255:
+        raise MetadataError(f"{tracker}: names {tag!r}, not a step directory inside {loc.url}")
+    step = locate(join(loc.url, tag), options=options)
+    if not step.is_dir() or not is_deepspeed_step(set(step.files())):
+        raise CheckpointNotFoundError(f"{tracker} names {tag!r}, but {step.url} holds no DeepSpeed model and "
+                                      f"optimizer states")
+    return step
+
+
+def is_deepspeed_run(names: set[str]) -> bool:
+    """A run directory: a ``latest`` file and no checkpoint of another format beside it."""
+    return TRACKER in names and not names & {"metadata.json", ".metadata", "model.safetensors",
+                                              "model.safetensors.index.json"}
+
+
+# -- reading a torch.save archive's pickle without running it --------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """A tensor of the archive, located, not loaded: its storage entry, dtype, offset (elements),
+    size and stride."""
+
+    storage: str
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+
+class Record:
+    """A DeepSpeed object of the archive (``LossScaler``, ``fragment_address``), kept as plain
+    data (its constructor arguments and pickled state); never DeepSpeed's class."""
+
+    def __new__(cls, *args: Any) -> "Record":
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.state!r})"
+
+
+class _Dict(dict):
+    """A pickled ``OrderedDict``: plain, but it takes the attributes pickle sets (a state dict's
+    ``_metadata``)."""
+
+
+_RECORD_TYPES: dict[str, type] = {}
+
+
+def _record_type(name: str) -> type:
+    if name not in _RECORD_TYPES:
+        _RECORD_TYPES[name] = type(name, (Record,), {})
+    return _RECORD_TYPES[name]
+
+
+_DS_CLASSES = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+               ("deepspeed.utils.tensor_fragment", "fragment_address")}
+
+
+class _Archive(pickle.Unpickler):
+    """Unpickles a ``data.pkl`` into plain data and :class:`TensorRef` (see the module docstring)."""
+
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return lambda st, off, size, stride, *rest: TensorRef(st[1], st[0], int(off), tuple(size), tuple(stride))
+        if module == "torch._utils" and name == "_rebuild_parameter":
+            return lambda data, *rest: data
+        if module == "collections" and name == "OrderedDict":
+            return _Dict
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":  # a tensor subclass: the tensor
+            return lambda func, new_type, args, state: func(*args)
+        if (module, name) in (("torch.nn.parameter", "Parameter"), ("torch", "Tensor")):
+            return name  # (only ever the new_type of the rebuild above)
+        if module == "torch" and name == "Size":
+            return tuple
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "deepspeed.runtime.zero.config" and name == "ZeroStageEnum":
+            return int
+        if (module, name) in _DS_CLASSES:
+            return _record_type(name)
+        raise PickleNotAllowedError(f"{self.where}: holds an object of class {module}.{name}, which this reader "
+                                    f"does not admit (only tensors, plain data and DeepSpeed's LossScaler, "
+                                    f"ZeroStageEnum and fragment_address); nothing of it was run")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        dtype = pid[1] if isinstance(pid[1], torch.dtype) else torch.uint8
+        return (dtype, str(pid[2]))
+
+
+class ArchiveIndex:
+    """One ``torch.save`` archive: its pickled structure (tensors as :class:`TensorRef`) and where
+    each storage's bytes start in the file."""
+
+    def __init__(self, fd: RandomAccessFile, where: str) -> None:
+        size = fd.size()
+        try:
+            with zipfile.ZipFile(io.BufferedReader(_Window(fd, 0, size))) as zf:
+                infos = zf.infolist()
+                pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+                if len(pkl) != 1:
+                    raise CorruptCheckpointError("no data.pkl")
+                self.prefix = pkl[0].filename[:-len("data.pkl")]
+                self.tree = _Archive(_bounded_read(zf, pkl[0], MAX_PICKLE), where).load()
+                align = [i for i in infos if i.filename == f"{self.prefix}.storage_alignment"]
+                alignment = int(_bounded_read(zf, align[0], 32)) if align else 1
+                self._starts: dict[str, tuple[int, int]] = {}
+                for info in infos:
+                    if info.filename.startswith(f"{self.prefix}data/"):
+                        key = info.filename[len(f"{self.prefix}data/"):]
+                        self._starts[key] = (_entry_data(fd, 0, size, info, infos, zf.start_dir, alignment),
+                                             info.file_size)
+        except PickleNotAllowedError:
+            raise
+        except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError,
+                OverflowError, AttributeError, IndexError) as e:
+            raise CorruptCheckpointError(f"{where}: not a readable torch.save archive ({type(e).__name__}: "
+                                         f"{str(e)[:200]})") from None
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{where}: {e}") from None
+        self.where = where
+
+    def flat(self, t: Any, what: str) -> tuple[int, int]:
+        """(file offset, elements) of a 1-D (or contiguous) tensor ``t`` of this archive."""
+        if not isinstance(t, TensorRef):
+            raise MetadataError(f"{self.where}: {what} is not a tensor")
+        if t.stride != _row_major(t.size) and t.numel > 1:
+            raise MetadataError(f"{self.where}: {what} is not contiguous (size {list(t.size)}, stride {list(t.stride)})")
+        start, nbytes = self._starts.get(t.storage, (None, 0))
+        esize = torch.empty((), dtype=t.dtype).element_size()
+        if start is None or t.offset < 0 or (t.offset + t.numel) * esize > nbytes:
+            raise CorruptCheckpointError(f"{self.where}: {what} lies outside its storage entry")
+        return start + t.offset * esize, t.numel
+
+
+def _get(tree: Any, where: str, *path: Any) -> Any:
+    node = tree
+    for p in path:
+        if not isinstance(node, (dict, list)) or (isinstance(node, dict) and p not in node) or \
+                (isinstance(node, list) and not (isinstance(p, int) and 0 <= p < len(node))):
+            raise MetadataError(f"{where}: no {'/'.join(map(str, path))} (not a DeepSpeed ZeRO checkpoint this "
+                                f"reader knows)")
+        node = node[p]
+    return node
+
+
+# -- where each parameter's elements are -----------------------------------------------------------
+
+def flat_boxes(a: int, b: int, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The elements [a, b) of a row-major tensor of ``shape`` as boxes each contiguous in memory:
+    (offsets, sizes, index of its first element). At most two per dimension plus one."""
+    if a >= b:
+        return
+    if not shape:
+        yield (), (), 0
+        return
+    inner = math.prod(shape[1:])
+    i0, r0 = divmod(a, inner)
+    i1, r1 = divmod(b, inner)
+    if i0 == i1:
+        for o, s, f in flat_boxes(r0, r1, shape[1:]):
+            yield (i0, *o), (1, *s), i0 * inner + f
+        return
+    if r0:
+        for o, s, f in flat_boxes(r0, inner, shape[1:]):
+            yield (i0, *o), (1, *s), i0 * inner + f
+        i0 += 1
+    if i1 > i0:
+        yield (i0, *(0,) * (len(shape) - 1)), (i1 - i0, *shape[1:]), i0 * inner
+    if r1:
+        for o, s, f in flat_boxes(0, r1, shape[1:]):
+            yield (i1, *o), (1, *s), i1 * inner + f
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Elements [start, start + count) of a parameter, stored at ``offset`` in ``file``."""
+
+    file: str
+    offset: int
+    start: int
+    count: int
+
+
+def _chunks(key: str, shape: tuple[int, ...], dtype: torch.dtype, segments: list[Segment]) -> tuple[ChunkMeta, ...]:
+    esize = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for s in segments:
+        for offs, sizes, first in flat_boxes(s.start, s.start + s.count, shape):
+            out.append(ChunkMeta(offs, sizes, s.file, key, s.offset + (first - s.start) * esize, ""))
+    return tuple(out)
+
+
+def _zero12_segments(flats: list[tuple[str, int, int]], numels: list[int]) -> list[list[Segment]]:
+    """ZeRO 1/2: a group's flat buffer is the ranks' pieces end to end (``flats``: file, offset,
+    elements per rank); its parameters (``numels``) lie one after another in it."""
+    bounds, at = [], 0
+    for f, off, n in flats:
+        bounds.append((at, at + n, f, off))
+        at += n
+    out, pos = [], 0
+    for numel in numels:
+        segs = []
+        for lo, hi, f, off in bounds:
+            a, b = max(lo, pos), min(hi, pos + numel)
+            if a < b:
+                segs.append(Segment(f, off + (a - lo) * 4, a - pos, b - a))
+        if sum(s.count for s in segs) != numel:
+            raise MetadataError(f"the ranks' flat buffers hold {at} elements, too few for the parameters recorded "
+                                f"({sum(numels)})")
+        out.append(segs)
+        pos += numel
+    return out
+
+
+def _zero3_segments(flats: list[tuple[str, int, int]], numels: list[int]) -> list[list[Segment]]:
+    """ZeRO 3: each parameter cut in ``ceil(numel / world)`` pieces, rank R's piece of each
+    parameter one after another in R's flat buffer."""
+    world = len(flats)
+    out, pos = [], 0
+    for numel in numels:
+        part = -(-numel // world)
+        segs = []
+        for r, (f, off, n) in enumerate(flats):
+            a, b = r * part, min(numel, (r + 1) * part)
+            if pos + part > n:
+                raise MetadataError(f"{f}: its flat buffer ({n} elements) is too short for the parameters recorded")
+            if a < b:
+                segs.append(Segment(f, off + pos * 4, a, b - a))
+        out.append(segs)
+        pos += part
+    return out
+
+
+class DeepSpeedReader(_DescribedReader):
+    """A DeepSpeed ZeRO 1/2/3 step directory (see the module docstring)."""
+
+    format_name = "deepspeed"
+
+    def __init__(self, files: "CheckpointFiles | str | os.PathLike", *, names: "list[str] | None" = None,
+                 weights: str = "fp32", **kwargs: Any) -> None:
+        """``names``: the files of the step directory (its listing); read from ``files`` when it
+        is a local path."""
+        kwargs.pop("allow_pickle", None)
+        if names is None:
+            if not isinstance(files, (str, os.PathLike)):
+                raise TypeError("DeepSpeedReader over CheckpointFiles needs names=")
+            names = sorted(os.listdir(files)) if os.path.isdir(files) else []
+        self._names = set(names)
+        super().__init__(files, **kwargs)
+        if weights not in WEIGHTS:
+            raise MetadataError(f"DeepSpeed weights {weights!r}: one of {', '.join(WEIGHTS)}")
+        self.weights = weights
+
+    def _archive(self, name: str) -> ArchiveIndex:
+        f = self._random_access(name)
+        try:
+            return ArchiveIndex(f, self.full(name))
+        finally:
+            f.close()
+
+    def describe(self) -> Metadata:
+        self.files.require_directory()
+        names = self._names
+        optim = sorted((int(m.group(2)), n) for n in names if (m := _OPTIM.fullmatch(n)))
+        if not optim:
+            raise CheckpointNotFoundError(f"{self.path}: no zero_pp_rank_<R>_mp_rank_00_optim_states.pt (not a DeepSpeed "
+                                          f"ZeRO step directory)")
+        if any(m.group(3) != "00" for n in names if (m := _OPTIM.fullmatch(n))):
+            raise MetadataError(f"{self.path}: model-parallel DeepSpeed checkpoints (mp_rank > 0) are not read yet")
+        world = len(optim)
+        if [r for r, _ in optim] != list(range(world)):
+            missing = sorted(set(range(max(r for r, _ in optim) + 1)) - {r for r, _ in optim})
+            raise CheckpointNotFoundError(f"{self.path}: the optimizer states of rank(s) {missing} are missing "
+                                          f"(zero_pp_rank_<R>_mp_rank_00_optim_states.pt)")
+        ranks = [self._archive(n) for _, n in optim]
+        first = ranks[0]
+        osd = _get(first.tree, first.where, "optimizer_state_dict")
+        stage = osd.get("zero_stage") if isinstance(osd, dict) else None
+        if stage is None:
+            stage = 3 if "fp32_flat_groups" in osd else 2
+        pc = osd.get("partition_count")
+        counts = pc if isinstance(pc, list) else [pc]
+        wanted = max((c for c in counts if isinstance(c, int)), default=world)
+        if wanted > world:
+            prefix = optim[0][1].split("zero_pp_rank_")[0]
+            raise CheckpointNotFoundError(f"{self.path}: the optimizer states of rank(s) {list(range(world, wanted))} are "
+                                          f"missing ({prefix}zero_pp_rank_<R>_mp_rank_00_optim_states.pt; "
+                                          f"{first.where} says {wanted} ranks saved)")
+        if any(isinstance(c, int) and c != world for c in counts):
+            raise MetadataError(f"{first.where}: partition_count {pc} but {world} rank files are here")
+        model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+        if model_name not in names:
+            raise CheckpointNotFoundError(f"{self.full(model_name)} is missing (the model states of a ZeRO-{stage} "
+                                          f"checkpoint)")
+        model = self._archive(model_name)
+        shapes = _get(model.tree, model.where, "param_shapes")
+        if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
+            raise MetadataError(f"{model.where}: param_shapes is not a list of name -> shape per group")
+        tensors: dict[str, TensorMeta] = {}
+        objects: dict[str, ObjectMeta] = {}
+        steps: dict[str, float] = {}
+        group_key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+        for g, group in enumerate(shapes):
+            params = [(str(k), tuple(int(x) for x in v)) for k, v in group.items()]
+            numels = [math.prod(s) for _, s in params]
+            layout = _zero3_segments if stage == 3 else _zero12_segments
+
+            def segments(*path: Any) -> list[list[Segment]]:
+                flats = []
+                for (_, n), a in zip(optim, ranks):
+                    off, count = a.flat(_get(a.tree, a.where, *path), "/".join(map(str, path)))
+                    flats.append((n, off, count))
+                return layout(flats, numels)
+
+            inner = ("optimizer_state_dict", "optimizer_state_dict") if stage == 3 else \
+                ("optimizer_state_dict", "base_optimizer_state")
+            master = segments("optimizer_state_dict", group_key, g)
+            state = _get(first.tree, first.where, *inner, "state")
+            held = state.get(g) if isinstance(state, dict) else None
+            held = held if isinstance(held, dict) else {}  # (an optimizer that has not stepped keeps none)
+            moments = {m: segments(*inner, "state", g, m) for m in ("exp_avg", "exp_avg_sq") if m in held}
+            step_value = self._scalar(first, optim[0][1], held.get("step"), f"state/{g}/step")
+            for i, (name, shape) in enumerate(params):
+                if self.weights == "fp32":
+                    tensors[name] = TensorMeta("float32", shape, _chunks(name, shape, torch.float32, master[i]), (name,))
+                for m, segs in moments.items():
+                    key = f"optim.state.{name}.{m}"
+                    tensors[key] = TensorMeta("float32", shape, _chunks(key, shape, torch.float32, segs[i]),
+                                              ("optim", "state", name, m))
+                if step_value is not None:  # one step per group: an object per parameter, as torch keeps it
+                    key = f"optim.state.{name}.step"
+                    objects[key] = ObjectMeta(optim[0][1], "", ("optim", "state", name, "step"))
+                    steps[key] = step_value
+        module = _get(model.tree, model.where, "module")
+        if self.weights == "module":
+            if stage == 3:
+                raise MetadataError(f"{model.where}: a ZeRO-3 checkpoint keeps no module weights (its parameters "
+                                    f"are partitioned); read its fp32 master weights (weights=fp32)")
+            for name, t in module.items():
+                if isinstance(t, TensorRef):
+                    off, _ = model.flat(t, name)
+                    tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size,
+                                                                                       model_name, name, off, ""),), (name,))
+        else:  # buffers (persistent ones the module saved) come from the module states
+            for name in _get(model.tree, model.where, "buffer_names") or []:
+                t = module.get(name) if isinstance(module, dict) else None
+                if isinstance(t, TensorRef) and name not in tensors:
+                    off, _ = model.flat(t, name)
+                    tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size,
+                                                                                       model_name, name, off, ""),), (name,))
+        files = {n: FileMeta(n, self._size_of(n), "", r) for r, n in optim}
+        files[model_name] = FileMeta(model_name, self._size_of(model_name), "", 0)
+        extra = {"source_format": "deepspeed", "deepspeed": {"zero_stage": int(stage), "world_size": world,
+                                                             "weights": self.weights,
+                                                             "version": str(model.tree.get("ds_version", "")),
+                                                             "steps": steps}}
+        return Metadata(world, tensors, objects, files, extra=extra)
+
+    def _scalar(self, archive: ArchiveIndex, name: str, t: Any, what: str) -> float | None:
+        """The value of a one-element tensor of ``archive`` (a step count), or a plain number."""
+        if isinstance(t, (int, float)) and not isinstance(t, bool):
+            return float(t)
+        if not isinstance(t, TensorRef) or t.numel != 1:
+            return None
+        off, _ = archive.flat(t, what)
+        f = self._random_access(name)
+        try:
+            raw = f.pread(t.dtype.itemsize, off)
+        finally:
+            f.close()
+        return float(torch.frombuffer(bytearray(raw), dtype=t.dtype)[0])
+
+    def read_objects(self, wanted: Any, *, allow_pickle: bool) -> dict[str, Any]:
+        """The step counts, read when the checkpoint was described, as numbers (torch's Adam
+        makes its step tensor of a number when it loads a state)."""
+        steps = ((self.metadata.extra.get("deepspeed") or {}).get("steps") if self.metadata else None) or {}
+        missing = sorted(set(wanted) - set(steps))
+        if missing:
+            raise MetadataError(f"{self.path}: no value recorded for {missing[:3]}")
+        return {k: float(steps[k]) for k in wanted}

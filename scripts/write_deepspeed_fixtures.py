@@ -1,0 +1,150 @@
+"""Write DeepSpeed checkpoints with DeepSpeed itself, for the reader's tests (tests/fixtures/deepspeed).
+
+Run in a virtualenv of its own holding the pinned writers (never the runner's dependencies)::
+
+    python3 -m venv /tmp/dsvenv && . /tmp/dsvenv/bin/activate
+    pip install torch==2.13.0 && DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install deepspeed==0.19.8 transformers==5.25.0
+    python scripts/write_deepspeed_fixtures.py --out tests/fixtures/deepspeed
+
+The script launches itself under torchrun (2 gloo ranks on CPU) once per configuration (ZeRO
+stage 1, 2 and 3; bf16 and fp32), trains a tiny Llama-family model (grouped-query attention) for
+two steps and saves it with ``engine.save_checkpoint``. Next to each checkpoint it writes what the
+tests compare with, made by DeepSpeed's own tools: ``reference/zero_to_fp32.safetensors`` (its
+``get_fp32_state_dict_from_zero_checkpoint``), ``reference/universal.safetensors`` (what
+``ds_to_universal --inject_missing_state`` wrote: every parameter's exp_avg and exp_avg_sq),
+``reference/logits.safetensors`` (the model's logits with the fp32 weights on a fixed
+input) and the model's ``config.json``. ``versions.json`` records what wrote them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+CONFIGS = [(1, "bf16"), (2, "fp32"), (3, "bf16")]  # every stage, both kinds of optimizer file
+PINNED = {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.25.0"}
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    # odd sizes (67 rows of embeddings): the ranks' partitions end inside rows, not only between them
+    return LlamaConfig(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=6, max_position_embeddings=64,
+                       tie_word_embeddings=False)
+
+
+def fixed_input():
+    import torch
+
+    return torch.arange(12).reshape(2, 6) % 67
+
+
+def train_and_save(out: str, stage: int, dtype: str) -> None:
+    """Under torchrun: two steps of Adam through DeepSpeed, then ``save_checkpoint``."""
+    import deepspeed
+    import torch
+    from transformers import LlamaForCausalLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config())
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    rank = torch.distributed.get_rank()
+    for step in range(2):
+        ids = (fixed_input()[rank:rank + 1] + step) % 67
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(out, tag="global_step2")
+    torch.distributed.barrier()
+
+
+def references(out: str) -> None:
+    """DeepSpeed's own consolidations of the checkpoint at ``out``, as safetensors."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    ref = os.path.join(out, "reference")
+    os.makedirs(ref, exist_ok=True)
+    fp32 = {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(out).items()}
+    save_file(fp32, os.path.join(ref, "zero_to_fp32.safetensors"))
+    uni = os.path.join(out, "_universal")
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(out, "global_step2"), "--output_folder", uni, "--inject_missing_state"],
+                   check=True, capture_output=True)
+    moments = {}
+    zero = os.path.join(uni, "zero")
+    for name in sorted(os.listdir(zero)):
+        for what in ("exp_avg", "exp_avg_sq"):  # (its fp32 weights are zero_to_fp32's, flattened in ZeRO 3)
+            f = os.path.join(zero, name, f"{what}.pt")
+            if os.path.exists(f):
+                t = torch.load(f, weights_only=False)
+                t = t["param"] if isinstance(t, dict) else t
+                moments[f"{name}.{what}"] = t.contiguous()
+    save_file(moments, os.path.join(ref, "universal.safetensors"))
+    shutil.rmtree(uni)
+    cfg = tiny_config()
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(fp32, strict=False)
+    with torch.no_grad():
+        save_file({"logits": model(input_ids=fixed_input()).logits.contiguous()}, os.path.join(ref, "logits.safetensors"))
+    cfg.save_pretrained(ref)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", help="one configuration, e.g. zero3_bf16")
+    p.add_argument("--worker", nargs=3, metavar=("DIR", "STAGE", "DTYPE"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        train_and_save(a.worker[0], int(a.worker[1]), a.worker[2])
+        return
+    import deepspeed
+    import torch
+    import transformers
+
+    versions = {"deepspeed": deepspeed.__version__, "torch": torch.__version__.split("+")[0],
+                "transformers": transformers.__version__}
+    if versions != PINNED:
+        print(f"warning: pinned {PINNED}, running {versions}", file=sys.stderr)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+    for stage, dtype in CONFIGS:
+        name = f"zero{stage}_{dtype}"
+        if a.only and a.only != name:
+            continue
+        out = os.path.abspath(os.path.join(a.out, name))
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+                        os.path.abspath(__file__), "--out", out, "--worker", out, str(stage), dtype],
+                       check=True, env=env)
+        references(out)
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's copies of its tools: not data
+            if os.path.exists(os.path.join(out, script)):
+                os.remove(os.path.join(out, script))
+        print(f"wrote {out}")
+    with open(os.path.join(a.out, "versions.json"), "w") as f:
+        json.dump({**versions, "python": sys.version.split()[0], "configs": [f"zero{s}_{d}" for s, d in CONFIGS]},
+                  f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()

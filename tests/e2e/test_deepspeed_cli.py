@@ -1,0 +1,98 @@
+"""DeepSpeed checkpoints through the CLI, on files DeepSpeed wrote (tests/fixtures/deepspeed):
+inspect, verify, export to Hugging Face (a model transformers loads, its logits equal to the
+trained model's), reshard into ours under the family's tensor-parallel plan at another world size
+(weights equal to zero_to_fp32's, moments to ds_to_universal's), and bad input in one line, exit 2,
+nothing written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed")
+
+
+def _fixture(config):
+    return os.path.abspath(os.path.join(FIXTURES, config))
+
+
+def _errors(stderr):
+    return [x for x in stderr.splitlines() if "error:" in x]
+
+
+def test_inspect_and_verify_a_deepspeed_run(cli, tmp_path):
+    run = _fixture("zero3_bf16")
+    r = cli(["+job=inspect", f"job.source.path={run}", f"hydra.run.dir={tmp_path}/i"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = r.stdout.splitlines()[0]
+    assert f"{run}/global_step2" in head and "deepspeed" in head and "world size 2" in head, head
+    assert "optim.state.model.embed_tokens.weight.exp_avg_sq" in r.stdout
+    r = cli(["+job=verify", f"job.source.path={run}", f"hydra.run.dir={tmp_path}/v"])
+    assert r.returncode == 0 and "format: deepspeed" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("config", ["zero1_bf16", "zero3_bf16"])
+def test_export_to_hugging_face_gives_the_trained_model(cli, tmp_path, config):
+    transformers = pytest.importorskip("transformers")
+    run = _fixture(config)
+    ref = os.path.join(run, "reference")
+    out = tmp_path / "hf"
+    r = cli(["+job=reshard", f"job.source.path={run}", "job.output_format=hf", f"job.hf_files_from={ref}",
+             f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported = load_file(str(out / "model.safetensors"))
+    expect = load_file(os.path.join(ref, "zero_to_fp32.safetensors"))
+    assert exported.keys() == expect.keys() and all(torch.equal(exported[k], expect[k]) for k in expect)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(12).reshape(2, 6) % 67).logits
+    assert torch.equal(logits, load_file(os.path.join(ref, "logits.safetensors"))["logits"])
+
+
+@pytest.mark.slow  # four ranks under torchrun (saved by two)
+def test_reshard_into_ours_under_the_familys_plan_at_another_world_size(cli, tmp_path):
+    run = _fixture("zero2_fp32")
+    ref = os.path.join(run, "reference")
+    out = tmp_path / "ours"
+    r = cli(["+job=reshard", f"job.source.path={run}", "layout=auto", f"job.hf_files_from={ref}",
+             f"job.output={out}", f"hydra.run.dir={tmp_path}/r"], nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "target_layout: auto:llama_tp" in r.stdout and "verified_tensors: 63" in r.stdout, r.stdout
+    from hpdcp_runner.dcp import load, read_metadata
+    from hpdcp_runner.dcp.format.metadata import dtype_from_name
+
+    md = read_metadata(str(out))
+    assert md.world_size == 4
+    split = [k for k, t in md.tensors.items() if len(t.chunks) == 4]
+    assert "optim.state.model.layers.0.self_attn.q_proj.weight.exp_avg" in split, split
+    state = {k: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for k, t in md.tensors.items()}
+    state.update({k: None for k in md.objects})
+    load(state, checkpoint_id=str(out))
+    weights = load_file(os.path.join(ref, "zero_to_fp32.safetensors"))
+    assert all(torch.equal(state[k], v) for k, v in weights.items())
+    for k, v in load_file(os.path.join(ref, "universal.safetensors")).items():
+        name, moment = k.rsplit(".", 1)
+        assert torch.equal(state[f"optim.state.{name}.{moment}"].flatten(), v.flatten()), k
+    assert state["optim.state.lm_head.weight.step"] == 2.0
+
+
+def test_bad_deepspeed_input_is_one_line_exit_2_and_writes_nothing(cli, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(_fixture("zero2_fp32"), run)
+    f = run / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[:3000])
+    out = tmp_path / "out"
+    r = cli(["+job=reshard", f"job.source.path={run}", "job.output_format=hf", f"job.output={out}",
+             f"hydra.run.dir={tmp_path}/r"])
+    errs = _errors(r.stderr)
+    assert r.returncode == 2 and len(errs) == 1 and str(f) in errs[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not out.exists()
+    torch.save({"optimizer_state_dict": {"x": torch.nn.Linear(1, 1)}}, f)  # a class nobody admitted
+    r = cli(["+job=inspect", f"job.source.path={run}", f"hydra.run.dir={tmp_path}/i"])
+    errs = _errors(r.stderr)
+    assert r.returncode == 2 and len(errs) == 1 and str(f) in errs[0] and "torch.nn.modules.linear.Linear" in errs[0], \
+        r.stderr[-3000:]

@@ -1,0 +1,175 @@
+"""DeepSpeed ZeRO checkpoints read in place (hpdcp_runner/dcp/storage/deepspeed.py), on files
+DeepSpeed 0.19.8 wrote (tests/fixtures/deepspeed, by scripts/write_deepspeed_fixtures.py): the
+weights bitwise equal to DeepSpeed's own zero_to_fp32, the Adam moments to its ds_to_universal,
+partial reads of the slices a rank keeps, and hostile files refused in one line naming the file."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpdcp_runner.dcp import load, open_reader
+from hpdcp_runner.dcp.core.errors import (CheckpointNotFoundError, CorruptCheckpointError, HpdcpError,
+                                          PickleNotAllowedError)
+from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
+from hpdcp_runner.dcp.storage.deepspeed import flat_boxes
+from hpdcp_runner.dcp.storage.foreign import detect_format
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "deepspeed")
+CONFIGS = ["zero1_bf16", "zero2_fp32", "zero3_bf16"]
+
+
+def _metadata(path, **kw):
+    r = open_reader(path, **kw)
+    try:
+        return Metadata.from_json(r.read_metadata_text())
+    finally:
+        r.close()
+
+
+def _read_all(path, **kw):
+    md = _metadata(path, **kw)
+    state = {k: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for k, t in md.tensors.items()}
+    state.update({k: None for k in md.objects})
+    load(state, storage_reader=open_reader(path, "deepspeed", **kw))
+    return md, state
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_weights_equal_zero_to_fp32_and_moments_equal_ds_to_universal(config):
+    run = os.path.join(FIXTURES, config)
+    assert detect_format(run) == "deepspeed" and detect_format(os.path.join(run, "global_step2")) == "deepspeed"
+    md, state = _read_all(run)  # the run directory: its `latest` names global_step2
+    info = md.extra["deepspeed"]
+    assert info["zero_stage"] == int(config[4]) and info["world_size"] == 2
+    ref = load_file(os.path.join(run, "reference", "zero_to_fp32.safetensors"))
+    assert set(ref) == {k for k in md.tensors if not k.startswith("optim.")}
+    for k, v in ref.items():
+        assert state[k].dtype == v.dtype and torch.equal(state[k], v), k
+    uni = load_file(os.path.join(run, "reference", "universal.safetensors"))
+    assert len(uni) == 2 * len(ref)
+    for k, v in uni.items():  # ds_to_universal keeps ZeRO-3 moments flat
+        name, moment = k.rsplit(".", 1)
+        got = state[f"optim.state.{name}.{moment}"]
+        assert got.shape == ref[name].shape and torch.equal(got.flatten(), v.flatten()), k
+    assert {state[f"optim.state.{name}.step"] for name in ref} == {2.0}
+
+
+@pytest.mark.parametrize("config", ["zero1_bf16", "zero2_fp32"])
+def test_module_weights_are_the_modules_own(config):
+    step = os.path.join(FIXTURES, config, "global_step2")
+    module = torch.load(os.path.join(step, "mp_rank_00_model_states.pt"), weights_only=True)["module"]
+    md, state = _read_all(step, weights="module")
+    assert {k for k in md.tensors if not k.startswith("optim.")} == set(module)
+    for k, v in module.items():
+        assert state[k].dtype == v.dtype and torch.equal(state[k], v), k
+
+
+def test_zero3_keeps_no_module_weights():
+    with pytest.raises(HpdcpError, match="ZeRO-3 checkpoint keeps no module weights.*weights=fp32"):
+        _metadata(os.path.join(FIXTURES, "zero3_bf16"), weights="module")
+
+
+def test_a_slice_reads_only_its_bytes():
+    """A region of a ZeRO-3 parameter (split between the two rank files inside a row) is read
+    from the bytes of that region alone."""
+    run = os.path.join(FIXTURES, "zero3_bf16")
+    ref = load_file(os.path.join(run, "reference", "zero_to_fp32.safetensors"))["model.embed_tokens.weight"]
+    rows = ref.shape[0]
+    part = torch.empty(3, ref.shape[1])
+    from hpdcp_runner.dcp.offline.sources import ReaderSource
+    from hpdcp_runner.dcp.core.geometry import Box
+
+    src = ReaderSource(run, "deepspeed")
+    try:
+        mid = rows // 2 - 1  # rows straddling the two ranks' pieces
+        before = src.reader.counters.bytes_read
+        part = src.read("model.embed_tokens.weight", Box((mid, 0), (3, ref.shape[1])))
+        assert torch.equal(part, ref[mid:mid + 3])
+        assert src.reader.counters.bytes_read - before == part.numel() * 4
+    finally:
+        src.close()
+
+
+def test_flat_boxes_cover_a_range_with_contiguous_boxes():
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        n = torch.Size(shape).numel()
+        a = rng.randint(0, n)
+        b = rng.randint(a, n)
+        covered = torch.zeros(n, dtype=torch.int32)
+        index = torch.arange(n).reshape(shape)
+        for offs, sizes, first in flat_boxes(a, b, shape):
+            region = index[tuple(slice(o, o + s) for o, s in zip(offs, sizes))].flatten()
+            assert torch.equal(region, torch.arange(first, first + region.numel())), (shape, a, b, offs, sizes)
+            covered[region] += 1
+        assert torch.equal(covered, ((torch.arange(n) >= a) & (torch.arange(n) < b)).int()), (shape, a, b)
+
+
+def _copy(tmp_path, config="zero2_fp32"):
+    dst = tmp_path / config
+    shutil.copytree(os.path.join(FIXTURES, config), dst)
+    return dst
+
+
+def test_a_truncated_rank_file_is_named(tmp_path):
+    run = _copy(tmp_path)
+    f = run / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[:5000])
+    with pytest.raises(CorruptCheckpointError, match=f"{f}: not a readable torch.save archive"):
+        _metadata(str(run))
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    run = _copy(tmp_path, "zero3_bf16")
+    (run / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(HpdcpError, match=r"rank\(s\) \[1\] are missing|too short|too few"):
+        _metadata(str(run))
+
+
+class Planted:
+    """A class a hostile checkpoint names: unpickling it must never run its code."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/hpdcp-deepspeed-planted",))
+
+
+def test_a_pickle_with_another_class_is_refused_and_never_run(tmp_path):
+    run = _copy(tmp_path)
+    f = run / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"x": Planted()}}, f)
+    if os.path.exists("/tmp/hpdcp-deepspeed-planted"):
+        os.unlink("/tmp/hpdcp-deepspeed-planted")
+    with pytest.raises(PickleNotAllowedError, match=f"{f}: holds an object of class posix.system"):
+        _metadata(str(run))
+    assert not os.path.exists("/tmp/hpdcp-deepspeed-planted")
+
+
+def test_latest_naming_a_path_outside_the_run_is_refused(tmp_path):
+    run = _copy(tmp_path)
+    (run / "latest").write_text("../../etc")
+    with pytest.raises(HpdcpError, match="latest: names '../../etc', not a step directory"):
+        _metadata(str(run))
+    (run / "latest").write_text("global_step9")
+    with pytest.raises(CheckpointNotFoundError, match="names 'global_step9'"):
+        _metadata(str(run))
+
+
+def test_the_archive_structure_is_checked(tmp_path):
+    """A flipped length in the zip structure fails on the structure, never shifts a read."""
+    run = _copy(tmp_path)
+    f = run / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with zipfile.ZipFile(f) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(f.read_bytes())
+    raw[info.header_offset + 28] ^= 0x10  # the local header's extra-field length
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=str(f)):
+        _metadata(str(run))
