@@ -15,7 +15,7 @@ import torch
 from .. import dcp
 from .. import runtime
 from ..config import Config, EngineOptions, checkpoint_series, engine_options, load_preset, make_layout
-from ..dcp.tools import (apply_retention, check_together, Comm, get_logger, configure_object_store,
+from ..dcp.tools import (apply_retention, check_together, Comm, detect_format, get_logger, configure_object_store,
                          join_location, local_pieces,
                          METADATA_FILE, resolve_location, series_extra, series_outsiders)
 from ..dcp import open_reader, open_writer, rename_keys
@@ -240,8 +240,26 @@ class JobContext:
         source = getattr(self.cfg.job, "source", None)
         fmt = source.format if foreign and source is not None else "hpdcp"
         weights = source.weights if foreign and source is not None else "fp32"
+        hf_config, config_source = self._megatron_names(path, fmt) if foreign else (None, "")
         return open_reader(path, fmt, allow_pickle=self.engine.allow_pickle, store_options=self.engine.store,
-                           weights=weights, **self.engine.reader.kwargs())
+                           weights=weights, hf_config=hf_config, config_source=config_source,
+                           **self.engine.reader.kwargs())
+
+    def _megatron_names(self, path: str, fmt: str) -> tuple[dict | None, str]:
+        """A Megatron-Core checkpoint reads under Hugging Face names when the model's config.json
+        is known (``layout.config``, else ``job.hf_files_from``): (that config, where), else
+        (None, '') and Megatron's own names."""
+        if fmt not in ("auto", "megatron") or (fmt == "auto" and detect_format(path) != "megatron"):
+            return None, ""
+        where = self.cfg.layout.config or getattr(self.cfg.job, "hf_files_from", None)
+        if not where:
+            return None, ""
+        raw, found = read_model_config(self.abspath(where))
+        if raw is None:
+            key = "layout.config" if self.cfg.layout.config else "job.hf_files_from"
+            raise dcp.ConfigError(f"{key}: no config.json at {self.abspath(where)} (needed to name the Megatron "
+                                  f"checkpoint's weights)")
+        return raw, found or where
 
     def key_filter(self) -> Callable[[str], bool] | None:
         """``job.include`` / ``job.exclude`` (regexes, ``re.search``) as one predicate on a key;

@@ -18,11 +18,14 @@ from .stores import is_remote
 from .uri import check_uri, normalize
 
 def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
-                store_options: object = None, weights: str = "fp32", **reader_kwargs: Any) -> StorageReader:
+                store_options: object = None, weights: str = "fp32", hf_config: dict | None = None,
+                config_source: str = "config.json", **reader_kwargs: Any) -> StorageReader:
     """The reader for ``path`` (a local path or a store URI) in ``format`` (auto: from what is
     there): one reader per format, over the location's files. ``store_options``: an
     ``ObjectStoreOptions`` for a store (default: the process's). ``weights``: which weights of a
-    DeepSpeed checkpoint (``fp32`` master copy or ``module``; see ``storage/deepspeed.py``)."""
+    DeepSpeed checkpoint (``fp32`` master copy or ``module``; see ``storage/deepspeed.py``).
+    ``hf_config``: a Megatron-Core checkpoint's model as a Hugging Face ``config.json`` (read from
+    ``config_source``): its weights then read under Hugging Face names (``storage/megatron.py``)."""
     if format not in FORMATS:
         raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
     loc = locate(path, options=store_options)
@@ -38,6 +41,12 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
         loc = step_directory(loc, store_options)
         return DeepSpeedReader(loc.checkpoint_files(committed=False), names=sorted(loc.files()), weights=weights,
                                **reader_kwargs)
+    if fmt == "megatron":
+        from .megatron import MegatronReader, step_directory as megatron_step
+
+        loc = megatron_step(loc, store_options)
+        return MegatronReader(loc.checkpoint_files(committed=False), allow_pickle=allow_pickle, hf_config=hf_config,
+                              config_source=config_source, **reader_kwargs)
     files = loc.checkpoint_files(committed=False)
     if fmt == "hf":
         return HfReader(files, only=only, **reader_kwargs)

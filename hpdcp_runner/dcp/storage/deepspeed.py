@@ -35,12 +35,13 @@ import os
 import pickle
 import re
 import zipfile
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from ..core.rafile import RandomAccessFile
+from ..core.ragged import decompose_flat_interval
 from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, dtype_name
 from .foreign import _DescribedReader, _Window, _bounded_read, _entry_data, _row_major, _STORAGE_DTYPES
 
@@ -236,32 +237,6 @@ def _get(tree: Any, where: str, *path: Any) -> Any:
 
 # -- where each parameter's elements are -----------------------------------------------------------
 
-def flat_boxes(a: int, b: int, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """The elements [a, b) of a row-major tensor of ``shape`` as boxes each contiguous in memory:
-    (offsets, sizes, index of its first element). At most two per dimension plus one."""
-    if a >= b:
-        return
-    if not shape:
-        yield (), (), 0
-        return
-    inner = math.prod(shape[1:])
-    i0, r0 = divmod(a, inner)
-    i1, r1 = divmod(b, inner)
-    if i0 == i1:
-        for o, s, f in flat_boxes(r0, r1, shape[1:]):
-            yield (i0, *o), (1, *s), i0 * inner + f
-        return
-    if r0:
-        for o, s, f in flat_boxes(r0, inner, shape[1:]):
-            yield (i0, *o), (1, *s), i0 * inner + f
-        i0 += 1
-    if i1 > i0:
-        yield (i0, *(0,) * (len(shape) - 1)), (i1 - i0, *shape[1:]), i0 * inner
-    if r1:
-        for o, s, f in flat_boxes(0, r1, shape[1:]):
-            yield (i1, *o), (1, *s), i1 * inner + f
-
-
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Elements [start, start + count) of a parameter, stored at ``offset`` in ``file``."""
@@ -276,8 +251,13 @@ def _chunks(key: str, shape: tuple[int, ...], dtype: torch.dtype, segments: list
     esize = torch.empty((), dtype=dtype).element_size()
     out = []
     for s in segments:
-        for offs, sizes, first in flat_boxes(s.start, s.start + s.count, shape):
-            out.append(ChunkMeta(offs, sizes, s.file, key, s.offset + (first - s.start) * esize, ""))
+        if not shape:  # a scalar: its one element
+            out.append(ChunkMeta((), (), s.file, key, s.offset, ""))
+            continue
+        first = s.start  # the boxes, in order, hold the segment's elements one after another
+        for box in decompose_flat_interval(shape, s.start, s.start + s.count):
+            out.append(ChunkMeta(box.offsets, box.sizes, s.file, key, s.offset + (first - s.start) * esize, ""))
+            first += math.prod(box.sizes)
     return tuple(out)
 
 

@@ -50,12 +50,12 @@ HF_SINGLE = "model.safetensors"
 DCP_METADATA = ".metadata"
 MAX_INDEX_BYTES = 64 << 20
 MAX_ENTRIES_PER_FILE = 65536
-FORMATS = ("auto", "hpdcp", "hf", "torch_dcp", "deepspeed")
+FORMATS = ("auto", "hpdcp", "hf", "torch_dcp", "deepspeed", "megatron")
 _DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 
 
 def detect_format(path: "str | os.PathLike | Location") -> str:
-    """``hpdcp`` | ``hf`` | ``torch_dcp`` | ``deepspeed`` | ``hyper_parallel`` | ``pt`` from what is there, on any
+    """``hpdcp`` | ``hf`` | ``torch_dcp`` | ``deepspeed`` | ``megatron`` | ``hyper_parallel`` | ``pt`` from what is there, on any
     location (one listing of a store's prefix): the one format detector of the engine and the
     offline tools."""
     from .location import locate
@@ -71,6 +71,10 @@ def detect_format(path: "str | os.PathLike | Location") -> str:
     if loc.holds_commit():  # (a store: ours is known from its commit object, no listing)
         return "hpdcp"
     names = set(loc.files())
+    from .megatron import backend_of, is_megatron_run
+
+    if backend_of(loc, names) is not None or (is_megatron_run(names) and METADATA_FILE not in names):
+        return "megatron"  # (its metadata.json names a sharded backend: not ours)
     if METADATA_FILE in names or COMMIT_OBJECT in names:
         return "hpdcp"
     if HF_INDEX in names or HF_SINGLE in names:

@@ -6,7 +6,6 @@ partial reads of the slices a rank keeps, and hostile files refused in one line 
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import zipfile
 
@@ -18,7 +17,6 @@ from hpdcp_runner.dcp import load, open_reader
 from hpdcp_runner.dcp.core.errors import (CheckpointNotFoundError, CorruptCheckpointError, HpdcpError,
                                           PickleNotAllowedError)
 from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
-from hpdcp_runner.dcp.storage.deepspeed import flat_boxes
 from hpdcp_runner.dcp.storage.foreign import detect_format
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "deepspeed")
@@ -95,22 +93,6 @@ def test_a_slice_reads_only_its_bytes():
         assert src.reader.counters.bytes_read - before == part.numel() * 4
     finally:
         src.close()
-
-
-def test_flat_boxes_cover_a_range_with_contiguous_boxes():
-    rng = random.Random(0)
-    for _ in range(300):
-        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
-        n = torch.Size(shape).numel()
-        a = rng.randint(0, n)
-        b = rng.randint(a, n)
-        covered = torch.zeros(n, dtype=torch.int32)
-        index = torch.arange(n).reshape(shape)
-        for offs, sizes, first in flat_boxes(a, b, shape):
-            region = index[tuple(slice(o, o + s) for o, s in zip(offs, sizes))].flatten()
-            assert torch.equal(region, torch.arange(first, first + region.numel())), (shape, a, b, offs, sizes)
-            covered[region] += 1
-        assert torch.equal(covered, ((torch.arange(n) >= a) & (torch.arange(n) < b)).int()), (shape, a, b)
 
 
 def _copy(tmp_path, config="zero2_fp32"):

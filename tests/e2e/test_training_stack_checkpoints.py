@@ -1,8 +1,11 @@
-"""DeepSpeed checkpoints through the CLI, on files DeepSpeed wrote (tests/fixtures/deepspeed):
-inspect, verify, export to Hugging Face (a model transformers loads, its logits equal to the
-trained model's), reshard into ours under the family's tensor-parallel plan at another world size
-(weights equal to zero_to_fp32's, moments to ds_to_universal's), and bad input in one line, exit 2,
-nothing written."""
+"""Checkpoints written by training stacks, through the CLI, on files those stacks wrote.
+
+DeepSpeed (tests/fixtures/deepspeed): inspect, verify, export to Hugging Face (a model
+transformers loads, its logits equal to the trained model's), reshard into ours under the family's
+tensor-parallel plan at another world size (weights equal to zero_to_fp32's, moments to
+ds_to_universal's). Megatron-Core (tests/fixtures/megatron): export to Hugging Face and reshard
+into ours, every tensor equal to Megatron's own mapped by hand. Bad input: one line, exit 2,
+nothing written (exit 1, as for every bad checkpoint)."""
 
 from __future__ import annotations
 
@@ -80,7 +83,9 @@ def test_reshard_into_ours_under_the_familys_plan_at_another_world_size(cli, tmp
     assert state["optim.state.lm_head.weight.step"] == 2.0
 
 
-def test_bad_deepspeed_input_is_one_line_exit_2_and_writes_nothing(cli, tmp_path):
+def test_bad_deepspeed_input_is_one_line_and_writes_nothing(cli, tmp_path):
+    """A damaged or hostile checkpoint exits 1, as every bad checkpoint does (2 is for config
+    errors: docs/configuration.md)."""
     run = tmp_path / "run"
     shutil.copytree(_fixture("zero2_fp32"), run)
     f = run / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -89,10 +94,59 @@ def test_bad_deepspeed_input_is_one_line_exit_2_and_writes_nothing(cli, tmp_path
     r = cli(["+job=reshard", f"job.source.path={run}", "job.output_format=hf", f"job.output={out}",
              f"hydra.run.dir={tmp_path}/r"])
     errs = _errors(r.stderr)
-    assert r.returncode == 2 and len(errs) == 1 and str(f) in errs[0], r.stderr[-3000:]
+    assert r.returncode == 1 and len(errs) == 1 and str(f) in errs[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and not out.exists()
     torch.save({"optimizer_state_dict": {"x": torch.nn.Linear(1, 1)}}, f)  # a class nobody admitted
     r = cli(["+job=inspect", f"job.source.path={run}", f"hydra.run.dir={tmp_path}/i"])
     errs = _errors(r.stderr)
-    assert r.returncode == 2 and len(errs) == 1 and str(f) in errs[0] and "torch.nn.modules.linear.Linear" in errs[0], \
+    assert r.returncode == 1 and len(errs) == 1 and str(f) in errs[0] and "torch.nn.modules.linear.Linear" in errs[0], \
         r.stderr[-3000:]
+
+
+def test_megatron_to_hugging_face(cli, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.megatron_reference import expected_hf
+
+    run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", "gpt_tp2"))
+    out = tmp_path / "hf"
+    r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "job.output_format=hf",
+             f"job.hf_files_from={run}/reference", f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported = load_file(str(out / "model.safetensors"))
+    expect = expected_hf(run)
+    assert exported.keys() == expect.keys() and all(torch.equal(exported[k], expect[k]) for k in expect)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.slow  # four ranks under torchrun
+def test_megatron_resharded_into_ours_under_the_familys_plan(cli, tmp_path):
+    from hpdcp_runner.dcp import load, read_metadata
+    from hpdcp_runner.dcp.format.metadata import dtype_from_name
+    from tests.megatron_reference import expected_hf
+
+    run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", "gpt_tp2"))
+    out = tmp_path / "ours"
+    r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "layout=auto",
+             f"job.hf_files_from={run}/reference", f"job.output={out}", f"hydra.run.dir={tmp_path}/r"], nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "target_layout: auto:llama_tp" in r.stdout and "kv_replicated" in r.stdout, r.stdout
+    md = read_metadata(str(out))
+    state = {k: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for k, t in md.tensors.items()}
+    load(state, checkpoint_id=str(out))
+    expect = expected_hf(run)
+    assert state.keys() == expect.keys() and all(torch.equal(state[k], expect[k]) for k in expect)
+    assert len(md.tensors["model.layers.0.self_attn.q_proj.weight"].chunks) == 4
+
+
+def test_a_zarr_megatron_checkpoint_is_one_line(cli, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", "gpt_tp1"), run)
+    marker = run / "iter_0000002" / "metadata.json"
+    marker.write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
+    out = tmp_path / "out"
+    r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "job.output_format=hf",
+             f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])
+    errs = _errors(r.stderr)
+    assert r.returncode == 1 and len(errs) == 1 and str(marker) in errs[0] and "zarr" in errs[0], r.stderr[-3000:]
+    assert not out.exists()

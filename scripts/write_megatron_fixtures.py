@@ -1,0 +1,130 @@
+"""Write Megatron-Core ``torch_dist`` checkpoints with Megatron-Core itself, for the reader's tests
+(tests/fixtures/megatron).
+
+Run in a virtualenv of its own holding the pinned writer (never the runner's dependencies)::
+
+    python3 -m venv /tmp/mcvenv && . /tmp/mcvenv/bin/activate
+    pip install torch==2.13.0 && pip install --ignore-requires-python megatron-core==0.19.2 triton psutil
+    python scripts/write_megatron_fixtures.py --out tests/fixtures/megatron
+
+(megatron-core's wheels declare Python 3.12; it runs on 3.11 for this.) The script launches
+itself under torchrun on 2 gloo ranks (CPU) once per tensor-parallel size (1 and 2), builds a tiny
+GPT model (grouped-query attention, SwiGLU, RMSNorm, rotary positions, no biases, untied output:
+a Llama's shape) with the local (non Transformer-Engine) layer spec, and saves its
+``sharded_state_dict()`` with ``dist_checkpointing.save`` (backend ``torch_dist``). Two stand-ins
+let it run without CUDA: ``torch.cuda.current_device`` returns "cpu" and
+``torch.cuda.synchronize`` does nothing. Next to each checkpoint, ``reference/`` holds every
+tensor-parallel rank's own ``model.state_dict()`` (``tp_rank<R>.safetensors``: the tensors the
+test maps to Hugging Face names by hand) and ``config.json``, the Llama configuration of the same
+shape. (The model's forward needs CUDA in this version, so no logits are recorded: the test
+compares the exported weights with Megatron's own tensors, bitwise.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+TP_SIZES = (1, 2)
+PINNED = {"megatron-core": "0.19.2", "torch": "2.13.0"}
+SHAPE = dict(num_layers=2, hidden_size=24, num_attention_heads=4, num_query_groups=2, kv_channels=6,
+             ffn_hidden_size=40, vocab_size=68, max_sequence_length=64)
+
+
+def hf_config() -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": SHAPE["vocab_size"],
+            "hidden_size": SHAPE["hidden_size"], "intermediate_size": SHAPE["ffn_hidden_size"],
+            "num_hidden_layers": SHAPE["num_layers"], "num_attention_heads": SHAPE["num_attention_heads"],
+            "num_key_value_heads": SHAPE["num_query_groups"], "head_dim": SHAPE["kv_channels"],
+            "max_position_embeddings": SHAPE["max_sequence_length"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+            "torch_dtype": "float32"}
+
+
+def worker(out: str, tp: int) -> None:
+    import torch
+
+    torch.cuda.current_device = lambda: "cpu"  # the stand-ins (see the docstring)
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from safetensors.torch import save_file
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0) if torch.cuda.is_available() else None
+    cfg = TransformerConfig(num_layers=SHAPE["num_layers"], hidden_size=SHAPE["hidden_size"],
+                            num_attention_heads=SHAPE["num_attention_heads"],
+                            num_query_groups=SHAPE["num_query_groups"], kv_channels=SHAPE["kv_channels"],
+                            ffn_hidden_size=SHAPE["ffn_hidden_size"], gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=1e-5,
+                            add_bias_linear=False, use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=False), vocab_size=SHAPE["vocab_size"],
+                     max_sequence_length=SHAPE["max_sequence_length"], position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    with torch.no_grad():  # weights that are not all equal (norms start at ones)
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(hash(name) % 1000)) * 0.02)
+    rank, tp_rank = torch.distributed.get_rank(), parallel_state.get_tensor_model_parallel_rank()
+    ckpt = os.path.join(out, "iter_0000002")
+    os.makedirs(ckpt, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt)
+    ref = os.path.join(out, "reference")
+    os.makedirs(ref, exist_ok=True)
+    if rank == tp_rank:  # the first data-parallel replica's ranks
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()
+              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        save_file(sd, os.path.join(ref, f"tp_rank{tp_rank}.safetensors"))
+    if rank == 0:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+    torch.distributed.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--worker", nargs=2, metavar=("DIR", "TP"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a.worker[0], int(a.worker[1]))
+        return
+    from importlib.metadata import version
+
+    import torch
+
+    versions = {"megatron-core": version("megatron-core"), "torch": torch.__version__.split("+")[0]}
+    if versions != PINNED:
+        print(f"warning: pinned {PINNED}, running {versions}", file=sys.stderr)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    for tp in TP_SIZES:
+        out = os.path.abspath(os.path.join(a.out, f"gpt_tp{tp}"))
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+                        os.path.abspath(__file__), "--out", out, "--worker", out, str(tp)], check=True, env=env)
+        with open(os.path.join(out, "reference", "config.json"), "w") as f:
+            json.dump(hf_config(), f, indent=1)
+        print(f"wrote {out}")
+    with open(os.path.join(a.out, "versions.json"), "w") as f:
+        json.dump({**versions, "python": sys.version.split()[0], "tensor_parallel": list(TP_SIZES)}, f, indent=1,
+                  sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Megatron-Core torch_dist checkpoints read in place (hpdcp_runner/dcp/storage/megatron.py), on
+files megatron-core 0.19.2 wrote (tests/fixtures/megatron, by scripts/write_megatron_fixtures.py):
+under Hugging Face names (layers un-stacked, QKV cut per query group, fc1 into gate and up) every
+tensor bitwise equal to Megatron's own tensors mapped by hand, at tensor-parallel 1 and 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from hpdcp_runner.dcp import load, open_reader
+from hpdcp_runner.dcp.core.errors import CheckpointNotFoundError, HpdcpError, MetadataError
+from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
+from hpdcp_runner.dcp.storage.foreign import detect_format
+from tests.megatron_reference import FIXTURES, expected_hf
+
+
+def _config(run):
+    return json.load(open(os.path.join(run, "reference", "config.json")))
+
+
+def _read(run, **kw):
+    r = open_reader(run, allow_pickle=True, **kw)
+    md = Metadata.from_json(r.read_metadata_text())
+    state = {k: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for k, t in md.tensors.items()}
+    state.update({k: None for k in md.objects})
+    load(state, storage_reader=r, strict=True)
+    return md, state
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(tp):
+    run = os.path.join(FIXTURES, f"gpt_tp{tp}")
+    assert detect_format(run) == "megatron" and detect_format(os.path.join(run, "iter_0000002")) == "megatron"
+    md, state = _read(run, hf_config=_config(run))
+    expect = expected_hf(run)
+    assert set(state) == set(expect) and md.extra["source_format"] == "megatron"
+    for k, v in expect.items():
+        assert torch.equal(state[k], v), k
+    if tp == 2:  # a query group's rows come from the rank that held them: no bytes copied between
+        q = md.tensors["model.layers.1.self_attn.q_proj.weight"]
+        assert sorted({c.file for c in q.chunks}) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_without_a_config_megatrons_own_names():
+    run = os.path.join(FIXTURES, "gpt_tp2")
+    md, state = _read(run)
+    assert md.tensors["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 48, 24)
+    assert "model.embed_tokens.weight" not in state
+
+
+def test_a_config_of_another_shape_is_named(tmp_path):
+    run = os.path.join(FIXTURES, "gpt_tp1")
+    cfg = dict(_config(run), num_key_value_heads=4)
+    with pytest.raises(MetadataError, match="linear_qkv.weight' has 48 rows; config.json's 4 heads in 4 groups"):
+        _read(run, hf_config=cfg)
+
+
+def test_a_zarr_checkpoint_and_a_missing_iteration_are_named(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(FIXTURES, "gpt_tp1"), run)
+    marker = run / "iter_0000002" / "metadata.json"
+    marker.write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    with pytest.raises(MetadataError, match=f"{marker}: a Megatron-Core checkpoint of backend 'zarr'"):
+        open_reader(str(run), allow_pickle=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(CheckpointNotFoundError, match="names iteration 7, but .*iter_0000007 is missing"):
+        open_reader(str(run), allow_pickle=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("../x")
+    with pytest.raises(HpdcpError, match="not an iteration number"):
+        open_reader(str(run), allow_pickle=True)
