@@ -29,8 +29,13 @@ CONFIGS = [(1, "bf16"), (2, "fp32"), (3, "bf16")]  # every stage, both kinds of 
 PINNED = {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.25.0"}
 
 
-def tiny_config():
+def tiny_config(big: bool = False):
     from transformers import LlamaConfig
+
+    if big:  # the benchmark's (scripts/bench_deepspeed_export.py): 336 M parameters, 1.25 GiB in fp32
+        return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                           num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=256,
+                           tie_word_embeddings=False)
 
     # odd sizes (67 rows of embeddings): the ranks' partitions end inside rows, not only between them
     return LlamaConfig(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
@@ -44,7 +49,7 @@ def fixed_input():
     return torch.arange(12).reshape(2, 6) % 67
 
 
-def train_and_save(out: str, stage: int, dtype: str) -> None:
+def train_and_save(out: str, stage: int, dtype: str, big: bool = False) -> None:
     """Under torchrun: two steps of Adam through DeepSpeed, then ``save_checkpoint``."""
     import deepspeed
     import torch
@@ -52,7 +57,7 @@ def train_and_save(out: str, stage: int, dtype: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config())
+    model = LlamaForCausalLM(tiny_config(big))
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"}}
@@ -113,10 +118,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--only", help="one configuration, e.g. zero3_bf16")
-    p.add_argument("--worker", nargs=3, metavar=("DIR", "STAGE", "DTYPE"), help=argparse.SUPPRESS)
+    p.add_argument("--big", action="store_true", help="one ZeRO-3 bf16 checkpoint of a 336 M-parameter model, "
+                   "no references (for scripts/bench_deepspeed_export.py)")
+    p.add_argument("--worker", nargs=4, metavar=("DIR", "STAGE", "DTYPE", "BIG"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        train_and_save(a.worker[0], int(a.worker[1]), a.worker[2])
+        train_and_save(a.worker[0], int(a.worker[1]), a.worker[2], a.worker[3] == "1")
         return
     import deepspeed
     import torch
@@ -127,6 +134,14 @@ def main() -> None:
     if versions != PINNED:
         print(f"warning: pinned {PINNED}, running {versions}", file=sys.stderr)
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+    if a.big:
+        out = os.path.abspath(a.out)
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+                        os.path.abspath(__file__), "--out", out, "--worker", out, "3", "bf16", "1"], check=True, env=env)
+        tiny_config(big=True).save_pretrained(os.path.join(out, "reference"))
+        print(f"wrote {out}")
+        return
     for stage, dtype in CONFIGS:
         name = f"zero{stage}_{dtype}"
         if a.only and a.only != name:
@@ -134,7 +149,7 @@ def main() -> None:
         out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-                        os.path.abspath(__file__), "--out", out, "--worker", out, str(stage), dtype],
+                        os.path.abspath(__file__), "--out", out, "--worker", out, str(stage), dtype, "0"],
                        check=True, env=env)
         references(out)
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's copies of its tools: not data

@@ -3,7 +3,8 @@ once: the output files are split among the ranks by bytes, each rank loads the w
 its files (the distributed load: partial reads, replica broadcast) and writes them, and the
 coordinator copies ``config.json``/tokenizer files, writes the index and commits the directory as
 its storage allows (``storage.outputs``: one rename locally, the index last in a store). Memory
-per rank: one output file (``max_shard_size``), never the whole model.
+per rank: one batch of tensors (``EXPORT_BATCH_BYTES``, or the largest tensor) streamed into its
+file, never a whole file or the whole model.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..storage.location import resolve
 from ..storage.outputs import DirectoryOutput, open_output
 from ..storage.foreign import HF_INDEX, HF_SINGLE
 from ..storage.checkpoint_io import open_reader
-from ..format.metadata import Metadata, dtype_from_name, element_size
+from ..format.metadata import Metadata, dtype_from_name, dtype_name, element_size
 from .model_weights import describe_split, split_model_weights
 from .transforms import plan_hf_shards, select_keys
 from ..format.renames import rename_keys
@@ -181,41 +182,99 @@ def _check_before_reading(comm: Comm, source_reader: StorageReader, md: Metadata
 
     comm.agree_root("export_hf: sizes", check_claims)
     size_of = dict(plan.sizes)
-    mine, shards = plan.mine, plan.shards
-    big = max(mine, key=lambda i: sum(size_of[k] for k in shards[i])) if mine else None
-    # loaded in the source's dtypes, then cast one tensor at a time
-    held = sum(math.prod(md.tensors[k].shape) * element_size(md.tensors[k].dtype) for k in shards[big]) + \
-        (max(size_of[k] for k in shards[big]) if plan.cast is not None else 0) if big is not None else 0
-    check_together(comm, held, "cpu",
-                   f"export_hf of {src} (writing {plan.files[big] if big is not None else 'nothing'})",
-                   "each rank holds one whole output shard at a time: use more hosts or a smaller max_shard_size "
-                   "(a single tensor larger than memory cannot be exported)")
+    nbytes = _source_bytes(md, plan.names)
+    # loaded in the source's dtypes a batch at a time, then cast one tensor at a time
+    batches = [b for i in plan.mine for b in _batches(plan.shards[i], nbytes, EXPORT_BATCH_BYTES)]
+    big = max(batches, key=lambda b: sum(nbytes[k] for k in b)) if batches else []
+    held = sum(nbytes[k] for k in big) + (max(size_of[k] for k in big) if plan.cast is not None and big else 0)
+    check_together(comm, held, "cpu", f"export_hf of {src} (a batch of {len(big)} tensor(s))",
+                   "each rank holds one batch of tensors (about 256 MiB, or the largest tensor) at a time: "
+                   "a single tensor larger than memory cannot be exported")
+
+
+#: what one rank holds of a file it writes: tensors are loaded in batches of about this many bytes
+#: (a batch is at least one tensor) and streamed into the file, so memory is a batch, not a file
+EXPORT_BATCH_BYTES = 256 << 20
+
+
+def _batches(keys: Sequence[str], nbytes: dict[str, int], limit: int) -> list[list[str]]:
+    """``keys`` in order, cut into runs of at most ``limit`` bytes (a larger tensor alone) (pure)."""
+    out: list[list[str]] = []
+    held = limit
+    for k in keys:
+        if held + nbytes[k] > limit or not out:
+            out.append([])
+            held = 0
+        out[-1].append(k)
+        held += nbytes[k]
+    return out
+
+
+def _source_bytes(md: Metadata, keys: Sequence[str]) -> dict[str, int]:
+    return {k: math.prod(md.tensors[k].shape) * element_size(md.tensors[k].dtype) for k in keys}
 
 
 def _write_rounds(comm: Comm, out: DirectoryOutput, source_reader: StorageReader, md: Metadata, plan: ExportPlan,
                   process_group: Any, allow_pickle: bool, timeout: Timeout, rename: Sequence[Any],
-                  load_kwargs: dict | None) -> dict[str, int]:
-    """Every rank loads the whole tensors of one of its files per round (a collective load) and
-    writes it; returns the reader's counters (cumulative over the rounds)."""
+                  load_kwargs: dict | None, batch_bytes: int | None = None) -> dict[str, int]:
+    """Every rank writes one of its files per round, streamed: its tensors are loaded a batch at
+    a time (a collective load per batch; every rank takes part in as many as the rank with the
+    most batches, from the plan every rank holds) and appended to the file as they arrive.
+    Returns the reader's counters (cumulative over the rounds)."""
     counters: dict[str, int] = {}
+    nbytes = _source_bytes(md, plan.names)
+    batch_bytes = batch_bytes or EXPORT_BATCH_BYTES
     for r in range(plan.rounds):
-        i = plan.mine[r] if r < len(plan.mine) else None
-        keys = plan.shards[i] if i is not None else []
-        state = {k: torch.empty(md.tensors[k].shape, dtype=dtype_from_name(md.tensors[k].dtype)) for k in keys}
-        res = load(state, storage_reader=source_reader, process_group=process_group, strict=False,
-                   allow_pickle=allow_pickle, timeout=timeout, rename=rename, **(load_kwargs or {}))
-        counters = dict(res.counters)
+        files = {q: _owned(plan, q)[r] for q in range(comm.world_size) if r < len(_owned(plan, q))}
+        cuts = {q: _batches(plan.shards[i], nbytes, batch_bytes) for q, i in files.items()}
+        steps = max((len(c) for c in cuts.values()), default=0)
+        i = files.get(comm.rank)
+        mine = cuts.get(comm.rank, [])
+        writer = [None]
 
-        def write(i: int | None = i, keys: list = keys, state: dict = state) -> None:
-            for k in keys:  # one tensor at a time: the shard is never held twice
-                if plan.cast is not None and state[k].is_floating_point():
-                    state[k] = state[k].to(plan.cast)
+        def open_file(i: int | None = i) -> None:
             if i is not None:
-                out.write_safetensors(plan.files[i], [(plan.out_name[k], state[k]) for k in keys], {"format": "pt"})
+                writer[0] = out.stream_safetensors(plan.files[i], [
+                    (plan.out_name[k], dtype_name(plan.cast) if plan.cast is not None and
+                     dtype_from_name(md.tensors[k].dtype).is_floating_point else md.tensors[k].dtype,
+                     tuple(md.tensors[k].shape)) for k in plan.shards[i]], {"format": "pt"})
 
-        comm.agree(f"export_hf: write round {r}", write)
-        state = write = None  # type: ignore[assignment]  # this round's tensors go before the next round allocates
+        comm.agree(f"export_hf: open round {r}", open_file)
+        try:
+            for step in range(steps):
+                keys = mine[step] if step < len(mine) else []
+                state = {k: torch.empty(md.tensors[k].shape, dtype=dtype_from_name(md.tensors[k].dtype)) for k in keys}
+                res = load(state, storage_reader=source_reader, process_group=process_group, strict=False,
+                           allow_pickle=allow_pickle, timeout=timeout, rename=rename, **(load_kwargs or {}))
+                counters = dict(res.counters)
+
+                def append(keys: list = keys, state: dict = state) -> None:
+                    for k in keys:  # one tensor at a time: cast, written, dropped
+                        t = state.pop(k)
+                        if plan.cast is not None and t.is_floating_point():
+                            t = t.to(plan.cast)
+                        writer[0].append(plan.out_name[k], t)  # type: ignore[union-attr]
+
+                comm.agree(f"export_hf: write round {r} batch {step}", append)
+                state = append = None  # type: ignore[assignment]  # this batch goes before the next is allocated
+
+            def close(i: int | None = i) -> None:
+                if i is not None:
+                    writer[0].close()  # type: ignore[union-attr]
+                    writer[0] = None
+                    out.check_safetensors(plan.files[i])
+
+            comm.agree(f"export_hf: close round {r}", close)
+        except BaseException:
+            if writer[0] is not None:
+                writer[0].abort()
+            raise
     return counters
+
+
+def _owned(plan: ExportPlan, rank: int) -> list[int]:
+    """The files ``rank`` writes, in the order of its rounds (as ``plan.mine`` is for this rank)."""
+    return [i for i in range(len(plan.files)) if plan.owners[i] == rank]
 
 
 RECORDED_SIDE_FILES = {"config.json": "model_config", "generation_config.json": "generation_config"}

@@ -65,16 +65,19 @@ def test_a_failed_export_publishes_nothing_and_leaves_no_staging(tmp_path, monke
     _checkpoint(tmp_path)
     calls = []
 
-    def failing(self, name, pairs, meta):
+    def failing(self, name, specs, meta):  # the second file's disk fills as it is written
         calls.append(name)
+        w = real(self, name, specs, meta)
         if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return real(self, name, pairs, meta)
+            def full(key, t):
+                raise OSError(28, "No space left on device")
+            w.append = full
+        return w
 
     from hpdcp_runner.dcp.storage import outputs
 
-    real = outputs.RenameOutput.write_safetensors
-    monkeypatch.setattr(outputs.RenameOutput, "write_safetensors", failing)
+    real = outputs.RenameOutput.stream_safetensors
+    monkeypatch.setattr(outputs.RenameOutput, "stream_safetensors", failing)
     with pytest.raises(Exception, match="No space left"):
         export_hf(tmp_path / "ours", tmp_path / "hf", max_shard_size=200)
     assert not (tmp_path / "hf").exists()

@@ -1,0 +1,56 @@
+"""The DeepSpeed and Megatron-Core fixtures rewritten by the libraries themselves, then read.
+
+The writers are never dependencies of ours: they live in a virtualenv of their own (the scripts'
+docstrings say how to make it), named by ``HPDCP_FIXTURE_PYTHON``. Without it this test skips;
+with it, the committed fixtures' recipe is re-run into a scratch directory and the reader is held
+to the fresh references (what a new DeepSpeed or Megatron-Core release would change)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpdcp_runner.dcp import load, open_reader
+from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
+from tests.e2e.conftest import ROOT
+from tests.megatron_reference import expected_hf
+
+PYTHON = os.environ.get("HPDCP_FIXTURE_PYTHON")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not PYTHON, reason="HPDCP_FIXTURE_PYTHON names no virtualenv with the writers")]
+
+
+def _state(path, **kw):
+    r = open_reader(path, allow_pickle=True, **kw)
+    md = Metadata.from_json(r.read_metadata_text())
+    state = {k: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for k, t in md.tensors.items()}
+    state.update({k: None for k in md.objects})
+    load(state, storage_reader=r)
+    return state
+
+
+def test_deepspeed_rewritten_and_read(tmp_path):
+    subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "write_deepspeed_fixtures.py"), "--out", str(tmp_path),
+                    "--only", "zero3_bf16"], check=True, capture_output=True, timeout=1200)
+    run = tmp_path / "zero3_bf16"
+    state = _state(str(run))
+    for k, v in load_file(str(run / "reference" / "zero_to_fp32.safetensors")).items():
+        assert torch.equal(state[k], v), k
+    for k, v in load_file(str(run / "reference" / "universal.safetensors")).items():
+        name, moment = k.rsplit(".", 1)
+        assert torch.equal(state[f"optim.state.{name}.{moment}"].flatten(), v.flatten()), k
+
+
+def test_megatron_rewritten_and_read(tmp_path):
+    subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "write_megatron_fixtures.py"), "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=1200)
+    for tp in (1, 2):
+        run = tmp_path / f"gpt_tp{tp}"
+        state = _state(str(run), hf_config=json.load(open(run / "reference" / "config.json")))
+        expect = expected_hf(str(run))
+        assert state.keys() == expect.keys() and all(torch.equal(state[k], expect[k]) for k in expect)
