@@ -33,7 +33,6 @@ import io
 import math
 import os
 import pickle
-import re
 import zipfile
 from typing import TYPE_CHECKING, Any
 
@@ -43,23 +42,15 @@ from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, Metad
 from ..core.rafile import RandomAccessFile
 from ..core.ragged import decompose_flat_interval
 from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, dtype_name
+from .format_marks import DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, is_deepspeed_step
 from .foreign import _DescribedReader, _Window, _bounded_read, _entry_data, _row_major, _STORAGE_DTYPES
 
 if TYPE_CHECKING:
     from .checkpoint_files import CheckpointFiles
     from .location import Location
 
-TRACKER = "latest"
 MAX_PICKLE = 64 << 20  # a model-states data.pkl holds names, shapes and configs: megabytes at most
-_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
-_MODEL3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
-_MODEL12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 WEIGHTS = ("fp32", "module")
-
-
-def is_deepspeed_step(names: set[str]) -> bool:
-    """A DeepSpeed step directory holds model-states and optimizer-states archives."""
-    return any(_MODEL12.fullmatch(n) or _MODEL3.fullmatch(n) for n in names) and any(_OPTIM.fullmatch(n) for n in names)
 
 
 def step_directory(loc: "Location", options: object = None) -> "Location":
@@ -82,12 +73,6 @@ def step_directory(loc: "Location", options: object = None) -> "Location":
     return step
 
 
-def is_deepspeed_run(names: set[str]) -> bool:
-    """A run directory: a ``latest`` file and no checkpoint of another format beside it."""
-    return TRACKER in names and not names & {"metadata.json", ".metadata", "model.safetensors",
-                                              "model.safetensors.index.json"}
-
-
 # -- reading a torch.save archive's pickle without running it --------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +92,14 @@ class TensorRef:
 
 
 class Record:
-    """A DeepSpeed object of the archive (``LossScaler``, ``fragment_address``), kept as plain
-    data (its constructor arguments and pickled state); never DeepSpeed's class."""
+    """A DeepSpeed object of the archive, kept as plain data (the arguments it was built with
+    and its pickled state); DeepSpeed's own class is never imported."""
 
-    def __new__(cls, *args: Any) -> "Record":
-        obj = object.__new__(cls)
-        obj.args, obj.state = args, None
-        return obj
+    state: Any = None
+    args: tuple = ()
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -122,22 +108,22 @@ class Record:
         return f"{type(self).__name__}({self.state!r})"
 
 
+class LossScaler(Record):
+    """``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (and its dynamic kind), as data."""
+
+
+class FragmentAddress(Record):
+    """``deepspeed.utils.tensor_fragment.fragment_address``, as data."""
+
+
 class _Dict(dict):
     """A pickled ``OrderedDict``: plain, but it takes the attributes pickle sets (a state dict's
     ``_metadata``)."""
 
 
-_RECORD_TYPES: dict[str, type] = {}
-
-
-def _record_type(name: str) -> type:
-    if name not in _RECORD_TYPES:
-        _RECORD_TYPES[name] = type(name, (Record,), {})
-    return _RECORD_TYPES[name]
-
-
-_DS_CLASSES = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-               ("deepspeed.utils.tensor_fragment", "fragment_address")}
+_DS_CLASSES = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScaler,
+               ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): LossScaler,
+               ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress}
 
 
 class _Archive(pickle.Unpickler):
@@ -167,7 +153,7 @@ class _Archive(pickle.Unpickler):
         if module == "deepspeed.runtime.zero.config" and name == "ZeroStageEnum":
             return int
         if (module, name) in _DS_CLASSES:
-            return _record_type(name)
+            return _DS_CLASSES[(module, name)]
         raise PickleNotAllowedError(f"{self.where}: holds an object of class {module}.{name}, which this reader "
                                     f"does not admit (only tensors, plain data and DeepSpeed's LossScaler, "
                                     f"ZeroStageEnum and fragment_address); nothing of it was run")
@@ -331,12 +317,38 @@ class DeepSpeedReader(_DescribedReader):
 
     def describe(self) -> Metadata:
         self.files.require_directory()
-        names = self._names
-        optim = sorted((int(m.group(2)), n) for n in names if (m := _OPTIM.fullmatch(n)))
+        optim, ranks, stage = self._rank_files()
+        model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+        if model_name not in self._names:
+            raise CheckpointNotFoundError(f"{self.full(model_name)} is missing (the model states of a ZeRO-{stage} "
+                                          f"checkpoint)")
+        model = self._archive(model_name)
+        shapes = _get(model.tree, model.where, "param_shapes")
+        if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
+            raise MetadataError(f"{model.where}: param_shapes is not a list of name -> shape per group")
+        tensors: dict[str, TensorMeta] = {}
+        objects: dict[str, ObjectMeta] = {}
+        steps: dict[str, float] = {}
+        for g, group in enumerate(shapes):
+            self._group(g, [(str(k), tuple(int(x) for x in v)) for k, v in group.items()], stage, optim, ranks,
+                        tensors, objects, steps)
+        self._module_tensors(model, model_name, stage, tensors)
+        files = {n: FileMeta(n, self._size_of(n), "", r) for r, n in optim}
+        files[model_name] = FileMeta(model_name, self._size_of(model_name), "", 0)
+        extra = {"source_format": "deepspeed", "deepspeed": {"zero_stage": int(stage), "world_size": len(optim),
+                                                             "weights": self.weights,
+                                                             "version": str(model.tree.get("ds_version", "")),
+                                                             "steps": steps}}
+        return Metadata(len(optim), tensors, objects, files, extra=extra)
+
+    def _rank_files(self) -> tuple[list[tuple[int, str]], list[ArchiveIndex], int]:
+        """The optimizer-states file of every rank (all there, one model-parallel rank), each
+        indexed, and the ZeRO stage they say."""
+        optim = sorted((int(m.group(2)), n) for n in self._names if (m := _OPTIM.fullmatch(n)))
         if not optim:
             raise CheckpointNotFoundError(f"{self.path}: no zero_pp_rank_<R>_mp_rank_00_optim_states.pt (not a DeepSpeed "
                                           f"ZeRO step directory)")
-        if any(m.group(3) != "00" for n in names if (m := _OPTIM.fullmatch(n))):
+        if any(m.group(3) != "00" for n in self._names if (m := _OPTIM.fullmatch(n))):
             raise MetadataError(f"{self.path}: model-parallel DeepSpeed checkpoints (mp_rank > 0) are not read yet")
         world = len(optim)
         if [r for r, _ in optim] != list(range(world)):
@@ -346,7 +358,7 @@ class DeepSpeedReader(_DescribedReader):
         ranks = [self._archive(n) for _, n in optim]
         first = ranks[0]
         osd = _get(first.tree, first.where, "optimizer_state_dict")
-        stage = osd.get("zero_stage") if isinstance(osd, dict) else None
+        stage = osd.get("zero_stage")
         if stage is None:
             stage = 3 if "fp32_flat_groups" in osd else 2
         pc = osd.get("partition_count")
@@ -359,73 +371,56 @@ class DeepSpeedReader(_DescribedReader):
                                           f"{first.where} says {wanted} ranks saved)")
         if any(isinstance(c, int) and c != world for c in counts):
             raise MetadataError(f"{first.where}: partition_count {pc} but {world} rank files are here")
-        model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
-        if model_name not in names:
-            raise CheckpointNotFoundError(f"{self.full(model_name)} is missing (the model states of a ZeRO-{stage} "
-                                          f"checkpoint)")
-        model = self._archive(model_name)
-        shapes = _get(model.tree, model.where, "param_shapes")
-        if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
-            raise MetadataError(f"{model.where}: param_shapes is not a list of name -> shape per group")
-        tensors: dict[str, TensorMeta] = {}
-        objects: dict[str, ObjectMeta] = {}
-        steps: dict[str, float] = {}
-        group_key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-        for g, group in enumerate(shapes):
-            params = [(str(k), tuple(int(x) for x in v)) for k, v in group.items()]
-            numels = [math.prod(s) for _, s in params]
-            layout = _zero3_segments if stage == 3 else _zero12_segments
+        return optim, ranks, int(stage)
 
-            def segments(*path: Any) -> list[list[Segment]]:
-                flats = []
-                for (_, n), a in zip(optim, ranks):
-                    off, count = a.flat(_get(a.tree, a.where, *path), "/".join(map(str, path)))
-                    flats.append((n, off, count))
-                return layout(flats, numels)
+    def _group(self, g: int, params: list[tuple[str, tuple[int, ...]]], stage: int, optim: list[tuple[int, str]],
+               ranks: list[ArchiveIndex], tensors: dict, objects: dict, steps: dict) -> None:
+        """Parameter group ``g``: each parameter's master weight and moments located in the
+        ranks' flat buffers, its step count read."""
+        numels = [math.prod(s) for _, s in params]
+        layout = _zero3_segments if stage == 3 else _zero12_segments
+        first = ranks[0]
 
-            inner = ("optimizer_state_dict", "optimizer_state_dict") if stage == 3 else \
-                ("optimizer_state_dict", "base_optimizer_state")
-            master = segments("optimizer_state_dict", group_key, g)
-            state = _get(first.tree, first.where, *inner, "state")
-            held = state.get(g) if isinstance(state, dict) else None
-            held = held if isinstance(held, dict) else {}  # (an optimizer that has not stepped keeps none)
-            moments = {m: segments(*inner, "state", g, m) for m in ("exp_avg", "exp_avg_sq") if m in held}
-            step_value = self._scalar(first, optim[0][1], held.get("step"), f"state/{g}/step")
-            for i, (name, shape) in enumerate(params):
-                if self.weights == "fp32":
-                    tensors[name] = TensorMeta("float32", shape, _chunks(name, shape, torch.float32, master[i]), (name,))
-                for m, segs in moments.items():
-                    key = f"optim.state.{name}.{m}"
-                    tensors[key] = TensorMeta("float32", shape, _chunks(key, shape, torch.float32, segs[i]),
-                                              ("optim", "state", name, m))
-                if step_value is not None:  # one step per group: an object per parameter, as torch keeps it
-                    key = f"optim.state.{name}.step"
-                    objects[key] = ObjectMeta(optim[0][1], "", ("optim", "state", name, "step"))
-                    steps[key] = step_value
+        def segments(*path: Any) -> list[list[Segment]]:
+            flats = []
+            for (_, n), a in zip(optim, ranks):
+                off, count = a.flat(_get(a.tree, a.where, *path), "/".join(map(str, path)))
+                flats.append((n, off, count))
+            return layout(flats, numels)
+
+        inner = ("optimizer_state_dict", "optimizer_state_dict") if stage == 3 else \
+            ("optimizer_state_dict", "base_optimizer_state")
+        master = segments("optimizer_state_dict", "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups", g)
+        state = _get(first.tree, first.where, *inner, "state")
+        held = state.get(g) if isinstance(state, dict) else None
+        held = held if isinstance(held, dict) else {}  # (an optimizer that has not stepped keeps none)
+        moments = {m: segments(*inner, "state", g, m) for m in ("exp_avg", "exp_avg_sq") if m in held}
+        step_value = self._scalar(first, optim[0][1], held.get("step"), f"state/{g}/step")
+        for i, (name, shape) in enumerate(params):
+            if self.weights == "fp32":
+                tensors[name] = TensorMeta("float32", shape, _chunks(name, shape, torch.float32, master[i]), (name,))
+            for m, segs in moments.items():
+                key = f"optim.state.{name}.{m}"
+                tensors[key] = TensorMeta("float32", shape, _chunks(key, shape, torch.float32, segs[i]),
+                                          ("optim", "state", name, m))
+            if step_value is not None:  # one step per group: an object per parameter, as torch keeps it
+                key = f"optim.state.{name}.step"
+                objects[key] = ObjectMeta(optim[0][1], "", ("optim", "state", name, "step"))
+                steps[key] = step_value
+
+    def _module_tensors(self, model: ArchiveIndex, model_name: str, stage: int, tensors: dict) -> None:
+        """``weights=module``: the module's own weights; else the buffers the module saved."""
         module = _get(model.tree, model.where, "module")
-        if self.weights == "module":
-            if stage == 3:
-                raise MetadataError(f"{model.where}: a ZeRO-3 checkpoint keeps no module weights (its parameters "
-                                    f"are partitioned); read its fp32 master weights (weights=fp32)")
-            for name, t in module.items():
-                if isinstance(t, TensorRef):
-                    off, _ = model.flat(t, name)
-                    tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size,
-                                                                                       model_name, name, off, ""),), (name,))
-        else:  # buffers (persistent ones the module saved) come from the module states
-            for name in _get(model.tree, model.where, "buffer_names") or []:
-                t = module.get(name) if isinstance(module, dict) else None
-                if isinstance(t, TensorRef) and name not in tensors:
-                    off, _ = model.flat(t, name)
-                    tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size,
-                                                                                       model_name, name, off, ""),), (name,))
-        files = {n: FileMeta(n, self._size_of(n), "", r) for r, n in optim}
-        files[model_name] = FileMeta(model_name, self._size_of(model_name), "", 0)
-        extra = {"source_format": "deepspeed", "deepspeed": {"zero_stage": int(stage), "world_size": world,
-                                                             "weights": self.weights,
-                                                             "version": str(model.tree.get("ds_version", "")),
-                                                             "steps": steps}}
-        return Metadata(world, tensors, objects, files, extra=extra)
+        if self.weights == "module" and stage == 3:
+            raise MetadataError(f"{model.where}: a ZeRO-3 checkpoint keeps no module weights (its parameters "
+                                f"are partitioned); read its fp32 master weights (weights=fp32)")
+        wanted = list(module) if self.weights == "module" else list(_get(model.tree, model.where, "buffer_names") or [])
+        for name in wanted:
+            t = module.get(name) if isinstance(module, dict) else None
+            if isinstance(t, TensorRef) and name not in tensors:
+                off, _ = model.flat(t, name)
+                tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size,
+                                                                                   model_name, name, off, ""),), (name,))
 
     def _scalar(self, archive: ArchiveIndex, name: str, t: Any, what: str) -> float | None:
         """The value of a one-element tensor of ``archive`` (a step count), or a plain number."""

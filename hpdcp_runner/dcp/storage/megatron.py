@@ -21,7 +21,6 @@ a configuration the checkpoint reads as the torch DCP checkpoint it is, under Me
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -32,30 +31,13 @@ import torch
 from ..core.errors import CheckpointNotFoundError, ConfigError, MetadataError
 from ..format.metadata import ChunkMeta, Metadata, TensorMeta, dtype_from_name
 from .foreign import TorchDcpReader
+from .format_marks import MEGATRON_MARKER as MARKER, MEGATRON_TRACKER as TRACKER, backend_of
 
 if TYPE_CHECKING:
     from .checkpoint_files import CheckpointFiles
     from .location import Location
 
-TRACKER = "latest_checkpointed_iteration.txt"
-MARKER = "metadata.json"
 _LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
-
-
-def backend_of(loc: "Location", names: set[str]) -> str | None:
-    """The ``sharded_backend`` a Megatron ``metadata.json`` here names (None: not Megatron's)."""
-    if MARKER not in names or ".metadata" not in names:
-        return None
-    try:
-        doc = json.loads((loc.read_small(MARKER, 1 << 16) or b"{}").decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None
-    backend = doc.get("sharded_backend") if isinstance(doc, dict) else None
-    return str(backend) if backend is not None else None
-
-
-def is_megatron_run(names: set[str]) -> bool:
-    return TRACKER in names
 
 
 def step_directory(loc: "Location", options: object = None) -> "Location":
