@@ -45,6 +45,8 @@ class JobContext:
         self.layout_plan: dict | None = None
         #: what the job's result says about the layout it placed a source under (see place_facts)
         self.layout_result: dict = {}
+        #: a foreign source's detected format, by path (see _megatron_names)
+        self._formats: dict[str, str] = {}
         configure_object_store(self.engine.store)  # s3:// paths anywhere in this job use dcp.storage.*
 
     # -- paths ------------------------------------------------------------------------------
@@ -249,11 +251,14 @@ class JobContext:
         """A Megatron-Core checkpoint reads under Hugging Face names when the model's config.json
         is known (``layout.config``, else ``job.hf_files_from``): (that config, where), else
         (None, '') and Megatron's own names."""
-        if fmt not in ("auto", "megatron") or (fmt == "auto" and detect_format(path) != "megatron"):
-            return None, ""
         where = self.cfg.layout.config or getattr(self.cfg.job, "hf_files_from", None)
-        if not where:
+        if not where or fmt not in ("auto", "megatron"):
             return None, ""
+        if fmt == "auto":  # (detected once per path: a job opens its source several times)
+            if path not in self._formats:
+                self._formats[path] = detect_format(path)
+            if self._formats[path] != "megatron":
+                return None, ""
         raw, found = read_model_config(self.abspath(where))
         if raw is None:
             key = "layout.config" if self.cfg.layout.config else "job.hf_files_from"

@@ -159,7 +159,7 @@ class StandardLoadPlanner(LoadPlanner):
                 requested.add(fqn)
                 items.extend(self._tensor_reads(fqn, v))
             elif fqn in md.objects:
-                if is_tensor_leaf(v):
+                if is_tensor_leaf(v) and not _scalar_target(v):
                     raise StateDictError(f"key {fqn!r} is a non-tensor object in the checkpoint but a "
                                          f"{type(v).__name__} in the target; loading would replace the tensor")
                 requested.add(fqn)
@@ -232,7 +232,22 @@ class StandardLoadPlanner(LoadPlanner):
                       item.overlap.sizes)
 
     def apply_object(self, fqn: str, value: Any) -> None:
+        target = self.flat.get(fqn)
+        if target is not None and _scalar_target(target):  # a number saved as an object (an optimizer's step)
+            if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)) or \
+                    (isinstance(value, torch.Tensor) and value.numel() != 1):
+                raise StateDictError(f"key {fqn!r}: the checkpoint holds {type(value).__name__} {str(value)[:40]!r} "
+                                     f"where the target has a one-element tensor; only a number loads into it")
+            with torch.no_grad():
+                target.copy_(torch.as_tensor(value).reshape(target.shape))
+            return
         set_element(self.state_dict, self.paths[fqn], value)
+
+
+def _scalar_target(v: Any) -> bool:
+    """A plain one-element tensor of the target (an optimizer's ``step``): a number saved as an
+    object (older torch optimizers, DeepSpeed's per-group step) is copied into it."""
+    return type(v) in (torch.Tensor, torch.nn.Parameter) and v.numel() == 1 and v.dim() == 0
 
 
 class MinimumRankLoadPlanner(StandardLoadPlanner):

@@ -155,3 +155,46 @@ def test_the_archive_structure_is_checked(tmp_path):
     f.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=str(f)):
         _metadata(str(run))
+
+
+def test_a_training_script_resumes_from_a_deepspeed_checkpoint():
+    """The library API: a plain torch model and Adam (no DeepSpeed) take the checkpoint's fp32
+    weights, moments and step (DeepSpeed keeps one step per group, as a number: it loads into
+    torch's one-element step tensor), then train on."""
+    transformers = pytest.importorskip("transformers")
+    from hpdcp_runner import dcp
+
+    run = os.path.join(FIXTURES, "zero3_bf16")
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(os.path.join(run, "reference")))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = {"model": model.state_dict(), "optim": dcp.get_optim_state_dict(model, opt)}
+    res = load(state, storage_reader=open_reader(run), strict=False,
+               rename=[{"pattern": r"^(?!optim\.)", "replace": "model."}])
+    assert list(res.missing_keys) == ["optim.param_groups"] and not res.unexpected_keys  # the script's own lr stays
+    dcp.set_optim_state_dict(model, opt, state["optim"])
+    weights = load_file(os.path.join(run, "reference", "zero_to_fp32.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    uni = load_file(os.path.join(run, "reference", "universal.safetensors"))
+    names = dict(model.named_parameters())
+    for k, p in names.items():
+        s = opt.state[p]
+        assert float(s["step"]) == 2.0 and torch.equal(s["exp_avg"].flatten(), uni[f"{k}.exp_avg"].flatten()), k
+    ids = torch.arange(12).reshape(2, 6) % 67
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert float(opt.state[names["lm_head.weight"]]["step"]) == 3.0
+
+
+def test_a_non_number_never_loads_into_a_step_tensor(tmp_path):
+    """Only a number (or a one-element tensor) saved as an object loads into a one-element
+    tensor of the target; anything else is refused naming the key."""
+    from hpdcp_runner.dcp import save
+
+    save({"step": "two", "n": 3}, checkpoint_id=str(tmp_path / "c"))
+    got = {"step": torch.zeros(()), "n": torch.zeros((), dtype=torch.int64)}
+    with pytest.raises(HpdcpError, match="key 'step': the checkpoint holds str 'two'"):
+        load(got, checkpoint_id=str(tmp_path / "c"))
+    got = {"n": torch.zeros((), dtype=torch.int64)}
+    load(got, checkpoint_id=str(tmp_path / "c"), strict=False)
+    assert got["n"].item() == 3
