@@ -8,9 +8,9 @@ Run in a virtualenv of its own holding the pinned writer (never the runner's dep
     python scripts/write_megatron_fixtures.py --out tests/fixtures/megatron
 
 (megatron-core's wheels declare Python 3.12; it runs on 3.11 for this.) The script launches
-itself under torchrun on 2 gloo ranks (CPU) once per tensor-parallel size (1 and 2), builds a tiny
-GPT model (grouped-query attention, SwiGLU, RMSNorm, rotary positions, no biases, untied output:
-a Llama's shape) with the local (non Transformer-Engine) layer spec, and saves its
+itself under torchrun on 2 gloo ranks (CPU) once per configuration (tensor-parallel 1 and 2, and 2
+with biases on the QKV projection as Qwen2 has them), builds a tiny GPT model (grouped-query
+attention, SwiGLU, RMSNorm, rotary positions, untied output: a Llama's or a Qwen2's shape) with the local (non Transformer-Engine) layer spec, and saves its
 ``sharded_state_dict()`` with ``dist_checkpointing.save`` (backend ``torch_dist``). Two stand-ins
 let it run without CUDA: ``torch.cuda.current_device`` returns "cpu" and
 ``torch.cuda.synchronize`` does nothing. Next to each checkpoint, ``reference/`` holds every
@@ -29,14 +29,18 @@ import shutil
 import socket
 import subprocess
 import sys
+import zlib
 
-TP_SIZES = (1, 2)
+#: (directory, tensor-parallel size, biases on the QKV projection as Qwen2 has them)
+CONFIGS = (("gpt_tp1", 1, False), ("gpt_tp2", 2, False), ("gpt_tp2_qkv_bias", 2, True))
 PINNED = {"megatron-core": "0.19.2", "torch": "2.13.0"}
 SHAPE = dict(num_layers=2, hidden_size=24, num_attention_heads=4, num_query_groups=2, kv_channels=6,
              ffn_hidden_size=40, vocab_size=68, max_sequence_length=64)
 
 
-def hf_config() -> dict:
+def hf_config(qkv_bias: bool = False) -> dict:
+    if qkv_bias:  # Qwen2: biases on q, k and v only
+        return {**hf_config(), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": SHAPE["vocab_size"],
             "hidden_size": SHAPE["hidden_size"], "intermediate_size": SHAPE["ffn_hidden_size"],
             "num_hidden_layers": SHAPE["num_layers"], "num_attention_heads": SHAPE["num_attention_heads"],
@@ -46,7 +50,7 @@ def hf_config() -> dict:
             "torch_dtype": "float32"}
 
 
-def worker(out: str, tp: int) -> None:
+def worker(out: str, tp: int, qkv_bias: bool) -> None:
     import torch
 
     torch.cuda.current_device = lambda: "cpu"  # the stand-ins (see the docstring)
@@ -67,14 +71,14 @@ def worker(out: str, tp: int) -> None:
                             num_query_groups=SHAPE["num_query_groups"], kv_channels=SHAPE["kv_channels"],
                             ffn_hidden_size=SHAPE["ffn_hidden_size"], gated_linear_unit=True,
                             activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=1e-5,
-                            add_bias_linear=False, use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            add_bias_linear=False, add_qkv_bias=qkv_bias, use_cpu_initialization=True, tensor_model_parallel_size=tp,
                             params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0)
     model = GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=False), vocab_size=SHAPE["vocab_size"],
                      max_sequence_length=SHAPE["max_sequence_length"], position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
     with torch.no_grad():  # weights that are not all equal (norms start at ones)
         for name, p in model.named_parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(hash(name) % 1000)) * 0.02)
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.02)
     rank, tp_rank = torch.distributed.get_rank(), parallel_state.get_tensor_model_parallel_rank()
     ckpt = os.path.join(out, "iter_0000002")
     os.makedirs(ckpt, exist_ok=True)
@@ -100,10 +104,10 @@ def _free_port() -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--worker", nargs=2, metavar=("DIR", "TP"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=3, metavar=("DIR", "TP", "QKV_BIAS"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        worker(a.worker[0], int(a.worker[1]))
+        worker(a.worker[0], int(a.worker[1]), a.worker[2] == "1")
         return
     from importlib.metadata import version
 
@@ -113,16 +117,17 @@ def main() -> None:
     if versions != PINNED:
         print(f"warning: pinned {PINNED}, running {versions}", file=sys.stderr)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    for tp in TP_SIZES:
-        out = os.path.abspath(os.path.join(a.out, f"gpt_tp{tp}"))
+    for name, tp, qkv_bias in CONFIGS:
+        out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-                        os.path.abspath(__file__), "--out", out, "--worker", out, str(tp)], check=True, env=env)
+                        os.path.abspath(__file__), "--out", out, "--worker", out, str(tp), str(int(qkv_bias))],
+                       check=True, env=env)
         with open(os.path.join(out, "reference", "config.json"), "w") as f:
-            json.dump(hf_config(), f, indent=1)
+            json.dump(hf_config(qkv_bias), f, indent=1)
         print(f"wrote {out}")
     with open(os.path.join(a.out, "versions.json"), "w") as f:
-        json.dump({**versions, "python": sys.version.split()[0], "tensor_parallel": list(TP_SIZES)}, f, indent=1,
+        json.dump({**versions, "python": sys.version.split()[0], "configs": [c[0] for c in CONFIGS]}, f, indent=1,
                   sort_keys=True)
 
 

@@ -34,6 +34,11 @@ def expected_hf(run: str) -> dict[str, torch.Tensor]:
         out[h + "self_attn.q_proj.weight"] = qkv[:, :per * hd].reshape(-1, hidden)
         out[h + "self_attn.k_proj.weight"] = qkv[:, per * hd:(per + 1) * hd].reshape(-1, hidden)
         out[h + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * hd:].reshape(-1, hidden)
+        if m + "self_attention.linear_qkv.bias" in parts[0]:  # Qwen2's q/k/v biases, interleaved as the rows
+            bias = cat(m + "self_attention.linear_qkv.bias", 0).view(groups, (per + 2) * hd)
+            out[h + "self_attn.q_proj.bias"] = bias[:, :per * hd].reshape(-1)
+            out[h + "self_attn.k_proj.bias"] = bias[:, per * hd:(per + 1) * hd].reshape(-1)
+            out[h + "self_attn.v_proj.bias"] = bias[:, (per + 1) * hd:].reshape(-1)
         out[h + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
         fc1 = [p[m + "mlp.linear_fc1.weight"] for p in parts]  # each rank: its gate rows, then its up rows
         out[h + "mlp.gate_proj.weight"] = torch.cat([f[:ffn // tp] for f in fc1])

@@ -103,11 +103,12 @@ def test_bad_deepspeed_input_is_one_line_and_writes_nothing(cli, tmp_path):
         r.stderr[-3000:]
 
 
-def test_megatron_to_hugging_face(cli, tmp_path):
+@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_qkv_bias"])  # a Llama; a Qwen2 (biases on q, k, v)
+def test_megatron_to_hugging_face(cli, tmp_path, name):
     transformers = pytest.importorskip("transformers")
     from tests.megatron_reference import expected_hf
 
-    run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", "gpt_tp2"))
+    run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", name))
     out = tmp_path / "hf"
     r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "job.output_format=hf",
              f"job.hf_files_from={run}/reference", f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])

@@ -32,15 +32,18 @@ def _read(run, **kw):
     return md, state
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(tp):
-    run = os.path.join(FIXTURES, f"gpt_tp{tp}")
+@pytest.mark.parametrize("name", ["gpt_tp1", "gpt_tp2", "gpt_tp2_qkv_bias"])
+def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(name):
+    run = os.path.join(FIXTURES, name)
+    tp = 1 if name == "gpt_tp1" else 2
     assert detect_format(run) == "megatron" and detect_format(os.path.join(run, "iter_0000002")) == "megatron"
     md, state = _read(run, hf_config=_config(run))
     expect = expected_hf(run)
     assert set(state) == set(expect) and md.extra["source_format"] == "megatron"
     for k, v in expect.items():
         assert torch.equal(state[k], v), k
+    if name.endswith("bias"):  # Qwen2's q/k/v biases, cut per query group as the weights are
+        assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.v_proj.bias"} <= set(state)
     if tp == 2:  # a query group's rows come from the rank that held them: no bytes copied between
         q = md.tensors["model.layers.1.self_attn.q_proj.weight"]
         assert sorted({c.file for c in q.chunks}) == ["__0_0.distcp", "__1_0.distcp"]
