@@ -145,6 +145,13 @@ def _persist_group(process_group: Any, timeout: float | _dt.timedelta | None) ->
     return gloo_group(process_group or dist.group.WORLD, timeout, "async")
 
 
+def _seconds(timeout: float | _dt.timedelta | None) -> float | None:
+    """The save's timeout in seconds (None: the persister's default bound)."""
+    if timeout is None:
+        return None
+    return timeout.total_seconds() if isinstance(timeout, _dt.timedelta) else float(timeout)
+
+
 def save_in_flight() -> bool:
     """Whether this process has an async save still persisting."""
     with _LOCK:
@@ -223,7 +230,7 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
             if checkpoint_id is None:
                 raise ConfigError("give checkpoint_id (a directory or URI) or a storage writer")
             writer = open_writer(str(checkpoint_id))
-        save_kwargs["storage_writer"] = persister.ProcessWriter(writer, bufs)
+        save_kwargs["storage_writer"] = persister.ProcessWriter(writer, bufs, silence_s=_seconds(timeout))
     with gc_paused(threading.current_thread() is threading.main_thread()):  # see utils.gc_paused
         staged = stage_state_dict(stateful_to_state_dict(state_dict)[0], bufs)
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import glob
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .core import faults
-from .core.errors import ConfigError, HpdcpError, PersistProcessError
+from .core.errors import ConfigError, HpdcpError, InsufficientMemoryError, PersistProcessError
 from .core.utils import get_logger
 from .format.metadata import WriteResult, dtype_from_name, dtype_name
 from .staging import StagingBuffers
@@ -53,11 +54,64 @@ _PREFIX = "hpdcp-stage-"
 
 
 def shm_dir() -> str:
-    """Where staging segments live: ``HPDCP_SHM_DIR``, else ``/dev/shm`` (memory), else the temp dir."""
+    """Where staging segments live: ``HPDCP_SHM_DIR``, else ``/dev/shm`` (memory), else the temp dir.
+    A ``HPDCP_SHM_DIR`` that is not a writable directory is one line naming the variable."""
     d = os.environ.get("HPDCP_SHM_DIR")
     if d:
+        if not os.path.isdir(d) or not os.access(d, os.W_OK | os.X_OK):
+            what = "does not exist" if not os.path.exists(d) else "is not a directory" if not os.path.isdir(d) \
+                else "is not writable by this user"
+            raise ConfigError(f"HPDCP_SHM_DIR={d} {what}: point it at a writable directory (a tmpfs such as "
+                              f"/dev/shm) or unset it")
         return d
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def create_segment(nbytes: int, what: str = "") -> tuple[str, int]:
+    """A new staging file of ``nbytes``, (path, open descriptor): created exclusively, readable by
+    this user only (0600; staged weights are nobody else's), under a name nobody can guess (a
+    file planted at a predictable name can neither block nor receive a save), its space reserved
+    now: a staging directory too small for the state is an error here, not a SIGBUS when a
+    tensor is copied in. ``what``: a tag in the name (scratch segments)."""
+    directory = shm_dir()
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(8):
+        path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{what}{secrets.token_hex(8)}")
+        try:
+            fd = os.open(path, flags, 0o600)
+            break
+        except FileExistsError:
+            continue  # (a name taken: drawn again)
+        except OSError as e:
+            raise PersistProcessError(f"cannot create a staging file in {directory} ({e.strerror}); set "
+                                      f"HPDCP_SHM_DIR to a writable directory") from None
+    else:
+        raise PersistProcessError(f"{directory}: 8 fresh staging names were all taken")
+    try:
+        _reserve(fd, nbytes, directory)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    return path, fd
+
+
+def _reserve(fd: int, nbytes: int, directory: str) -> None:
+    """Allocate the file's blocks (a tmpfs hands out its pages now, or says it has none)."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:  # (no fallocate, e.g. macOS: sized only, its pages taken as they are written)
+            os.ftruncate(fd, nbytes)
+    except OSError as e:
+        import errno
+
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise InsufficientMemoryError(
+                f"staging {nbytes / 2**20:.1f} MiB for a process-mode save: {directory} has no room for it "
+                f"({e.strerror}); give it more space, set HPDCP_SHM_DIR to a larger directory, or save with "
+                f"dcp.async_mode=thread") from None
+        raise PersistProcessError(f"cannot size a staging file in {directory} ({e.strerror})") from None
 
 
 def clear_stale_segments(directory: str | None = None) -> list[str]:
@@ -103,7 +157,6 @@ class SharedStaging(StagingBuffers):
     def __init__(self) -> None:
         super().__init__()
         self.segments: list[_Segment] = []
-        self._count = 0
         self._allocated = 0
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
@@ -111,11 +164,11 @@ class SharedStaging(StagingBuffers):
         seg = self.segments[-1] if self.segments else None
         if seg is None or seg.nbytes - seg.used < need:
             size = max(SEGMENT_BYTES, need)
-            self._count += 1
-            path = os.path.join(shm_dir(), f"{_PREFIX}{os.getpid()}-{self._count}")
-            with open(path, "xb") as f:
-                os.ftruncate(f.fileno(), size)
-            seg = _Segment(path, size, _map(path, size))
+            path, fd = create_segment(size)
+            try:
+                seg = _Segment(path, size, _map(path, size))
+            finally:
+                os.close(fd)
             self.segments.append(seg)
         view = seg.base[seg.used: seg.used + nbytes]
         seg.used += need
@@ -186,6 +239,21 @@ class WriterSpec:
                           f"use mode='thread' for a writer of your own")
 
 
+#: the persisting process's first lines: its import path loses the working directory (``python
+#: -m`` and ``-c`` put it first, so a module planted there would run inside it, shadowing an
+#: installed one such as xxhash); this package's own location goes last (found even when it is
+#: not installed, never before the installed modules)
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_CHILD = ("import os, sys; here = os.getcwd(); "
+          "sys.path[:] = [p for p in sys.path if p not in ('', '.', here)]; "
+          f"sys.path.append({_PACKAGE_PARENT!r}); "
+          "from hpdcp_runner.dcp.persister import main; main(sys.argv[1:])")
+#: how often a persisting process that is writing says it is alive, and how long the training
+#: process waits on one that says nothing before it calls it hung (SIGSTOP, a wedged mount)
+HEARTBEAT_S = 1.0
+DEFAULT_SILENCE_S = 120.0
+
+
 class Persister:
     """This rank's persisting process: started once, kept between saves, restarted after a death."""
 
@@ -234,9 +302,8 @@ class Persister:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "hpdcp_runner.dcp.persister", str(child.fileno()),
-                                          str(os.getpid())], pass_fds=(child.fileno(),), env=env,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child.fileno()), str(os.getpid())],
+                                         pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         except OSError as e:
             parent.close()
             raise PersistProcessError(f"cannot start the persisting process ({e})") from None
@@ -259,15 +326,23 @@ class Persister:
         self.dead = f"the persisting process (pid {pid}) died ({how}) while {doing}"
         return PersistProcessError(self.dead)
 
-    def call(self, msg: tuple, doing: str, on_mapped: Callable[[], None] | None = None) -> Any:
-        """Send ``msg`` and wait for its answer (``("mapped",)`` first calls ``on_mapped``)."""
+    def call(self, msg: tuple, doing: str, on_mapped: Callable[[], None] | None = None,
+             silence_s: float | None = None) -> Any:
+        """Send ``msg`` and wait for its answer (``("mapped",)`` first calls ``on_mapped``). While it
+        works the process says it is alive every :data:`HEARTBEAT_S`; silent for ``silence_s``
+        (default :data:`DEFAULT_SILENCE_S`), it is taken for hung, killed, and the call fails."""
+        silence = silence_s or DEFAULT_SILENCE_S
         with self._lock:
             if not self.alive():
                 raise PersistProcessError(self.dead or "no persisting process runs")
             try:
                 self.conn.send(msg)
                 while True:
+                    if not self.conn.poll(silence):
+                        raise self._hung(doing, silence)
                     reply = self.conn.recv()
+                    if reply[0] == "alive":
+                        continue
                     if reply[0] == "ready":  # its start-up finished (nobody polled for it)
                         self._ready = True
                         continue
@@ -281,6 +356,15 @@ class Persister:
         if reply[0] == "error":
             raise _error_from(reply[1], reply[2])
         return reply[1:]
+
+    def _hung(self, doing: str, silence: float) -> PersistProcessError:
+        pid = self.proc.pid if self.proc is not None else None
+        if self.proc is not None:
+            self.proc.kill()  # (a stopped process dies of SIGKILL too)
+            self.proc.wait()
+        self.dead = (f"the persisting process (pid {pid}) said nothing for {silence:g} s while {doing} (stopped or "
+                     f"hung); it was killed and the next save starts a fresh one")
+        return PersistProcessError(self.dead)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the process to exit (after the write it may be doing) and reap it."""
@@ -352,8 +436,11 @@ class ProcessWriter(StorageWriter):
     attach, commit, abort) runs here on the wrapped writer, which the protocol calls as usual."""
 
     def __init__(self, inner: StorageWriter, staging: SharedStaging | None = None,
-                 process: Persister | None = None) -> None:
+                 process: Persister | None = None, silence_s: float | None = None) -> None:
+        """``silence_s``: how long a write waits on a persisting process that says nothing (the
+        save's timeout; default :data:`DEFAULT_SILENCE_S`)."""
         self.inner = inner
+        self.silence_s = silence_s
         self.spec = WriterSpec.of(inner)
         self.staging = staging or _STAGING
         self.process = process or _PERSISTER
@@ -396,7 +483,8 @@ class ProcessWriter(StorageWriter):
         try:
             result, counts = self.process.call(("write", self.spec, token, rank, world_size, new,
                                                  [s.path for s in scratch], descs, dict(objects)),
-                                                f"writing rank {rank}'s files of {self.checkpoint_id}", mapped)
+                                                f"writing rank {rank}'s files of {self.checkpoint_id}", mapped,
+                                                self.silence_s)
         finally:
             for s in scratch:
                 if not s.handed:
@@ -407,10 +495,11 @@ class ProcessWriter(StorageWriter):
 
     def _scratch(self, t: torch.Tensor, scratch: list[_Segment]) -> tuple[_Segment, int]:
         nbytes = t.numel() * t.element_size()
-        path = os.path.join(shm_dir(), f"{_PREFIX}{os.getpid()}-scratch-{len(scratch)}-{threading.get_ident()}")
-        with open(path, "xb") as f:
-            os.ftruncate(f.fileno(), max(nbytes, 1))
-        seg = _Segment(path, max(nbytes, 1), _map(path, max(nbytes, 1)))
+        path, fd = create_segment(max(nbytes, 1), "scratch-")
+        try:
+            seg = _Segment(path, max(nbytes, 1), _map(path, max(nbytes, 1)))
+        finally:
+            os.close(fd)
         seg.base[:nbytes].view(t.dtype).view(t.shape).copy_(t.contiguous()) if nbytes else None
         scratch.append(seg)
         return seg, 0
@@ -455,12 +544,31 @@ def _serve(conn: Connection) -> None:
 
     segments: dict[str, torch.Tensor] = {}
     writer: StorageWriter | None = None
+    lock, busy = threading.Lock(), threading.Event()
+    real_send = conn.send
+
+    def send(msg: tuple) -> None:
+        with lock:
+            real_send(msg)
+
+    def beat() -> None:  # while a request is served: "alive" (a stopped process says nothing)
+        while True:
+            time.sleep(HEARTBEAT_S)
+            if busy.is_set():
+                try:
+                    send(("alive",))
+                except OSError:
+                    return
+
+    conn.send = send  # type: ignore[method-assign]
+    threading.Thread(target=beat, name="hpdcp-persist-heartbeat", daemon=True).start()
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):  # the training process is gone
             return
         op = msg[0]
+        busy.set()
         try:
             if op == "exit":
                 return
@@ -495,6 +603,8 @@ def _serve(conn: Connection) -> None:
                 conn.send(("error", type(e).__name__, str(e)))
             except OSError:
                 return
+        finally:
+            busy.clear()
 
 
 def main(argv: Sequence[str]) -> None:
