@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import sys
 
+from fixture_launch import torchrun_self  # (scripts/: run by path, its own directory is on the path)
+
 CONFIGS = [(1, "bf16"), (2, "fp32"), (3, "bf16")]  # every stage, both kinds of optimizer file
 PINNED = {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.25.0"}
 
@@ -106,14 +108,6 @@ def references(out: str) -> None:
     cfg.save_pretrained(ref)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -137,8 +131,7 @@ def main() -> None:
     if a.big:
         out = os.path.abspath(a.out)
         shutil.rmtree(out, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-                        os.path.abspath(__file__), "--out", out, "--worker", out, "3", "bf16", "1"], check=True, env=env)
+        torchrun_self(__file__, ["--out", out, "--worker", out, "3", "bf16", "1"], env)
         tiny_config(big=True).save_pretrained(os.path.join(out, "reference"))
         print(f"wrote {out}")
         return
@@ -148,9 +141,7 @@ def main() -> None:
             continue
         out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-                        os.path.abspath(__file__), "--out", out, "--worker", out, str(stage), dtype, "0"],
-                       check=True, env=env)
+        torchrun_self(__file__, ["--out", out, "--worker", out, str(stage), dtype, "0"], env)
         references(out)
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's copies of its tools: not data
             if os.path.exists(os.path.join(out, script)):

@@ -26,10 +26,10 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import zlib
+
+from fixture_launch import torchrun_self  # (scripts/: run by path, its own directory is on the path)
 
 #: (directory, tensor-parallel size, biases on the QKV projection as Qwen2 has them)
 CONFIGS = (("gpt_tp1", 1, False), ("gpt_tp2", 2, False), ("gpt_tp2_qkv_bias", 2, True))
@@ -95,12 +95,6 @@ def worker(out: str, tp: int, qkv_bias: bool) -> None:
     torch.distributed.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -120,9 +114,7 @@ def main() -> None:
     for name, tp, qkv_bias in CONFIGS:
         out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-                        os.path.abspath(__file__), "--out", out, "--worker", out, str(tp), str(int(qkv_bias))],
-                       check=True, env=env)
+        torchrun_self(__file__, ["--out", out, "--worker", out, str(tp), str(int(qkv_bias))], env)
         with open(os.path.join(out, "reference", "config.json"), "w") as f:
             json.dump(hf_config(qkv_bias), f, indent=1)
         print(f"wrote {out}")

@@ -184,10 +184,10 @@ def _check_before_reading(comm: Comm, source_reader: StorageReader, md: Metadata
     size_of = dict(plan.sizes)
     nbytes = _source_bytes(md, plan.names)
     # loaded in the source's dtypes a batch at a time, then cast one tensor at a time
-    batches = [b for i in plan.mine for b in _batches(plan.shards[i], nbytes, EXPORT_BATCH_BYTES)]
-    big = max(batches, key=lambda b: sum(nbytes[k] for k in b)) if batches else []
+    batches = [(plan.files[i], b) for i in plan.mine for b in _batches(plan.shards[i], nbytes, EXPORT_BATCH_BYTES)]
+    name, big = max(batches, key=lambda fb: sum(nbytes[k] for k in fb[1])) if batches else ("nothing", [])
     held = sum(nbytes[k] for k in big) + (max(size_of[k] for k in big) if plan.cast is not None and big else 0)
-    check_together(comm, held, "cpu", f"export_hf of {src} (a batch of {len(big)} tensor(s))",
+    check_together(comm, held, "cpu", f"export_hf of {src} (writing {name}: a batch of {len(big)} tensor(s))",
                    "each rank holds one batch of tensors (about 256 MiB, or the largest tensor) at a time: "
                    "a single tensor larger than memory cannot be exported")
 
