@@ -247,9 +247,9 @@ def _chunks(key: str, shape: tuple[int, ...], dtype: torch.dtype, segments: list
     return tuple(out)
 
 
-def _zero12_segments(flats: list[tuple[str, int, int]], numels: list[int]) -> list[list[Segment]]:
+def _zero12_segments(flats: list[tuple[str, int, int]], numels: list[int], esize: int) -> list[list[Segment]]:
     """ZeRO 1/2: a group's flat buffer is the ranks' pieces end to end (``flats``: file, offset,
-    elements per rank); its parameters (``numels``) lie one after another in it."""
+    elements per rank, of ``esize`` bytes); its parameters (``numels``) lie one after another in it."""
     bounds, at = [], 0
     for f, off, n in flats:
         bounds.append((at, at + n, f, off))
@@ -260,7 +260,7 @@ def _zero12_segments(flats: list[tuple[str, int, int]], numels: list[int]) -> li
         for lo, hi, f, off in bounds:
             a, b = max(lo, pos), min(hi, pos + numel)
             if a < b:
-                segs.append(Segment(f, off + (a - lo) * 4, a - pos, b - a))
+                segs.append(Segment(f, off + (a - lo) * esize, a - pos, b - a))
         if sum(s.count for s in segs) != numel:
             raise MetadataError(f"the ranks' flat buffers hold {at} elements, too few for the parameters recorded "
                                 f"({sum(numels)})")
@@ -269,7 +269,7 @@ def _zero12_segments(flats: list[tuple[str, int, int]], numels: list[int]) -> li
     return out
 
 
-def _zero3_segments(flats: list[tuple[str, int, int]], numels: list[int]) -> list[list[Segment]]:
+def _zero3_segments(flats: list[tuple[str, int, int]], numels: list[int], esize: int) -> list[list[Segment]]:
     """ZeRO 3: each parameter cut in ``ceil(numel / world)`` pieces, rank R's piece of each
     parameter one after another in R's flat buffer."""
     world = len(flats)
@@ -282,7 +282,7 @@ def _zero3_segments(flats: list[tuple[str, int, int]], numels: list[int]) -> lis
             if pos + part > n:
                 raise MetadataError(f"{f}: its flat buffer ({n} elements) is too short for the parameters recorded")
             if a < b:
-                segs.append(Segment(f, off + pos * 4, a, b - a))
+                segs.append(Segment(f, off + pos * esize, a, b - a))
         out.append(segs)
         pos += part
     return out
@@ -381,12 +381,19 @@ class DeepSpeedReader(_DescribedReader):
         layout = _zero3_segments if stage == 3 else _zero12_segments
         first = ranks[0]
 
-        def segments(*path: Any) -> list[list[Segment]]:
-            flats = []
+        def segments(*path: Any) -> tuple[torch.dtype, list[list[Segment]]]:
+            """Where each parameter's elements of the flat buffers at ``path`` lie, and their dtype
+            (fp32 master weights and moments, or whatever the optimizer kept)."""
+            flats, dtypes = [], set()
             for (_, n), a in zip(optim, ranks):
-                off, count = a.flat(_get(a.tree, a.where, *path), "/".join(map(str, path)))
+                t = _get(a.tree, a.where, *path)
+                off, count = a.flat(t, "/".join(map(str, path)))
                 flats.append((n, off, count))
-            return layout(flats, numels)
+                dtypes.add(t.dtype)
+            if len(dtypes) != 1:
+                raise MetadataError(f"{self.path}: the ranks' {'/'.join(map(str, path))} have different dtypes {dtypes}")
+            dtype = dtypes.pop()
+            return dtype, layout(flats, numels, torch.empty((), dtype=dtype).element_size())
 
         inner = ("optimizer_state_dict", "optimizer_state_dict") if stage == 3 else \
             ("optimizer_state_dict", "base_optimizer_state")
@@ -398,10 +405,11 @@ class DeepSpeedReader(_DescribedReader):
         step_value = self._scalar(first, optim[0][1], held.get("step"), f"state/{g}/step")
         for i, (name, shape) in enumerate(params):
             if self.weights == "fp32":
-                tensors[name] = TensorMeta("float32", shape, _chunks(name, shape, torch.float32, master[i]), (name,))
-            for m, segs in moments.items():
+                dt, segs = master
+                tensors[name] = TensorMeta(dtype_name(dt), shape, _chunks(name, shape, dt, segs[i]), (name,))
+            for m, (dt, segs) in moments.items():
                 key = f"optim.state.{name}.{m}"
-                tensors[key] = TensorMeta("float32", shape, _chunks(key, shape, torch.float32, segs[i]),
+                tensors[key] = TensorMeta(dtype_name(dt), shape, _chunks(key, shape, dt, segs[i]),
                                           ("optim", "state", name, m))
             if step_value is not None:  # one step per group: an object per parameter, as torch keeps it
                 key = f"optim.state.{name}.step"
