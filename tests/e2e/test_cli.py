@@ -68,6 +68,7 @@ def test_bench_job(cli, tmp_path):
     assert res["save"]["n"] == 2 and res["load"]["n"] == 2 and res["objective"] == res["load"]["median_s"]
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_bench_side_by_side_with_torch_dcp(cli, tmp_path):
     import pytest
 
@@ -83,6 +84,7 @@ def test_bench_side_by_side_with_torch_dcp(cli, tmp_path):
     assert r.returncode != 0 and "job.peer: torch DCP cannot hold" in r.stderr and "FlatShard" in r.stderr, _tail(r)
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_config_errors_name_the_key_and_exit_nonzero(cli, tmp_path):
     r = cli(["+job=save", "dcp.storage.files_kep=3"])
     assert r.returncode != 0 and "dcp.storage.files_kep" in r.stderr, _tail(r)

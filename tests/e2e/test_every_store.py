@@ -100,6 +100,7 @@ def _workflow(cli, request, tmp_path, source, ours, back):
         assert torch.equal(reopened.state_dict()[k], v), k
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_hf_in_gcs_to_ours_in_azure_to_hf_in_azure(cli, request, tmp_path):
     _workflow(cli, request, tmp_path, "gs", "az", "az")
 

@@ -303,6 +303,7 @@ def test_bench_script_drops_the_page_cache_only_when_asked(tmp_path):
     assert "Cold loads: not run" in text and "load cold" not in text
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_load_a_subset_from_the_cli(cli, tmp_path):
     ck = tmp_path / "ck"
     r = cli(["+job=save", "model=mlp_adamw", f"checkpoint.dir={ck}", "checkpoint.name=s", f"hydra.run.dir={tmp_path}/a"])
@@ -330,6 +331,7 @@ def test_inspect_json_is_alone_on_stdout(cli, tmp_path, fmt):
     assert "hpdcp inspect:" in r.stderr
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_hpdcp_launches_ranks_and_fails_with_one_line(tmp_path):
     """``python -m hpdcp_runner --nproc-per-node=2 ...``: torchrun's launcher in-process, so a
     user mistake ends with the workers' one line and their exit code, no launcher traceback."""

@@ -23,6 +23,7 @@ def _lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.strip()]
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_a_mistyped_key_is_one_line_naming_the_nearest_keys_printed_once(cli, tmp_path):
     r = cli(["+job=save", "checkpoint.kep_last=1"])
     assert r.returncode == 2, r.stderr
@@ -152,6 +153,7 @@ def _deepseek_v2_dir(path):
         json.dump({"model_type": "deepseek_v2", "hidden_size": h, "num_attention_heads": 2, "n_routed_experts": e}, f)
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_a_layout_that_splits_attention_in_part_says_so(cli, tmp_path):
     """Item 4: layout=auto on DeepSeek-V2 once picked the MoE preset from its key names, which split
     o_proj by rows while its q/kv projections fell to the catch-all (replicated), with no word.

@@ -63,6 +63,7 @@ def _reshard(cli, tmp_path, tag, *args):
     return metrics(tmp_path / f"run_{tag}")["result"]
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_llama_from_hugging_face_through_tp_and_fsdp_tp_back_to_hugging_face(cli, tmp_path):
     model = _llama(tmp_path)
     n = len(model.state_dict()) - 1  # lm_head is tied: not stored

@@ -132,6 +132,7 @@ def test_train_resume_latest_on_s3(cli, tmp_path, s3_bucket):
     assert {k: v for k, v in a.items() if int(k) > 5} == {k: v for k, v in b.items() if int(k) > 5}
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_bad_locations_are_one_line(cli, tmp_path, s3_endpoint, s3_bucket):
     r = cli(["+job=save", "checkpoint.dir=hdfs://somewhere/run", f"hydra.run.dir={tmp_path}/a"])
     assert r.returncode != 0 and "hdfs:// scheme is not supported" in r.stderr, _tail(r)

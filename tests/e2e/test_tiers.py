@@ -20,6 +20,7 @@ def _tiered(fast, durable, *extra):
     return COMMON + [f"checkpoint.fast_tier.dir={fast}", f"checkpoint.dir={durable}", *extra]
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_a_fast_tier_drains_to_the_bucket_with_each_tiers_retention(cli, tmp_path, s3_bucket):
     fast, durable = tmp_path / "fast", f"{s3_bucket}/run"
     r = cli(_tiered(fast, durable, "checkpoint.fast_tier.keep_last=1", "checkpoint.fast_tier.drain_every=2",

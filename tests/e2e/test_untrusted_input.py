@@ -87,6 +87,7 @@ def test_a_hostile_config_json_is_one_line(cli, tmp_path):
     assert r.returncode == 2 and "nested too deeply" in line and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_a_picture_never_follows_a_planted_link(cli, tmp_path):
     pytest.importorskip("matplotlib")
     r = cli(["+job=save", f"checkpoint.dir={tmp_path}/ck", "layout=tp", f"hydra.run.dir={tmp_path}/s"], nproc=2)

@@ -64,6 +64,7 @@ def test_reshard_a_llama_checkpoint_under_family_layouts(cli, tmp_path):
         assert all(torch.equal(tgt[k], state["model"][k]) for k in tgt)
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_layout_rules_are_checked_against_the_checkpoint(cli, tmp_path):
     src = tmp_path / "hf_like"
     state = _llama_state()
@@ -99,6 +100,7 @@ def test_layout_rules_are_checked_against_the_checkpoint(cli, tmp_path):
     assert not (tmp_path / "o2").exists()
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_foreign_checkpoints_bad_input_is_one_line_and_writes_nothing(cli, tmp_path):
     import torch.distributed.checkpoint as tdcp
     from safetensors.torch import save_file
@@ -153,6 +155,7 @@ def test_verify_a_torch_dcp_checkpoint_checks_each_record_crc(cli, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_reshard_and_load_take_part_of_a_checkpoint(cli, tmp_path):
     """job.include / job.exclude on reshard (hpdcp output) and load of a user's checkpoint: only
     the keys chosen are read, written and verified; job.dtype is for Hugging Face output only."""

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -175,6 +176,7 @@ def _load_under(rank: int, ws: int, path: str, layout: str) -> dict:
             "placements": placements, "lr": opt.param_groups[0]["lr"]}
 
 
+@pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_optimizer_state_saved_under_fsdp_loads_under_tp_and_one_rank(tmp_path):
     path = str(tmp_path / "opt")
     ref = run_ranks(2, _train_and_save, path)[0]
