@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ..dcp import ConfigError, HpdcpError
-from ..dcp.tools import (ObjectStoreOptions, fsspec_package, get_logger, is_local, join_location, location_dirname,
-                         remove_checkpoint, resolve_location)
+from ..dcp.tools import (ObjectStoreOptions, fsspec_package, get_logger, is_local, join_location, locate,
+                         location_dirname, remove_checkpoint, resolve_location)
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
@@ -28,17 +28,32 @@ FILE_SYSTEM_KEYS = ("files_kept", "fsync", "shared", "max_read_bytes_per_s", "re
 OBJECT_STORE_KEYS = tuple(f.name for f in dataclasses.fields(ObjectStoreOptions))
 
 
-def _scratch(ctx: JobContext) -> tuple[str, bool]:
-    """Where the timed checkpoints go, and whether the bench made that place (then it goes too):
-    ``checkpoint.dir`` when set; else beside a ``job.source.path`` in a store (a scratch prefix
-    in that bucket: the store the user's checkpoint lives on is the one timed); else the run
-    directory's ``checkpoints``."""
+def _scratch(ctx: JobContext) -> tuple[str, str | None]:
+    """(where the timed checkpoints go, the local folder the bench made for it or None). The
+    place: ``checkpoint.dir`` when set; else beside a ``job.source.path`` in a store (the store
+    the user's checkpoint lives on is the one timed); else the run directory's ``checkpoints``.
+    The checkpoints go into a new prefix of the bench's own under it (``hpdcp-bench-<run>-<id>``,
+    found empty), so that removing them afterwards removes nothing that was there before: a
+    user's ``bench_0``, or any checkpoint of theirs, in that directory is never touched."""
     src = ctx.cfg.job.source.path
     if not ctx.cfg.checkpoint.dir and src and not is_local(src):
+        base = location_dirname(resolve_location(src))
+    else:
+        base = ctx.checkpoint_dir
+    made = base if is_local(base) and not os.path.lexists(base) else None
+    for _ in range(3):
         name = f"hpdcp-bench-{os.path.basename(ctx.run_dir.rstrip('/'))}-{uuid.uuid4().hex[:8]}"
-        return join_location(location_dirname(resolve_location(src)), name), True
-    scratch = ctx.checkpoint_dir
-    return scratch, is_local(scratch) and not os.path.lexists(scratch)
+        scratch = join_location(base, name)
+        if is_local(scratch):
+            os.makedirs(base, exist_ok=True)
+            try:
+                os.mkdir(scratch, 0o700)  # exclusive: a folder that was there is not ours
+                return scratch, made
+            except FileExistsError:
+                continue
+        if not locate(scratch).is_dir():
+            return scratch, made
+    raise HpdcpError(f"bench: could not find an unused scratch name under {base}")
 
 
 def _without_effect(scratch: str) -> list[str]:
@@ -140,7 +155,7 @@ def run(ctx: JobContext) -> dict:
         path = join_location(scratch, f"bench_{i}")
         # warm-up runs are timed under their own phases, which the summary table leaves out
         tag = "warmup." if i < job.warmup else ""
-        s = _timed(ctx, lambda: ctx.save(state, path, phase=f"{tag}save", overwrite=True))
+        s = _timed(ctx, lambda: ctx.save(state, path, phase=f"{tag}save"))
         l_ = _timed(ctx, lambda: ctx.load(target, path, phase=f"{tag}load"))
         if job.verify and i == 0:
             problems = compare_state(target, state)
@@ -159,9 +174,11 @@ def run(ctx: JobContext) -> dict:
             if job.peer:
                 times["peer_save"].append(ps)
                 times["peer_load"].append(pl)
-    if made and ctx.info.rank == 0 and is_local(scratch):  # a folder it made for its scratch goes with them
-        with contextlib.suppress(OSError):
-            os.rmdir(scratch)
+    if ctx.info.rank == 0 and is_local(scratch):  # its own folder goes with them, and the one it made for it
+        for folder in (scratch, made):
+            if folder:
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
     result = {k: _stats(v) for k, v in times.items() if v}
     result["store_timed"] = scratch if not is_local(scratch) else f"local directory {scratch}"
     if ignored:

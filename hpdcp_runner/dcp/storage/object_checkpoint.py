@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -539,13 +540,20 @@ class ObjectDirectoryOutput:
     the weight files as each rank finishes them, and the file that makes the directory usable
     last (the shard index, or the one ``model.safetensors``), so a reader never finds an index
     naming a shard not yet uploaded. The format has fixed file names and no commit object: an
-    overwrite replaces the files in place (never atomic), then deletes what the old export wrote
-    (its manifest, ``.hpdcp-export.json``, says) that the new one lacks: nothing else there is
-    ours to delete. Anything already under the prefix needs overwrite; a prefix holding one of
-    our checkpoints, or the export's own source, is never written."""
+    overwrite replaces the files in place (never atomic), then deletes the weight files the old
+    export wrote that the new one lacks. What the old export wrote is what its manifest
+    (``.hpdcp-export.json``) recorded, but a manifest is a plain object anyone could have put
+    there, so it proves nothing alone: a file goes only if its name is one an export writes
+    (a weight shard, its index, a torch DCP file) and the store still holds the very object
+    recorded (same size and ETag). A planted manifest naming a user's objects deletes nothing of
+    theirs. Anything already under the prefix needs overwrite; a prefix holding one of our
+    checkpoints, or the export's own source, is never written."""
 
     MARKERS = ("model.safetensors", "model.safetensors.index.json")
     MANIFEST = ".hpdcp-export.json"
+    # the names an export generates (hf_export / transforms), the only ones a manifest may retire
+    GENERATED = re.compile(r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors|"
+                           r"__\d+_\d+\.distcp|\.metadata")
 
     def __init__(self, uri: str, overwrite: bool, source: str | None = None) -> None:
         self.uri, self.overwrite, self.source = uri.rstrip("/"), overwrite, source
@@ -573,12 +581,34 @@ class ObjectDirectoryOutput:
             raise CheckpointExistsError(f"{self.uri} already holds {what}; pass overwrite to replace it (its files are "
                                         f"replaced in place, not atomically: a reader during the export may see old "
                                         f"and new files mixed)")
-        got = self.bucket.get(self.key_of(self.MANIFEST), max_bytes=1 << 20) if self.MANIFEST in rel else None
+        return self._retirable({r: o for r, o in zip(rel, objs)})
+
+    def _retirable(self, present: Mapping[str, Mapping]) -> list[str]:
+        """The keys of the objects the previous export provably wrote (``begin``'s promise to
+        ``finish``): named in its manifest with the size and ETag the store still shows, and
+        named as an export names its weight files. Anything else the manifest lists is kept
+        (and said once)."""
+        got = self.bucket.get(self.key_of(self.MANIFEST), max_bytes=1 << 20) if self.MANIFEST in present else None
         try:
-            listed = json.loads(got[0]).get("files", []) if got else []
+            files = json.loads(got[0]).get("files") if got else None
         except (ValueError, AttributeError):
-            listed = []
-        return [self.key_of(n) for n in listed if isinstance(n, str) and n in rel]
+            files = None
+        if not isinstance(files, dict):  # none, unreadable, or a v1 list without sizes and ETags: prove nothing
+            if got:
+                log.warning("%s: its export manifest records no sizes and ETags; nothing the previous export may "
+                            "have written is deleted", self.uri)
+            return []
+        mine, kept = [], []
+        for name, rec in sorted(files.items()):
+            obj = present.get(name) if isinstance(name, str) else None
+            if obj is None or not isinstance(rec, dict):
+                continue
+            same = rec.get("size") == obj.get("size") and rec.get("e_tag") == obj.get("e_tag")
+            (mine if same and self.GENERATED.fullmatch(name) else kept).append(name)
+        if kept:
+            log.warning("%s: the export manifest lists %d object(s) this export cannot prove it wrote (e.g. %s); "
+                        "they are kept", self.uri, len(kept), kept[0])
+        return [self.key_of(n) for n in mine]
 
     def key_of(self, rel: str) -> str:
         return f"{self.prefix}/{rel}"
@@ -598,8 +628,11 @@ class ObjectDirectoryOutput:
     def finish(self, before: list[str], written: list[str]) -> None:
         """Coordinator, after the last file: record what this export wrote (its manifest), then
         delete what the previous export of ours wrote and this one lacks."""
-        self.bucket.put(self.key_of(self.MANIFEST), json.dumps({"format": "hpdcp-export", "files": sorted(written)})
-                        .encode())
+        names = set(written)
+        seen = {o["path"][len(self.prefix) + 1:]: o for o in self.bucket.list(self.prefix)}
+        files = {n: {"size": seen[n].get("size"), "e_tag": seen[n].get("e_tag")} for n in sorted(names) if n in seen}
+        self.bucket.put(self.key_of(self.MANIFEST), json.dumps({"format": "hpdcp-export", "version": 2,
+                                                                "files": files}).encode())
         keep = {self.key(n) for n in written}
         self.bucket.delete([k for k in before if k not in keep])
 
