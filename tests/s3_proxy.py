@@ -30,7 +30,9 @@ class Proxy:
         self.drop = 0  # connections to drop (request read, nothing answered)
         self.lose = 0  # replies to lose: the request reaches the server, its answer never the client
         self.lose_path = ""  # ... only for requests whose path contains this
-        self.strip_conditions = False  # forward without If-None-Match / If-Match (a store that ignores them)
+        # forward without If-None-Match / If-Match (a store that ignores them): True for both, or
+        # one header's name in lower case (a store that honours only the other)
+        self.strip_conditions: bool | str = False
         self.only: str | None = None  # faults apply to methods of this name only (None: all)
         self.requests = 0
         self.bytes_in = 0  # request bodies received (uploads)
@@ -121,7 +123,8 @@ class Proxy:
             h.wfile.write(msg)
             return
         conn = http.client.HTTPConnection(self.up_host, self.up_port, timeout=60)
-        dropped = ("connection", "if-none-match", "if-match") if self.strip_conditions else ("connection",)
+        strip = self.strip_conditions
+        dropped = ("connection",) + (("if-none-match", "if-match") if strip is True else (strip,) if strip else ())
         headers = {k: v for k, v in h.headers.items() if k.lower() not in dropped}
         conn.request(h.command, h.path, body=body if n or h.command in ("PUT", "POST") else None, headers=headers)
         resp = conn.getresponse()

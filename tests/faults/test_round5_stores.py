@@ -102,3 +102,70 @@ def test_a_bench_never_touches_what_was_in_its_directory(where, tmp_path, reques
     fault_row(f"{where}: +job=bench with checkpoint.dir holding the user's bench_0 (and a file of theirs)",
               "deletes only its own", "the timed checkpoints go to a fresh prefix of the bench's; the user's bench_0 "
               "loads bitwise and keeps its file", None, "file", True, None, None)
+
+
+def _sd(k: int) -> dict:
+    return {"w": torch.full((16, 8), float(k)), "step": k}
+
+
+def _loads_as(path: str, k: int) -> bool:
+    got = {"w": torch.zeros(16, 8), "step": 0}
+    dcp.load(got, checkpoint_id=path)
+    return torch.equal(got["w"], torch.full((16, 8), float(k))) and got["step"] == k
+
+
+@pytest.fixture
+def fresh_verdicts():
+    from hpdcp_runner.dcp.storage import object_checkpoint as oc
+
+    oc._HONOURS_CONDITIONS.clear()
+    yield
+    oc._HONOURS_CONDITIONS.clear()
+
+
+def test_a_verdict_on_conditional_writes_belongs_to_one_kind_of_store(s3_endpoint, az_container, monkeypatch,
+                                                                      fresh_verdicts, fault_row):
+    """Item 8: the verdict was cached per (endpoint option or AWS_ENDPOINT_URL, name) whatever the
+    store, so an Azure container's "honours conditions" was reused for an S3 bucket of the same
+    name behind an endpoint that ignores them. The S3 endpoint here is a proxy that strips the
+    condition headers (what such a store does; a proxy because no server ignores them on demand)."""
+    from tests import s3_server
+    from tests.s3_proxy import Proxy
+
+    name = az_container[len("az://"):]
+    s3_server.client(s3_endpoint).create_bucket(Bucket=name)
+    p = Proxy(s3_endpoint)
+    try:
+        p.strip_conditions = True
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+        dcp.save(_sd(1), checkpoint_id=f"{az_container}/ck")  # azurite honours them
+        with pytest.raises(dcp.ConfigError, match=r"ignores conditional creates \(If-None-Match\)"):
+            dcp.save(_sd(1), checkpoint_id=f"s3://{name}/ck")
+        assert _loads_as(f"{az_container}/ck", 1)
+    finally:
+        p.close()
+    fault_row("an Azure container's verdict on conditional writes, then an S3 bucket of the same name behind a store "
+              "that ignores them (proxy)", "object-store commit", "the verdict is per store kind, endpoint and "
+              "bucket: the S3 save probes and is refused", "ConfigError", "config key", True, None, None)
+
+
+def test_a_store_that_ignores_if_match_refuses_overwrites_not_new_saves(proxied, fresh_verdicts, fault_row):
+    """Item 8: the probe tested conditional creates only; behind a store that honours
+    If-None-Match but ignores If-Match, two racing overwrites of one name both reported success
+    and one was lost. The probe now replaces a stale version too; a new name still saves, an
+    overwrite is refused unless ``dcp.storage.unconditional_ok=true``."""
+    from hpdcp_runner.dcp.storage import object_store
+
+    p, bucket = proxied
+    p.strip_conditions = "if-match"
+    dcp.save(_sd(1), checkpoint_id=f"{bucket}/ck")  # a create: If-None-Match is honoured
+    assert _loads_as(f"{bucket}/ck", 1)
+    with pytest.raises(dcp.ConfigError, match=r"ignores conditional replaces \(If-Match\).*unconditional_ok=true"):
+        dcp.save(_sd(2), checkpoint_id=f"{bucket}/ck", overwrite=True)
+    assert _loads_as(f"{bucket}/ck", 1)  # the previous checkpoint stands
+    object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint, unconditional_ok=True))
+    dcp.save(_sd(2), checkpoint_id=f"{bucket}/ck", overwrite=True)  # allowed, with a warning
+    assert _loads_as(f"{bucket}/ck", 2)
+    fault_row("object store: a store that honours If-None-Match but ignores If-Match (proxy)", "object-store commit",
+              "the probe replaces a stale version too: new names save, overwrites are refused unless "
+              "dcp.storage.unconditional_ok=true", "ConfigError", "config key", True, None, None)

@@ -269,7 +269,7 @@ def test_a_store_that_ignores_conditional_writes_is_refused_unless_allowed(proxi
     p.strip_conditions = True
     oc._HONOURS_CONDITIONS.clear()
     try:
-        with pytest.raises(dcp.ConfigError, match="ignores conditional writes.*dcp.storage.unconditional_ok=true"):
+        with pytest.raises(dcp.ConfigError, match="ignores conditional creates.*dcp.storage.unconditional_ok=true"):
             dcp.save(_sd(1), checkpoint_id=f"{bucket}/ck")
         assert not _keys_under(bucket, "ck/")
         object_store.configure(object_store.ObjectStoreOptions(endpoint=p.endpoint, unconditional_ok=True))

@@ -199,34 +199,68 @@ class _Lease:
         self.stop.set()
 
 
-_HONOURS_CONDITIONS: dict[tuple, bool] = {}  # (endpoint, bucket) -> probed once per process
+#: (store kind, endpoint, bucket) -> (creates honoured, replaces honoured), probed once per process
+_HONOURS_CONDITIONS: dict[tuple, tuple[bool, bool]] = {}
 
 
-def check_conditional_writes(bucket: Bucket, probe_key: str) -> None:
-    """The commit's safety rests on conditional writes: probed once per store and bucket (two
-    creates of one fresh key; the second must be refused). A store that ignores them is refused
-    unless ``unconditional_ok`` (then a warning says what is no longer guaranteed)."""
-    o = bucket.options
-    key = (o.endpoint or os.environ.get("AWS_ENDPOINT_URL"), bucket.bucket)
-    if key not in _HONOURS_CONDITIONS:
-        bucket.put(probe_key, b"{}", mode="create")
+def _store_identity(bucket: Bucket) -> tuple[str, str, str]:
+    """What a conditional-write verdict belongs to: the kind of store, the endpoint its client
+    really talks to (the option, else that kind's own environment variable, else its default),
+    and the bucket. A verdict for an Azure container is never taken for an S3 bucket of the same
+    name, nor one endpoint's for another's."""
+    kind = bucket.kind
+    endpoint = bucket.options.endpoint or os.environ.get(kind.endpoint_env) or f"{kind.scheme}:default"
+    return kind.scheme, endpoint, bucket.bucket
+
+
+def _probe_conditions(bucket: Bucket, probe_key: str) -> tuple[bool, bool]:
+    """(creates honoured, replaces honoured), found by doing both on a fresh key: a second create
+    must be refused, and a replace naming the first version after it was replaced (a stale ETag
+    or generation) must be refused too. S3 gained If-None-Match and If-Match months apart and
+    S3-compatible stores differ, so one never vouches for the other."""
+    first = bucket.put(probe_key, b"1", mode="create")
+    try:
         try:
-            bucket.put(probe_key, b"{}", mode="create")
-            honoured = False
+            bucket.put(probe_key, b"2", mode="create")
+            creates = False
         except FileExistsError:
-            honoured = True
-        finally:
-            bucket.delete([probe_key])
-        _HONOURS_CONDITIONS[key] = honoured
-    if _HONOURS_CONDITIONS[key]:
+            creates = True
+        current = bucket.head(probe_key) or first
+        try:
+            bucket.put(probe_key, b"3", mode=current)  # the current version: must succeed
+        except FileExistsError:
+            return creates, False
+        try:
+            bucket.put(probe_key, b"4", mode=current)  # now stale: must be refused
+            replaces = False
+        except FileExistsError:
+            replaces = True
+        return creates, replaces
+    finally:
+        bucket.delete([probe_key])
+
+
+def check_conditional_writes(bucket: Bucket, probe_key: str, *, replacing: bool = False) -> None:
+    """The commit's safety rests on conditional writes: a create-if-absent for a new name, a
+    replace-if-unchanged for an overwrite. Probed once per store kind, endpoint and bucket; a save
+    that needs the kind the store ignores is refused unless ``unconditional_ok`` (then a warning
+    says what is no longer guaranteed)."""
+    o = bucket.options
+    ident = _store_identity(bucket)
+    if ident not in _HONOURS_CONDITIONS:
+        _HONOURS_CONDITIONS[ident] = _probe_conditions(bucket, probe_key)
+    creates, replaces = _HONOURS_CONDITIONS[ident]
+    if creates and (replaces or not replacing):
         return
+    header, what = ("If-None-Match", "two saves of one name could both report success and one be lost") \
+        if not creates else ("If-Match", "two overwrites of one name could both report success and one be lost")
     if not o.unconditional_ok:
-        raise ConfigError(f"{bucket.url(probe_key.rsplit('/', 1)[0])}: the store at {key[0] or 'the default endpoint'} "
-                          f"ignores conditional writes (If-None-Match), so two saves of one name could both report "
-                          f"success and one be lost; use a store that honours them, or set "
-                          f"dcp.storage.unconditional_ok=true and never run two saves of one name at once")
-    log.warning("%s ignores conditional writes: a concurrent save of the same name can silently replace this one "
-                "(dcp.storage.unconditional_ok=true)", bucket.url(bucket.root))
+        raise ConfigError(f"{bucket.url(probe_key.rsplit('/', 1)[0])}: the store at {ident[1]} ignores conditional "
+                          f"{'creates' if not creates else 'replaces'} ({header}), so {what}; use a store that "
+                          f"honours them, or set dcp.storage.unconditional_ok=true and never run two saves of one "
+                          f"name at once")
+    log.warning("%s ignores conditional writes (%s): a concurrent save of the same name can silently replace this one "
+                "(dcp.storage.unconditional_ok=true)", bucket.url(bucket.root), header)
 
 
 class _UploadSink:
@@ -288,7 +322,7 @@ class ObjectStoreWriter(StorageWriter):
                 if (got is not None or uploaded) and not overwrite:  # an uploaded directory is a checkpoint too
                     raise CheckpointExistsError(f"checkpoint {self.uri} already exists; pass overwrite=True to replace "
                                                 f"it (the old one stays loadable until the new one commits)")
-                check_conditional_writes(self.bucket, self._key(".probe"))
+                check_conditional_writes(self.bucket, self._key(".probe"), replacing=got is not None)
             except BaseException:
                 self._drop_lease(leasing)
                 raise
