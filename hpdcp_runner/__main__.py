@@ -20,6 +20,7 @@ from .paths import find_conf_dir
 def _task(cfg: DictConfig):
     from . import jobs
 
+    runtime.redact_saved_config()
     if "SUBMITIT_FOLDER" not in os.environ:
         return jobs.run(cfg)
     # a task of a submitit job (hydra/launcher=submitit_*): its tasks are the ranks of one

@@ -148,7 +148,7 @@ def unknown_choices(argv: list[str], conf_dir: str | None = None) -> list[str]:
 def unsupported_locations(argv: list[str]) -> list[str]:
     """One line per ``key=<scheme>://...`` override whose scheme no storage serves: refused before
     any rank starts (the launcher asks) or composes a config, naming the key."""
-    from .dcp.tools import location_refused
+    from .dcp.tools import credentials_refused, location_refused
 
     out = []
     for a in argv:
@@ -158,7 +158,8 @@ def unsupported_locations(argv: list[str]) -> list[str]:
             continue
         for v in value.split(","):  # a sweep lists several
             v = v.strip().strip("'\"")
-            why = location_refused(v)
+            # a store's endpoint is an http(s) URL, not a location: only secrets in it are refused here
+            why = credentials_refused(v) if key.rsplit(".", 1)[-1] == "endpoint" else location_refused(v)
             if why:
                 out.append(f"ConfigError: {key}={why}")
     return out

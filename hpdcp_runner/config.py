@@ -713,7 +713,8 @@ def engine_options(c: Config) -> EngineOptions:
         try:
             return make()
         except ConfigError as e:  # the engine's own check, named by the config key
-            problems.append(f"{prefix}: {e}")
+            head, sep, rest = str(e).partition(": ")
+            problems.append(f"{prefix}.{head}: {rest}" if sep and head.isidentifier() else f"{prefix}: {e}")
 
     if d.planner.name not in SAVE_PLANNERS:
         problems.append(f"dcp.planner.name: unknown planner {d.planner.name!r} (choose {', '.join(SAVE_PLANNERS)})")

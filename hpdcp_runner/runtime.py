@@ -214,6 +214,36 @@ def write_out(text: str, file=None) -> None:
             os.close(devnull)
 
 
+def redact_saved_config() -> None:
+    """Hydra saves the composed config under ``.hydra/`` before the job runs: a secret that a
+    config file (not the command line, which is checked before Hydra starts) put in a URI, a
+    signature in a query string or a key in ``user:secret@``, is rewritten out of those copies
+    before anything else happens (the job then refuses the location itself)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from .dcp.tools import redact
+
+    try:
+        hc = HydraConfig.get()
+        folder = os.path.join(hc.runtime.output_dir, hc.output_subdir) if hc.output_subdir else None
+    except Exception:  # not under Hydra (a test calling a job directly)
+        return
+    if not folder or not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if not name.endswith(".yaml") or not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            text = f.read()
+        clean = redact(text)
+        if clean != text:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(clean)
+            os.replace(tmp, path)
+
+
 def detail_logger() -> logging.Logger:
     """Where jobs log what only the rank log needs (phases, tracebacks of failures)."""
     return logging.getLogger(DETAIL_LOGGER)

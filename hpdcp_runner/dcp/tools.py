@@ -23,7 +23,7 @@ from .storage.filesystem import ReaderOptions
 from .storage.object_store import ObjectStoreOptions, configure as configure_object_store
 from .storage.location import Location, fsspec_package, is_local, locate, refused as location_refused, resolve as resolve_location
 from .storage.stores import SCHEMES as STORE_SCHEMES
-from .storage.uri import redact, join as join_location, dirname as location_dirname
+from .storage.uri import credentials_refused, redact, join as join_location, dirname as location_dirname
 from .storage.object_checkpoint import remove_checkpoint
 from .storage.foreign import FORMATS, detect_format
 from .storage.retention import (apply_retention, latest_checkpoint, list_checkpoints, series_extra, series_outsiders,
@@ -33,6 +33,6 @@ __all__ = ["node_id", "save_in_flight", "available_bytes", "check_allocation", "
            "TENSOR_LEAVES", "PhaseTimer", "flatten_state_dict", "get_logger", "set_element", "DTYPES",
            "METADATA_FILE", "dtype_from_name", "parse_json", "compile_rules", "rename_key", "transforms", "export_hf", "describe",
            "full_tensor_digests", "verify", "read_side_file", "local_pieces", "leaf_shape_dtype", "new_key_path", "ReaderOptions",
-           "ObjectStoreOptions", "configure_object_store", "STORE_SCHEMES", "redact", "Location", "fsspec_package", "is_local",
+           "ObjectStoreOptions", "configure_object_store", "STORE_SCHEMES", "redact", "credentials_refused", "Location", "fsspec_package", "is_local",
            "locate", "location_refused", "resolve_location", "join_location", "location_dirname", "remove_checkpoint", "FORMATS", "detect_format", "apply_retention",
            "latest_checkpoint", "list_checkpoints", "series_extra", "series_outsiders", "unrecorded_checkpoints"]

@@ -169,3 +169,84 @@ def test_a_store_that_ignores_if_match_refuses_overwrites_not_new_saves(proxied,
     fault_row("object store: a store that honours If-None-Match but ignores If-Match (proxy)", "object-store commit",
               "the probe replaces a stale version too: new names save, overwrites are refused unless "
               "dcp.storage.unconditional_ok=true", "ConfigError", "config key", True, None, None)
+
+
+def _cli(args, tmp_path, env=None):
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import _env
+
+    return subprocess.run([sys.executable, "-m", "hpdcp_runner", *args], capture_output=True, text=True, timeout=240,
+                          env=env or _env(), cwd=str(tmp_path))
+
+
+def _everything_written(root) -> str:
+    out = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out.append(fh.read().decode(errors="replace"))
+    return "\n".join(out)
+
+
+def test_a_secret_in_a_uris_query_is_never_printed_or_recorded(tmp_path, az_container, fault_row):
+    """Item 9: ``az://c/p?sv=...&sig=SECRET`` was accepted, saved under a key holding the query,
+    and SECRET printed and written to ``.hydra/*.yaml`` and ``metrics.json``; an https SAS URL's
+    refusal printed SECRET; a missing ``s3://...?X-Amz-Signature=SECRET`` named it. Every form is
+    now refused in one line with the query redacted, from the command line, a config file and
+    the Python API, and nothing under the run directory holds the secret."""
+    secret = "SECRETsig0123456789"
+    forms = {"checkpoint.path": f"{az_container}/ck?sv=2022-11-02&sp=rwdl&sig={secret}",
+             "job.source.path": f"https://devstoreaccount1.blob.core.windows.net/c/ck?sv=1&sig={secret}",
+             "checkpoint.dir": f"s3://bucket/ck?X-Amz-Credential=AK&X-Amz-Signature={secret}"}
+    for i, (key, uri) in enumerate(forms.items()):
+        job = "+job=load" if key == "job.source.path" else "+job=save"
+        r = _cli([job, f"{key}={uri}", f"hydra.run.dir={tmp_path}/run{i}"], tmp_path)
+        out = r.stdout + r.stderr
+        assert r.returncode == 2 and secret not in out, out[-2000:]
+        assert f"{key}=" in out and "query string" in out and "Traceback" not in out, out[-2000:]
+    # a config file (Hydra saves the composed config before the job runs)
+    (tmp_path / "cfg" / "site").mkdir(parents=True)
+    (tmp_path / "cfg" / "site" / "mine.yaml").write_text(
+        f"# @package _global_\ncheckpoint:\n  path: '{forms['checkpoint.path']}'\n")
+    r = _cli(["--config-dir", str(tmp_path / "cfg"), "+job=save", "+site=mine", f"hydra.run.dir={tmp_path}/filerun"],
+             tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and secret not in out and "query string" in out, out[-2000:]
+    assert secret not in _everything_written(tmp_path / "filerun")
+    # the Python API
+    with pytest.raises(dcp.ConfigError, match="query string") as ei:
+        dcp.save(_sd(1), checkpoint_id=forms["checkpoint.path"])
+    assert secret not in str(ei.value)
+    assert not _names(az_container)  # nothing was written under a key holding the query
+    fault_row("a SAS token or presigned signature in a location's query string (command line, config file, API)",
+              "secrets", "refused in one line, the query redacted; nothing printed or recorded holds it",
+              "ConfigError", "config key", None, None, None)
+
+
+def test_storage_knobs_are_parsed_as_the_numbers_they_are(tmp_path, s3_endpoint, s3_bucket, fault_row):
+    """Item 10: ``request_timeout_s=0.5`` became 0 s (every request failed), ``nan`` gave a
+    traceback, ``inf`` a bare OverflowError, and the documented ``dcp.storage.endpoint=http://...``
+    was refused on the command line. Here the endpoint comes from the override alone
+    (AWS_ENDPOINT_URL removed)."""
+    from tests.e2e.conftest import _env
+
+    env = _env()
+    env.pop("AWS_ENDPOINT_URL", None)
+    ck = f"{s3_bucket}/ck"
+    r = _cli(["+job=save", f"checkpoint.path={ck}", f"dcp.storage.endpoint={s3_endpoint}", "dcp.storage.allow_http=true",
+              "dcp.storage.request_timeout_s=0.5", f"hydra.run.dir={tmp_path}/ok"], tmp_path, env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "hpdcp-commit.json" in _names(ck)
+    for value in ("nan", "inf", "-1", "0"):
+        r = _cli(["+job=save", f"checkpoint.path={ck}2", f"dcp.storage.request_timeout_s={value}",
+                  f"hydra.run.dir={tmp_path}/{value}"], tmp_path)
+        out = r.stdout + r.stderr
+        assert r.returncode == 2 and "dcp.storage.request_timeout_s:" in out and "Traceback" not in out, out[-2000:]
+    r = _cli(["+job=save", f"checkpoint.path={ck}3", "dcp.storage.endpoint=ftp://host", f"hydra.run.dir={tmp_path}/e"],
+             tmp_path)
+    assert r.returncode == 2 and "dcp.storage.endpoint:" in r.stderr + r.stdout, (r.stdout + r.stderr)[-2000:]
+    fault_row("dcp.storage.request_timeout_s=0.5 / nan / inf / -1, dcp.storage.endpoint on the command line",
+              "config", "fractions kept (milliseconds), non-finite and out-of-range refused naming the key; the "
+              "endpoint override accepted", "ConfigError", "config key", None, None, None)

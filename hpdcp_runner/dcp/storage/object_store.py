@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from ..core.errors import CheckpointNotFoundError, ConfigError, StorageAccessError
+from .uri import redact
 from .interfaces import IOCounters
 from .stores import KINDS
 
@@ -68,11 +69,23 @@ class ObjectStoreOptions:
                 raise ConfigError(f"{name} must be >= {1 if name == 'concurrency' else 0}, got {getattr(self, name)}")
         if (self.coalesce_bytes is not None and self.coalesce_bytes < 0) or self.read_buffer_bytes < 1 << 20:
             raise ConfigError("coalesce_bytes must be >= 0 and read_buffer_bytes >= 1MiB")
-        if self.orphan_grace_s < 0 or self.retry_timeout_s <= 0 or self.request_timeout_s <= 0:
-            raise ConfigError("orphan_grace_s must be >= 0, retry_timeout_s and request_timeout_s positive")
+        for name, lo, hi in (("orphan_grace_s", 0.0, 365 * 86400.0), ("retry_timeout_s", 1e-3, 86400.0),
+                             ("request_timeout_s", 1e-3, 86400.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:  # nan fails both
+                raise ConfigError(f"{name}: {v!r} is not seconds from {lo:g} to {hi:g}")
+        if self.endpoint is not None:
+            from .uri import redact
+
+            if not isinstance(self.endpoint, str) or not _ENDPOINT.match(self.endpoint):
+                raise ConfigError(f"endpoint: {redact(str(self.endpoint))!r} is not an http:// or https:// URL with a "
+                                  f"host (and no credentials or query string: those come from the environment)")
 
     def kwargs(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_ENDPOINT = re.compile(r"^https?://[^/?#@\s]+(/[^?#@\s]*)?$")
 
 
 def parse_uri(uri: str) -> tuple[str, str, str]:
@@ -121,7 +134,9 @@ def _store(scheme: str, bucket: str, o: ObjectStoreOptions) -> Any:
     with _STORES_LOCK:
         if key not in _STORES:
             kind = KINDS[scheme]
-            client: dict[str, Any] = {"timeout": f"{int(o.request_timeout_s)}s", "connect_timeout": "10s"}
+            # in milliseconds: 0.5 s is 500 ms, never truncated to 0 s
+            client: dict[str, Any] = {"timeout": f"{max(1, round(o.request_timeout_s * 1000))}ms",
+                                      "connect_timeout": "10s"}
             allow_http = o.allow_http
             if allow_http is None:  # client options given here replace the library's reading of it
                 allow_http = os.environ.get(kind.allow_http_env, "").lower() in ("1", "true", "yes") or \
@@ -232,7 +247,9 @@ def _profile_credentials() -> Any:
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    """The client's error in one line, without what a URL in it carries (a SAS token from the
+    environment rides in every Azure request's query string)."""
+    return redact((str(e).strip().splitlines() or [type(e).__name__])[0])[:300]
 
 
 _NETWORK = (("ConnectionRefused", "the connection was refused (nothing listens there)"),

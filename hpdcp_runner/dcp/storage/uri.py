@@ -17,20 +17,36 @@ from ..core.errors import ConfigError
 from .stores import SCHEMES, examples, is_remote as is_uri, scheme_of  # noqa: F401  (re-exported)
 
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)[^/@]*@")
+_QUERY = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^?#]*[?#]")
+# the query (or fragment) of any URL in a text: where signatures and SAS tokens travel
+_URL_QUERY = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s?#'\"]*)[?#][^\s'\"]*")
+# signed-request parameters outside a whole URL (a message quoting part of one)
+_SIGNED_PARAM = re.compile(r"(?i)\b(sig|signature|x-amz-signature|x-amz-credential|x-amz-security-token|"
+                           r"x-goog-signature|x-goog-credential|access_token|token)=[^&\s'\"]+")
 
 
 def redact(text: str) -> str:
-    """``text`` with the credentials of any URI in it (``s3://KEY:SECRET@bucket``) replaced."""
-    return re.sub(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s]*@", r"\1***@", text)
+    """``text`` with every secret a URI in it can carry replaced: credentials
+    (``s3://KEY:SECRET@bucket``), a query string or fragment (``az://c/p?sv=...&sig=...``,
+    ``https://...?X-Amz-Signature=...``), and signed-request parameters quoted on their own."""
+    text = re.sub(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s]*@", r"\1***@", text)
+    text = _URL_QUERY.sub(r"\1?***", text)
+    return _SIGNED_PARAM.sub(r"\1=***", text)
 
 
 def credentials_refused(path: str) -> str | None:
     """Why a URI that carries credentials is refused (None: it carries none). They would reach
-    error messages, logs and the run's saved config; the store's own environment holds them."""
+    error messages, logs and the run's saved config; the store's own environment holds them. A
+    query string is refused whatever it holds: a store location has none, and it is where
+    presigned signatures and SAS tokens travel."""
+    env = ("give them through the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE; "
+           "GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN)")
     if _USERINFO.match(path):
         return (f"{redact(path)}: credentials in a URI are refused (they would be recorded in logs and the run's "
-                f"config); give them through the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE; GOOGLE_APPLICATION_CREDENTIALS; "
-                f"AZURE_STORAGE_ACCOUNT_KEY)")
+                f"config); {env}")
+    if _QUERY.match(path):
+        return (f"{redact(path)}: a query string in a location is refused (a signature or SAS token there would be "
+                f"recorded in logs and the run's config, and a store location has none); {env}")
     return None
 
 
@@ -42,7 +58,7 @@ def check_uri(path: str) -> str:
         raise ConfigError(why)
     s = scheme_of(path)
     if s is not None and s not in SCHEMES:
-        raise ConfigError(f"{path}: the {s}:// scheme is not supported; a checkpoint location is a local directory "
+        raise ConfigError(f"{redact(path)}: the {s}:// scheme is not supported; a checkpoint location is a local directory "
                           f"or {examples()}")
     return path
 
