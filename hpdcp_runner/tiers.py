@@ -9,9 +9,10 @@ rank, else the next newest (the durable tier's when a node's fast tier is gone).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,7 @@ class Tiers:
         self.drainer = dcp.Drainer(timeout=e.timeout_s, store_options=e.store, fsync=e.fsync,
                                    overwrite=c.overwrite)
         self.durable_after: dict[str, float] = {}
+        self._retention_lock = threading.Lock()  # commits (a save's thread) and drains land concurrently
 
     def candidates(self) -> list[Candidate]:
         """Rank 0's listing of both tiers, newest step first, the fast tier first on a tie."""
@@ -93,24 +95,38 @@ class Tiers:
             out.sort(key=lambda x: (-x.step, x.tier != "fast"))
         return [Candidate(*x) for x in _from_rank0([(x.tier, x.name, x.step, x.path) for x in out])]
 
-    def latest(self) -> Candidate | None:
-        """The newest checkpoint committed in some tier and whole where it is read: a fast-tier
-        copy counts only when every rank finds all its files (checked on every rank, agreed)."""
+    def whole(self) -> Iterator[Candidate]:
+        """The checkpoints committed in some tier and whole where they are read, newest first: a
+        fast-tier copy counts only when every rank finds all its files (checked on every rank,
+        agreed); the durable tier's copy of the same step follows it (what a resume falls back to
+        when the fast copy then fails its checksums)."""
         for cand in self.candidates():
             if cand.tier == "durable":
-                return cand
+                yield cand
+                continue
             why = whole_here(cand.path)
             if _everyone_agrees(why is None):
-                return cand
+                yield cand
+                continue
             log.warning("checkpoint.resume=latest: %s in the fast tier is not whole on every rank%s; trying the next "
                         "newest", cand.path, f" (here: {why})" if why else "")
-        return None
+
+    def latest(self) -> Candidate | None:
+        return next(iter(self.whole()), None)
+
+    def _retain_fast(self, *keep: str) -> None:
+        """The fast tier's retention (rank 0): checkpoints a drain still reads are kept, and so
+        is ``keep`` (the one just committed). Run after each commit and after each drain lands,
+        so a checkpoint kept only while it drained goes once it has landed."""
+        if self.rank != 0 or self.keep_fast <= 0:
+            return
+        with self._retention_lock:
+            busy = {os.path.basename(p) for p in self.drainer.busy()}
+            apply_retention(self.fast, self.keep_fast, series=self.series, keep=busy | set(keep))
 
     def committed(self, name: str, step: int, save_index: int, started: float | None = None) -> None:
         """After the fast tier committed ``name`` (any thread): its retention, then the drain if due."""
-        if self.rank == 0 and self.keep_fast > 0:
-            busy = {os.path.basename(p) for p in self.drainer.busy()}
-            apply_retention(self.fast, self.keep_fast, series=self.series, keep=busy | {name})
+        self._retain_fast(name)
         if save_index % self.every:
             return
         self.drainer.submit(os.path.join(self.fast, name), join_location(self.durable, name),
@@ -121,10 +137,12 @@ class Tiers:
             self.durable_after[name] = time.perf_counter() - started
         if self.rank == 0 and self.keep_durable > 0:
             apply_retention(self.durable, self.keep_durable, series=self.series, keep=[name])
+        self._retain_fast()  # (the drainer may still list this one as busy: finish() runs it again)
 
     def finish(self) -> dict[str, Any]:
         """Wait for every drain to land or fail (the job does not exit before); what happened."""
         responses = self.drainer.close()
+        self._retain_fast()  # nothing drains any more: what was kept only for a drain goes
         outcome: dict[str, Any] = {}
         failed = []
         for r in responses:

@@ -22,13 +22,14 @@ import os
 import signal
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .. import dcp
-from ..dcp import ConfigError, HpdcpError, KeyMismatchError
-from ..dcp.tools import (save_in_flight, get_logger, join_location, latest_checkpoint, list_checkpoints, series_outsiders,
+from ..dcp import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, HpdcpError, KeyMismatchError,
+                   MetadataError)
+from ..dcp.tools import (save_in_flight, get_logger, join_location, list_checkpoints, series_outsiders,
                          unrecorded_checkpoints)
 from ..config import checkpoint_series
 from ..tiers import Tiers
@@ -50,26 +51,31 @@ def _state(tr: Trainer, rank: int, losses: dict[int, float], with_rank_state: bo
     return state
 
 
-def _resume_path(ctx: JobContext, tiers: Tiers | None = None) -> str | None:
+def _resume_candidates(ctx: JobContext, tiers: Tiers | None = None) -> Iterator[str]:
     """``checkpoint.resume``: a path, or ``latest`` = the newest checkpoint of this job's series
     (``checkpoint.name``) in ``checkpoint.dir`` by recorded step, never by a number in a name;
-    with a fast tier, the newest in either tier (``tiers.Tiers.latest``)."""
+    with a fast tier, the newest whole one in either tier (``tiers.Tiers.whole``). For
+    ``latest`` the older ones follow, newest first: what the resume falls back to when the one
+    it chose fails its checksums (a path given by the user has no fallback)."""
     resume = ctx.cfg.checkpoint.resume
     if not resume:
-        return None
+        return
     if resume != "latest":
-        return ctx.abspath(resume)
+        yield ctx.abspath(resume)
+        return
     if tiers is not None:
-        cand = tiers.latest()
-        if cand is None:
+        found = False
+        for cand in tiers.whole():
+            found = True
+            log.info("checkpoint.resume=latest: resuming from %s (the %s tier)", cand.path, cand.tier)
+            yield cand.path
+        if not found:
             log.info("checkpoint.resume=latest: no whole checkpoint of series %r in %s or %s; starting at step 0",
                      ctx.series[1], tiers.fast, tiers.durable)
-            return None
-        log.info("checkpoint.resume=latest: resuming from %s (the %s tier)", cand.path, cand.tier)
-        return cand.path
+        return
     ckdir, series = ctx.checkpoint_dir, ctx.series[1]
-    path = latest_checkpoint(ckdir, series)
-    if path is None:
+    entries = list_checkpoints(ckdir, series)
+    if not entries:
         legacy = unrecorded_checkpoints(ckdir, series)
         if legacy:
             raise ConfigError(f"checkpoint.resume=latest: {ckdir} holds {', '.join(legacy[:5])} named like the series "
@@ -77,9 +83,37 @@ def _resume_path(ctx: JobContext, tiers: Tiers | None = None) -> str | None:
                               f"version); resume one of them by path: checkpoint.resume=<path>")
         log.info("checkpoint.resume=latest: no committed checkpoint of series %r in %s; starting at step 0",
                  series, ckdir)
-    else:
-        log.info("checkpoint.resume=latest: resuming from %s", path)
-    return path
+    for e in reversed(entries):
+        log.info("checkpoint.resume=latest: resuming from %s", e.path)
+        yield e.path
+
+
+#: what makes a resume try the next newest copy: that copy's bytes or files are bad, nothing else
+_TRY_NEXT = (CorruptCheckpointError, MetadataError, CheckpointNotFoundError)
+
+
+def _resume(ctx: JobContext, tr: Trainer, losses: dict[int, float],
+            tiers: Tiers | None) -> tuple[str | None, str | None, list[dict[str, str]]]:
+    """(the checkpoint resumed from, what happened to the per-rank state, the copies skipped).
+    A copy that fails while it loads (a checksum, a file gone) is skipped for the next whole
+    one, newest first, saying so: the durable tier's copy of the same step after a fast copy
+    with a flipped byte. Every rank agrees before moving on (the load's failure is agreed too)."""
+    skipped: list[dict[str, str]] = []
+    latest = ctx.cfg.checkpoint.resume == "latest"
+    for path in _resume_candidates(ctx, tiers):
+        try:
+            return path, _restore(ctx, tr, path, losses), skipped
+        except _TRY_NEXT as e:
+            if not latest:
+                raise
+            why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            log.warning("checkpoint.resume=latest: %s failed while loading (%s); trying the next newest whole copy",
+                        path, why[:500])
+            skipped.append({"path": path, "error": why[:500]})
+    if skipped:
+        raise HpdcpError(f"checkpoint.resume=latest: every copy failed while loading; the newest, {skipped[0]['path']}: "
+                         f"{skipped[0]['error']}")
+    return None, None, skipped
 
 
 def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float]) -> str:
@@ -150,10 +184,7 @@ def run(ctx: JobContext) -> dict:
     losses: dict[int, float] = {}
     tiers = Tiers(ctx) if c.checkpoint.fast_tier.dir else None
     try:
-        resumed_from = _resume_path(ctx, tiers)
-        rank_state = None
-        if resumed_from:
-            rank_state = _restore(ctx, tr, resumed_from, losses)
+        resumed_from, rank_state, skipped = _resume(ctx, tr, losses, tiers)
         start = tr.step
         if job.async_save and job.save_every:
             dcp.start_async_persist(ctx.engine.async_mode, ctx.engine.persist_start_wait_s)
@@ -165,7 +196,7 @@ def run(ctx: JobContext) -> dict:
             tiers.drainer.close(timeout=ctx.engine.timeout_s)
         raise
     result: dict[str, Any] = {"start_step": start, "final_step": tr.step, "resumed_from": resumed_from,
-                              "rank_state": rank_state, "save_mode": f"async ({ctx.engine.async_mode})" if job.async_save else "sync",
+                              "rank_state": rank_state, "resume_skipped": skipped, "save_mode": f"async ({ctx.engine.async_mode})" if job.async_save else "sync",
                               "final_loss": losses.get(tr.step),
                               "save_writers": dict(Counter(m for _, m in timeline.get("writers", []))),
                               "checkpoints": [e.name for e in list_checkpoints(ckdir, ctx.series[1])]}

@@ -89,3 +89,47 @@ def test_a_fast_tier_file_changed_after_its_commit_is_never_drained(tmp_path, pl
         True,
         None,
         None)
+
+
+@pytest.mark.slow  # two 2-rank training runs (~40 s); the fault table runs the slow tier too
+def test_a_fast_copy_failing_its_checksums_resumes_from_the_buckets_copy(tmp_path, s3_bucket, fault_row):
+    """Item 11 of round 5: a fast-tier rank file with one byte flipped (same size) after its drain
+    landed: ``resume=latest`` took the fast copy (sizes only), failed with CorruptCheckpointError
+    and the job ended, although the bucket held a whole copy of that step; and
+    ``fast_tier.keep_last=1`` ended a job with three checkpoints in the fast tier (those kept
+    while they drained were never retired). Through the CLI under torchrun, 2 ranks."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import _env, metrics
+
+    fast, durable = tmp_path / "fast", f"{s3_bucket}/run"
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "hpdcp_runner", "+job=train",
+            "job.save_every=5", f"checkpoint.fast_tier.dir={fast}", f"checkpoint.dir={durable}",
+            "checkpoint.fast_tier.keep_last=1"]
+    slow_drains = {**_env(), "HPDCP_FAULTS": "copy.file:sleep=0.5"}  # each drain outlives the next commits
+    r = subprocess.run(base + ["job.steps=15", f"hydra.run.dir={tmp_path}/first"], capture_output=True, text=True,
+                       timeout=300, env=slow_drains, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(tmp_path / "first")["result"]
+    assert m["tiers"]["fast"] == ["step_15"], m["tiers"]  # keep_last=1 holds once every drain landed
+    assert sorted(p.name for p in fast.iterdir() if not p.name.startswith(".")) == ["step_15"]
+    assert "step_15" in m["tiers"]["durable"], m["tiers"]
+    f = fast / "step_15" / "rank00001.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) - 5] ^= 0x01  # inside the last tensor's bytes, the size unchanged
+    f.write_bytes(bytes(raw))
+    r = subprocess.run(base + ["job.steps=20", "checkpoint.resume=latest", "checkpoint.overwrite=true",
+                               f"hydra.run.dir={tmp_path}/resumed"], capture_output=True, text=True, timeout=300,
+                       env=_env(), cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(tmp_path / "resumed")["result"]
+    assert m["resumed_from"] == f"{durable}/step_15" and m["start_step"] == 15, m
+    assert [s["path"] for s in m["resume_skipped"]] == [str(fast / "step_15")], m["resume_skipped"]
+    assert "CorruptCheckpointError" in m["resume_skipped"][0]["error"]
+    assert "rank00001.safetensors" in m["resume_skipped"][0]["error"]
+    assert "failed while loading" in r.stderr and "trying the next newest whole copy" in r.stderr
+    fault_row("fast tier: one byte flipped (same size) in a rank file of the newest step, drained before; "
+              "resume=latest (2 ranks, CLI)", "tiers", "the fast copy fails its checksums on load, every rank agrees, "
+              "the bucket's copy of the same step is resumed from, saying so; fast_tier.keep_last=1 leaves one",
+              "CorruptCheckpointError", "file", True, None, None)
