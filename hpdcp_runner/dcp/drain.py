@@ -24,7 +24,7 @@ import xxhash
 from .async_persist import AsyncSaveResponse
 from .comm.collectives import Comm, gloo_group
 from .core import faults
-from .core.errors import CorruptCheckpointError, MetadataError
+from .core.errors import ConfigError, CorruptCheckpointError, MetadataError
 from .core.rafile import open_regular
 from .core.utils import get_logger
 from .format.checksums import digest, file_checksum
@@ -88,6 +88,18 @@ def copy_verified(src_dir: str, name: str, size: int, checksum: str, sink: Any, 
         os.close(fd)
 
 
+def _check_apart(src: str, dst: str | os.PathLike) -> None:
+    """A copy into its own source (``src/copy``) would add files the source's metadata does not
+    name, so the source no longer verifies; a source inside its destination would be replaced
+    by an overwrite. Both refused before anything is written (links resolved)."""
+    if not is_local(dst):
+        return
+    a, b = os.path.realpath(src), os.path.realpath(os.fspath(dst))
+    if a == b or b.startswith(a.rstrip(os.sep) + os.sep) or a.startswith(b.rstrip(os.sep) + os.sep):
+        raise ConfigError(f"copy_checkpoint: the destination {dst} is, lies inside, or holds the source {src}; "
+                          f"copy it somewhere outside")
+
+
 def copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = None, timeout: Timeout = None,
                     store_options: Any = None, fsync: bool = True, overwrite: bool = False,
                     writer: StorageWriter | None = None) -> Metadata:
@@ -99,6 +111,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = No
     src = os.fspath(src)
     if not is_local(src):
         raise MetadataError(f"copy_checkpoint reads a local directory, not {src}")
+    _check_apart(src, dst)
     comm = Comm.create(process_group, timeout)
     writer = writer or open_writer(dst, fsync=fsync, store_options=store_options)
 

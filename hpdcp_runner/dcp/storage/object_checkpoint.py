@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import posixpath
 import re
 import shutil
 import threading
@@ -604,7 +605,12 @@ class ObjectDirectoryOutput:
             raise ConfigError(f"{self.uri}: the export's output is (or holds, or lies inside) its source {src}")
         objs = list(self.bucket.list(self.prefix))
         rel = [o["path"][len(self.prefix) + 1:] for o in objs]
-        ours = [r for r in rel if r == COMMIT_OBJECT or r.endswith("/" + COMMIT_OBJECT)]
+        present = set(rel)
+        # ours: committed here (a commit object), or uploaded as plain files (metadata.json beside
+        # a rank file, no commit object: ``aws s3 cp --recursive`` of a local checkpoint)
+        ours = [r for r in rel if r == COMMIT_OBJECT or r.endswith("/" + COMMIT_OBJECT)] + \
+            [r for r in rel if (r == METADATA_FILE or r.endswith("/" + METADATA_FILE))
+             and posixpath.join(posixpath.dirname(r), rank_file(0, "safetensors")) in present]
         if ours:
             found = self.bucket.url(self.key_of(ours[0]))
             raise CheckpointExistsError(f"{self.uri} holds an hpdcp checkpoint ({found}); a Hugging Face export never "
