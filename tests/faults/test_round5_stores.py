@@ -250,3 +250,43 @@ def test_storage_knobs_are_parsed_as_the_numbers_they_are(tmp_path, s3_endpoint,
     fault_row("dcp.storage.request_timeout_s=0.5 / nan / inf / -1, dcp.storage.endpoint on the command line",
               "config", "fractions kept (milliseconds), non-finite and out-of-range refused naming the key; the "
               "endpoint override accepted", "ConfigError", "config key", None, None, None)
+
+
+def test_a_copy_into_its_own_source_is_refused_and_the_source_still_verifies(tmp_path, fault_row):
+    """Item 12: ``copy_checkpoint(src, src/copy)`` was accepted and left the source failing
+    ``verify`` (files its metadata does not name). A destination that is, lies inside, or holds
+    the source is now refused before anything is written, links resolved."""
+    src = tmp_path / "ck"
+    dcp.save(_sd(3), checkpoint_id=src)
+    os.symlink(src, tmp_path / "alias")
+    for dst in (src / "copy", src, tmp_path, tmp_path / "alias" / "copy"):
+        with pytest.raises(dcp.ConfigError, match="is, lies inside, or holds the source"):
+            dcp.copy_checkpoint(src, str(dst), overwrite=True)
+    assert "copy" not in os.listdir(src)
+    assert tools.verify(src).ok and _loads_as(str(src), 3)
+    dcp.copy_checkpoint(src, str(tmp_path / "elsewhere"))
+    assert _loads_as(str(tmp_path / "elsewhere"), 3)
+    fault_row("copy_checkpoint into its own source (src/copy, src, its parent, through a link)", "input checks",
+              "refused before anything is written; the source still verifies", "ConfigError", "file", True, None,
+              None)
+
+
+def test_an_hf_export_never_writes_over_a_checkpoint_uploaded_as_plain_files(tmp_path, s3_bucket, fault_row):
+    """Item 12: an HF export into a prefix holding one of our checkpoints uploaded as plain files
+    (``aws s3 cp --recursive``: metadata.json and rank files, no commit object) wrote beside it
+    with overwrite. It is refused like a committed checkpoint, at the prefix or under it."""
+    src = tmp_path / "ck"
+    dcp.save(_sd(4), checkpoint_id=src)
+    for where in ("up", "up/inner/ck"):
+        b = Bucket(f"{s3_bucket}/{where}")
+        for name in os.listdir(src):
+            b.upload_file(f"{b.root}/{name}", str(src / name))
+    before = _names(f"{s3_bucket}/up")
+    for dst in (f"{s3_bucket}/up", f"{s3_bucket}/up/inner"):
+        with pytest.raises(dcp.CheckpointExistsError, match="holds an hpdcp checkpoint"):
+            tools.export_hf(str(src), dst, overwrite=True)
+    assert _names(f"{s3_bucket}/up").keys() == before.keys()
+    assert _loads_as(f"{s3_bucket}/up", 4)
+    fault_row("an HF export with overwrite into a prefix holding a checkpoint uploaded as plain files (S3)",
+              "export deletes only its own", "refused like a committed checkpoint; nothing written",
+              "CheckpointExistsError", "file", True, None, None)
