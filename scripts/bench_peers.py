@@ -1,0 +1,437 @@
+"""Ours beside the checkpointing libraries a PyTorch user would pick, in one run on one state and disk.
+
+    pip install -e ".[peers]"      # torch-checkpointing (Meta), pinned; ByteCheckpoint: see below
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 scripts/bench_peers.py --reps 5 --scale 0.125
+
+Peers, each in the mode its documentation recommends, with its version printed:
+
+* torch.distributed.checkpoint (torch's own): ``FileSystemWriter`` with ``thread_count`` 1 and 2,
+  the better of the two counted; async: ``async_save`` (its thread executor);
+* torch-checkpointing 0.1.1 (``CheckpointManager``, a ``DefaultResharder`` on every item so a
+  checkpoint can be loaded under another sharding): sync saves through
+  ``SyncCheckpointSaverConfig``, async through its default ``AsyncCheckpointSaverConfig``
+  (host staging, a spawned writer process). On this machine kind it needs two things from the
+  user: ``use_direct_io=False`` (O_DIRECT writes fail on this file system) and a CPU all-gather
+  in place of its metadata exchange, which builds CUDA tensors (here: ``all_gather_object`` on
+  the job's gloo group). It never fsyncs: its saves end in the page cache, so its save times
+  are set beside the page-cache bound, ours beside the durable one;
+* ByteCheckpoint 0.0.2 pins torch <= 2.5; a row says why it did not run here when it cannot be
+  imported (install it with ``pip install --no-deps bytecheckpoint==0.0.2`` in a venv of its own).
+
+Cases (2 ranks, the state of ``bench_vs_torch_dcp.py``: 15 big matrices, 64 medium, 2000 small
+vectors, fp32; ``--scale`` scales the big ones' rows): save of Shard(0) DTensors (sharded) and of
+plain tensors on both ranks (replicated), warm load of each, reshard Shard(0) -> Shard(1) on the
+same 2 ranks, and the time an async save blocks the caller. Every load is checked element by
+element. Times are the max over ranks; medians with min-max over ``--reps``; ratio = best peer's
+median / ours. A peer that fails is a row with its error, never a missing row. The bounds of the
+same disk in the same run: the durable write (sequential writes + fdatasync) and the page-cache
+write (no fdatasync) of the bytes our save wrote on each rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as tdcp
+from torch.distributed.device_mesh import DeviceMesh
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vs_torch_dcp import check, durable_write, settle, timed, warm, workload, zeros_like_sd  # noqa: E402
+
+from hpdcp_runner import dcp  # noqa: E402
+
+
+def page_cache_write(path: str, nbytes: int) -> None:
+    """The same writes as ``durable_write`` without the fdatasync: what a save that never syncs
+    is bounded by."""
+    buf = memoryview(bytearray(b"\x5a" * min(nbytes, 16 << 20)))
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left:
+            n = min(left, len(buf))
+            f.write(buf[:n])
+            left -= n
+
+
+class TorchCheckpointing:
+    """torch-checkpointing's ``CheckpointManager`` (see the module docstring)."""
+
+    name = "torch-checkpointing"
+
+    def __init__(self) -> None:
+        import torch_checkpointing as tc
+        from torch_checkpointing import metadata_manager
+        from torch_checkpointing.default_resharder import DefaultResharder
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+        def gather_on_cpu(self: Any, data: Any, process_group: Any = None) -> dict[int, Any]:
+            out: list[Any] = [None] * dist.get_world_size(process_group)
+            dist.all_gather_object(out, data, group=process_group)
+            return dict(enumerate(out))
+
+        # its metadata exchange builds CUDA tensors; on CPU the same exchange over gloo
+        metadata_manager.DefaultMetadataManager._all_gather_pickled_data = gather_on_cpu
+        self.version = tc.__version__
+        storage = LocalFileSystemStorageConfig(use_direct_io=False)
+
+        def manager(save_config: Any) -> Any:
+            # a reused manager caches its sharding metadata and writes it with its first save
+            # only; a fresh one per checkpoint keeps every checkpoint reshardable
+            return tc.CheckpointManager.Config(default=tc.ItemSpec(resharder=DefaultResharder()), save=save_config,
+                                               storage_config=storage).build()
+
+        self._sync = lambda: manager(tc.SyncCheckpointSaverConfig())
+        # one async manager for the run, as a training loop keeps one: its writer process is
+        # started once (by the untimed warm-up save), not per checkpoint
+        self._async = manager(tc.AsyncCheckpointSaverConfig())
+
+    def save(self, sd: dict, path: str) -> None:
+        m = self._sync()
+        try:
+            m.save(path, {"model": sd})
+        finally:
+            m.close()
+
+    def load(self, tgt: dict, path: str) -> None:
+        m = self._sync()
+        try:
+            m.load(path, into={"model": tgt})
+        finally:
+            m.close()
+
+    def async_save(self, sd: dict, path: str) -> Callable[[], None]:
+        """Blocks until the state is staged (the caller may change it again): its ``save``
+        returns before staging ends, so the blocking part includes the staging future it keeps
+        (a private attribute: the library exposes no public wait for it). Ours and torch DCP's
+        ``async_save`` return once staged."""
+        fut = self._async.save(path, {"model": sd})
+        staging = getattr(self._async, "_staging_future", None)
+        if staging is not None:
+            staging.result()
+        return (lambda: None) if fut is None else fut.result
+
+    def close(self) -> None:
+        self._async.close()
+
+
+class TorchDCP:
+    name = "torch DCP"
+
+    def __init__(self, threads: int) -> None:
+        self.threads, self.version = threads, torch.__version__.split("+")[0]
+        self.name = f"torch DCP tc={threads}"
+
+    def save(self, sd: dict, path: str) -> None:
+        tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(path, thread_count=self.threads))
+
+    def load(self, tgt: dict, path: str) -> None:
+        tdcp.load(tgt, storage_reader=tdcp.FileSystemReader(path))
+
+    def async_save(self, sd: dict, path: str) -> Callable[[], None]:
+        fut = tdcp.async_save(sd, storage_writer=tdcp.FileSystemWriter(path, thread_count=self.threads))
+        return fut.result
+
+
+class Ours:
+    name = "hpdcp_runner"
+
+    def __init__(self) -> None:
+        self.version = "this tree"
+
+    def save(self, sd: dict, path: str) -> None:
+        dcp.save(sd, checkpoint_id=path)
+
+    def load(self, tgt: dict, path: str) -> None:
+        dcp.load(tgt, checkpoint_id=path)
+
+    def async_save(self, sd: dict, path: str) -> Callable[[], None]:
+        return dcp.async_save(sd, checkpoint_id=path).result
+
+
+class ByteCheckpoint:
+    """ByteCheckpoint's FSDP2 checkpointer (``bytecheckpoint.save/load(..., framework="fsdp2")``):
+    the state as an FSDP2 module whose parameters are the workload's tensors (``fully_shard``:
+    Shard(0) DTensors, as our sharded case). Its replicated and Shard(1) layouts are not what an
+    FSDP2 checkpointer takes: those rows say so. Its coordinator is a gRPC server in a spawned
+    process, started by the first save (an untimed warm-up here, as its docs call it a one-time
+    cost); it finds its host by a UDP connect to 8.8.8.8, sent to the loopback address by the
+    ``sitecustomize`` the orchestrator puts first on its path."""
+
+    name = "ByteCheckpoint"
+
+    def __init__(self) -> None:
+        import bytecheckpoint
+
+        self.bcp = bytecheckpoint
+        self.version = getattr(getattr(bytecheckpoint, "version", None), "__version__", None) or "0.0.2"
+        self._models: dict[int, Any] = {}
+
+    def _module(self, sd: dict) -> Any:
+        from torch import nn
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        if id(sd) not in self._models:
+            m = nn.Module()
+            m.p = nn.ParameterList([nn.Parameter(v.full_tensor() if isinstance(v, DTensor) else v.clone())
+                                    for v in sd.values()])
+            mesh = next(v.device_mesh for v in sd.values() if isinstance(v, DTensor))
+            fully_shard(m, mesh=mesh)
+            self._models[id(sd)] = (m, sd)
+        return self._models[id(sd)][0]
+
+    def supports(self, case: str) -> str | None:
+        if case.startswith("replicated"):
+            return "n/a: its FSDP2 checkpointer holds Shard(0) parameters only"
+        if case.startswith("reshard"):
+            return "n/a: its FSDP2 checkpointer loads into Shard(0) parameters only"
+        return None
+
+    def save(self, sd: dict, path: str) -> None:
+        self.bcp.save(path, {"model": self._module(sd)}, framework="fsdp2")
+
+    def load(self, tgt: dict, path: str) -> None:
+        m = self._module(tgt)
+        self.bcp.load(path, {"model": m}, framework="fsdp2")
+        with torch.no_grad():  # back into the workload's DTensors, for the check
+            for v, p_ in zip(tgt.values(), m.parameters()):
+                v.to_local().copy_(p_.to_local())
+
+    def async_save(self, sd: dict, path: str) -> Callable[[], None]:
+        self.bcp.save(path, {"model": self._module(sd)}, framework="fsdp2", fast_saving=True)
+        return lambda: None
+
+
+GROUPS = {"main": ("hpdcp_runner", "torch DCP", "torch-checkpointing"), "bytecheckpoint": ("ByteCheckpoint",)}
+
+
+def _peers(group: str, threads: int) -> tuple[list[Any], dict[str, str]]:
+    """The libraries of this job that run here, and why each of the others does not."""
+    makers: dict[str, Callable[[], list[Any]]] = {
+        "hpdcp_runner": lambda: [Ours()], "torch DCP": lambda: [TorchDCP(1), TorchDCP(threads)],
+        "torch-checkpointing": lambda: [TorchCheckpointing()], "ByteCheckpoint": lambda: [ByteCheckpoint()]}
+    libs: list[Any] = []
+    failed = {}
+    for name in GROUPS[group]:
+        try:
+            libs += makers[name]()
+        except Exception as e:  # a row with its error, never a missing row
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return libs, failed
+
+
+SITECUSTOMIZE = """# written by scripts/bench_peers.py for ByteCheckpoint's job only: it finds its host by a UDP
+# connect to 8.8.8.8, which fails without a route out (its coordinator then never answers)
+import socket
+_connect = socket.socket.connect
+def _loopback(self, addr, *a):
+    if self.type == socket.SOCK_DGRAM and isinstance(addr, tuple) and addr[0] == "8.8.8.8":
+        addr = ("127.0.0.1", addr[1])
+    return _connect(self, addr, *a)
+socket.socket.connect = _loopback
+"""
+
+
+def worker(args: Any) -> None:
+    """One torchrun job: the cases of one group of libraries, results as JSON (rank 0)."""
+    import json
+
+    dist.init_process_group("gloo")
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    libs, failed = _peers(args.worker, args.dcp_threads)
+    base = os.path.join(args.dir or tempfile.gettempdir(), f"hpdcp-peers-{os.environ.get('MASTER_PORT', '0')}")
+    times: dict[str, dict[str, list[float]]] = {}
+    errors: dict[str, dict[str, str]] = {}
+    bounds: dict[str, list[float]] = {}
+
+    def case(what: str, lib: Any, fn: Callable[[], None]) -> bool:
+        if lib.name in errors.get(what, {}):
+            return False
+        why = getattr(lib, "supports", lambda c: None)(what)
+        if why:
+            errors.setdefault(what, {})[lib.name] = why
+            return False
+        try:
+            times.setdefault(what, {}).setdefault(lib.name, []).append(timed(fn))
+            return True
+        except Exception as e:
+            if rank == 0:
+                traceback.print_exc()
+            errors.setdefault(what, {})[lib.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            return False
+
+    for rep in range(args.reps):
+        root = f"{base}/rep{rep}"
+        order = libs if rep % 2 == 0 else libs[::-1]
+        for layout in ("sharded", "replicated"):
+            sd = workload(args.scale, layout, mesh)
+            for lib in order:
+                path = f"{root}/{layout}-{lib.name.replace(' ', '_').replace('=', '')}"
+                if rep == 0 and args.worker == "bytecheckpoint" and layout == "sharded":
+                    lib.save(sd, f"{path}-warmup")  # its coordinator's start: a one-time cost, untimed
+                settle()
+                if case(f"{layout} save", lib, lambda: lib.save(sd, path)):
+                    warm(path)
+                tgt = zeros_like_sd(sd)
+                if case(f"{layout} load, warm", lib, lambda: lib.load(tgt, path)):
+                    check(sd, tgt)
+                if layout == "sharded":
+                    ref1 = workload(args.scale, "sharded", mesh, dim=1)
+                    tgt = zeros_like_sd(ref1)
+                    if case("reshard S0->S1, warm", lib, lambda: lib.load(tgt, path)):
+                        check(ref1, tgt)
+                    if rep == 0:  # warm-up, untimed: a writer thread or process started, buffers allocated
+                        try:
+                            lib.async_save(sd, f"{path}-warmup-async")()
+                        except Exception:
+                            pass
+                        dist.barrier()
+                    settle()
+                    waits: list[Callable[[], None]] = []
+                    case("async save, blocking", lib, lambda: waits.append(lib.async_save(sd, f"{path}-async")))
+                    for w in waits:
+                        w()
+                    dist.barrier()
+            ours = f"{root}/{layout}-hpdcp_runner"
+            if os.path.isdir(ours):  # the bounds: the bytes our save wrote on this rank, on this disk
+                mine = sum(os.path.getsize(os.path.join(ours, n)) for n in os.listdir(ours)
+                           if n.startswith(f"rank{rank:05d}"))
+                for kind, write in (("durable", durable_write), ("page cache", page_cache_write)):
+                    settle()
+                    bounds.setdefault(f"{layout} {kind}", []).append(timed(lambda: write(f"{root}/bound-{rank}", mine)))
+                    os.unlink(f"{root}/bound-{rank}")
+            del sd
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        dist.barrier()
+    for lib in libs:
+        getattr(lib, "close", lambda: None)()
+    if rank == 0:
+        with open(args.results, "w") as f:
+            json.dump({"times": times, "errors": errors, "bounds": bounds, "failed": failed, "world_size": ws,
+                       "libs": [[lib.name, lib.version] for lib in libs]}, f)
+        shutil.rmtree(base, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    """Without ``--worker``: the orchestrator. Each group of libraries runs as its own torchrun job
+    (ByteCheckpoint's background services and the others' do not share one process group), and
+    the results are merged into one table."""
+    import json
+    import subprocess
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=float, default=0.125, help="scales the big matrices' rows (1 = 1 GiB in all)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dcp-threads", type=int, default=2)
+    ap.add_argument("--bytecheckpoint-path", default=None,
+                    help="a directory holding bytecheckpoint and its dependencies (pip install --no-deps --target), "
+                         "put on its job's PYTHONPATH only")
+    ap.add_argument("--out", default=None, help="append the markdown table here")
+    ap.add_argument("--worker", choices=sorted(GROUPS), help=argparse.SUPPRESS)
+    ap.add_argument("--results", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    merged: dict[str, Any] = {"times": {}, "errors": {}, "bounds": {}, "failed": {}, "libs": []}
+    with tempfile.TemporaryDirectory(prefix="hpdcp-peers-") as tmp:
+        for group in GROUPS:
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            if group == "bytecheckpoint":
+                if not args.bytecheckpoint_path:
+                    merged["failed"]["ByteCheckpoint"] = ("not installed here: it pins torch<=2.5; pass "
+                                                          "--bytecheckpoint-path (see the module docstring)")
+                    continue
+                with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+                    f.write(SITECUSTOMIZE)
+                env["PYTHONPATH"] = os.pathsep.join([tmp, args.bytecheckpoint_path, env.get("PYTHONPATH", "")])
+            results = os.path.join(tmp, f"{group}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", __file__,
+                   "--worker", group, "--results", results, "--reps", str(args.reps), "--scale", str(args.scale),
+                   "--dcp-threads", str(args.dcp_threads)] + (["--dir", args.dir] if args.dir else [])
+            r = subprocess.run(cmd, env=env)
+            if r.returncode or not os.path.exists(results):
+                for name in GROUPS[group]:
+                    merged["failed"][name] = f"its job exited {r.returncode}"
+                continue
+            with open(results) as f:
+                got = json.load(f)
+            for key in ("times", "errors"):
+                for c, per in got[key].items():
+                    merged[key].setdefault(c, {}).update(per)
+            for k, v in got["bounds"].items():
+                merged["bounds"].setdefault(k, v)
+            merged["failed"].update(got["failed"])
+            merged["libs"] += got["libs"]
+            merged["world_size"] = got["world_size"]
+    text = report(args, merged)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+
+
+def _cell(xs: list[float] | None) -> str:
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def report(args: Any, m: dict) -> str:
+    cases = ["sharded save", "replicated save", "sharded load, warm", "replicated load, warm", "reshard S0->S1, warm",
+             "async save, blocking"]
+    names = [n for n, _ in m["libs"]] + [n for n in m["failed"] if n not in {x for x, _ in m["libs"]}]
+    ws = m.get("world_size", args.nproc)
+    size = sum(t.numel() * t.element_size() for t in workload(args.scale, "replicated", None).values()) / 2**30
+    versions = ", ".join(f"{n} {v}" for n, v in m["libs"] if n != "torch DCP tc=1")
+    lines = [f"Command: `OMP_NUM_THREADS=1 python scripts/bench_peers.py --reps {args.reps} --scale {args.scale}"
+             + (" --bytecheckpoint-path <dir>" if args.bytecheckpoint_path else "") + "`", "",
+             f"Machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, gloo on CPU, "
+             f"{ws} ranks, local disk; state {size:.3f} GiB. Versions: {versions}."
+             + (" Not run: " + "; ".join(f"{k} ({v})" for k, v in m["failed"].items()) if m["failed"] else ""), "",
+             "Seconds: median (min-max) over repetitions, max over ranks. Ratio = the best peer's median / ours "
+             "(> 1: we are faster).", "",
+             "| case | " + " | ".join(names) + " | best peer | ratio |",
+             "|---|" + "---|" * (len(names) + 2)]
+    for c in cases:
+        row, peers = [], []
+        for n in names:
+            err = m["errors"].get(c, {}).get(n) or (f"not run" if n in m["failed"] else None)
+            xs = m["times"].get(c, {}).get(n)
+            if err or not xs:
+                row.append(err or "-")
+                continue
+            row.append(_cell(xs))
+            if n != "hpdcp_runner":
+                peers.append((statistics.median(xs), n))
+        ours = m["times"].get(c, {}).get("hpdcp_runner")
+        best = min(peers) if peers else None
+        ratio = f"**{best[0] / statistics.median(ours):.2f}x**" if best and ours else "-"
+        lines.append(f"| {c} | " + " | ".join(row) + f" | {best[1] if best else '-'} | {ratio} |")
+    lines.append("")
+    b = m["bounds"]
+    for layout in ("sharded", "replicated"):
+        lines.append(f"- {layout} save, the bounds of this disk for the bytes our save wrote per rank: durable write "
+                     f"{_cell(b.get(f'{layout} durable'))} s, page-cache write {_cell(b.get(f'{layout} page cache'))} s "
+                     f"(torch-checkpointing never fsyncs: its saves end in the page cache)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
