@@ -1,7 +1,14 @@
 """Ours beside the checkpointing libraries a PyTorch user would pick, in one run on one state and disk.
 
-    pip install -e ".[peers]"      # torch-checkpointing (Meta), pinned; ByteCheckpoint: see below
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 scripts/bench_peers.py --reps 5 --scale 0.125
+    pip install -e ".[peers]"      # torch-checkpointing (Meta), pinned
+    # ByteCheckpoint pins torch<=2.5: into a directory of its own, never the project's environment
+    pip install --no-deps --target /tmp/bcp bytecheckpoint==0.0.2 mmh3 universal-pathlib cachetools grpcio protobuf==3.20.3
+    OMP_NUM_THREADS=1 python scripts/bench_peers.py --reps 5 --scale 0.125 --bytecheckpoint-path /tmp/bcp
+
+The script runs each group of libraries as its own torchrun job (ours, torch DCP and
+torch-checkpointing in one; ByteCheckpoint, whose gRPC coordinator and background services do
+not share a process with the others, in another, with its directory on that job's path only)
+and merges the results into one table.
 
 Peers, each in the mode its documentation recommends, with its version printed:
 
@@ -15,8 +22,13 @@ Peers, each in the mode its documentation recommends, with its version printed:
   in place of its metadata exchange, which builds CUDA tensors (here: ``all_gather_object`` on
   the job's gloo group). It never fsyncs: its saves end in the page cache, so its save times
   are set beside the page-cache bound, ours beside the durable one;
-* ByteCheckpoint 0.0.2 pins torch <= 2.5; a row says why it did not run here when it cannot be
-  imported (install it with ``pip install --no-deps bytecheckpoint==0.0.2`` in a venv of its own).
+* ByteCheckpoint 0.0.2 (the NSDI'25 paper's code): it pins torch <= 2.5 but runs on torch 2.13
+  installed with ``--no-deps`` beside its own dependencies; its FSDP2 checkpointer
+  (``framework="fsdp2"``) saves and loads an FSDP2 module, so it runs the sharded cases only (a
+  row says n/a for the others). Its first save starts its coordinator (an untimed warm-up). It
+  finds its host by a UDP connect to 8.8.8.8, which fails without a route out and leaves its
+  coordinator silent: its job gets a ``sitecustomize`` sending that connect to the loopback.
+  Without ``--bytecheckpoint-path`` its column says it was not run.
 
 Cases (2 ranks, the state of ``bench_vs_torch_dcp.py``: 15 big matrices, 64 medium, 2000 small
 vectors, fp32; ``--scale`` scales the big ones' rows): save of Shard(0) DTensors (sharded) and of
