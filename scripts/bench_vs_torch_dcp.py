@@ -199,6 +199,9 @@ def main() -> None:
                          "every process on the machine)")
     ap.add_argument("--reshard-rows", action="store_true", help="run the reshard matrix (see the module doc)")
     ap.add_argument("--saves-only", action="store_true", help="only the sharded and replicated saves and the bound")
+    ap.add_argument("--replicated-first", action="store_true",
+                    help="time the replicated layout before the sharded one (what runs second inherits the disk's "
+                         "state after the first: compare both orders)")
     ap.add_argument("--matrix-mib", type=int, default=128, help="state size per reshard-matrix case, MiB")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -222,7 +225,7 @@ def main() -> None:
 
     for rep in range(args.reps):
         root = f"{base}/rep{rep}"
-        for layout in ("sharded", "replicated"):
+        for layout in ("replicated", "sharded") if args.replicated_first else ("sharded", "replicated"):
             sd = workload(args.scale, layout, mesh)
             paths = {"ours": f"{root}/{layout}-ours", **{p: f"{root}/{layout}-{p}" for p in peers}}
             order = ["ours", *peers] if rep % 2 == 0 else [*peers, "ours"]
