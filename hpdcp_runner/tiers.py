@@ -3,7 +3,8 @@ directory and returns; every ``drain_every``-th committed save is copied in the 
 verified against its checksums, to ``checkpoint.dir`` (the durable tier) and committed there by
 that store's commit. Each tier keeps its own ``keep_last``. ``checkpoint.resume=latest`` takes
 the newest checkpoint committed in either tier, the fast tier's copy when it is whole on every
-rank, else the next newest (the durable tier's when a node's fast tier is gone).
+rank, else the next newest (the durable tier's when a node's fast tier is gone); a copy that then
+fails its checksums while it loads gives way to the next whole one (the durable copy of the step).
 """
 
 from __future__ import annotations
@@ -110,9 +111,6 @@ class Tiers:
                 continue
             log.warning("checkpoint.resume=latest: %s in the fast tier is not whole on every rank%s; trying the next "
                         "newest", cand.path, f" (here: {why})" if why else "")
-
-    def latest(self) -> Candidate | None:
-        return next(iter(self.whole()), None)
 
     def _retain_fast(self, *keep: str) -> None:
         """The fast tier's retention (rank 0): checkpoints a drain still reads are kept, and so
