@@ -424,7 +424,7 @@ def report(args: Any, m: dict) -> str:
     for c in cases:
         row, peers = [], []
         for n in names:
-            err = m["errors"].get(c, {}).get(n) or (f"not run" if n in m["failed"] else None)
+            err = m["errors"].get(c, {}).get(n) or ("not run" if n in m["failed"] else None)
             xs = m["times"].get(c, {}).get(n)
             if err or not xs:
                 row.append(err or "-")

@@ -75,8 +75,6 @@ class ObjectStoreOptions:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:  # nan fails both
                 raise ConfigError(f"{name}: {v!r} is not seconds from {lo:g} to {hi:g}")
         if self.endpoint is not None:
-            from .uri import redact
-
             if not isinstance(self.endpoint, str) or not _ENDPOINT.match(self.endpoint):
                 raise ConfigError(f"endpoint: {redact(str(self.endpoint))!r} is not an http:// or https:// URL with a "
                                   f"host (and no credentials or query string: those come from the environment)")
