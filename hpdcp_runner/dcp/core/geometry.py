@@ -209,56 +209,94 @@ def boxes_tile(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     return None
 
 
-def tiling_problem(shapes: Sequence[Sequence[int] | None], rows: torch.Tensor) -> tuple[int, str] | None:
+def _split_gaps(rows: torch.Tensor, g: torch.Tensor, dim: torch.Tensor, sel: torch.Tensor | None,
+                suspect: torch.Tensor) -> None:
+    """``tiling_problem``'s chunks split along one dimension (rows ``sel``, all if None; ``g``
+    their tensor ids, ``dim`` that dimension): a tensor is suspect where its chunks split
+    different dimensions, or, sorted along the split one, leave a gap or overlap."""
+    k, d = len(suspect), rows.shape[1] // 2
+    lo = torch.full((k,), d, dtype=torch.int64).scatter_reduce(0, g, dim, "amin")
+    hi = torch.full((k,), -1, dtype=torch.int64).scatter_reduce(0, g, dim, "amax")
+    suspect[g[lo[g] != hi[g]]] = True
+
+    def column(c: int) -> torch.Tensor:
+        return rows[:, c] if sel is None else rows[:, c][sel]
+    start, size = column(0), column(d)
+    for j in range(1, d):
+        at = dim == j
+        if bool(at.any()):
+            start, size = torch.where(at, column(j), start), torch.where(at, column(d + j), size)
+    end = start + size
+    del size
+    same = g[1:] == g[:-1]
+    if not bool(((g[1:] > g[:-1]) | (same & (start[1:] >= start[:-1]))).all()):  # (a chunk index is sorted)
+        o = torch.argsort(start, stable=True)
+        o = o[torch.argsort(g[o], stable=True)]
+        g, start, end = g[o], start[o], end[o]
+        same = g[1:] == g[:-1]
+    gap = same & (start[1:] != end[:-1])
+    suspect[g[1:][gap]] = True
+
+
+def tiling_problem(shapes: Sequence[Sequence[int] | None], rows: torch.Tensor,
+                   ids: torch.Tensor | None = None) -> tuple[int, str] | None:
     """``boxes_tile`` for many tensors at once: ``rows`` are int64 ``[tensor id, offsets, sizes]``
     with ndim padded to D (offset 0, size 1); ``shapes[i]`` is tensor i's shape (None: not a
-    tensor). Returns the first (tensor id, problem) or None.
+    tensor). Returns the first (tensor id, problem) or None. With ``ids`` (the tensor ids), ``rows``
+    holds only the offsets and sizes: a view of a wider matrix is checked without a copy.
 
     Vectorised for the layouts that split one dimension (or none): inside the shape, volumes add
     up, and the non-empty chunks, sorted along the split dimension, are adjacent. Tensors split
     along several dimensions, and any that fail, go to the exact sweep (``boxes_tile``), which
     also words the problem. Checking one chunk costs ~1 us here instead of ~20 in Python.
     """
-    d = (rows.shape[1] - 1) // 2
+    if ids is None:
+        ids, rows = rows[:, 0], rows[:, 1:]
+    d = rows.shape[1] // 2
     k = len(shapes)
     if not k:
         return None
-    full = torch.ones((k, max(d, 1)), dtype=torch.int64)
+    full = torch.ones((max(d, 1), k), dtype=torch.int64)
     numel = torch.zeros(k, dtype=torch.int64)
     for i, shp in enumerate(shapes):
         if shp is not None:
             if len(shp):
-                full[i, :len(shp)] = torch.tensor(list(shp), dtype=torch.int64)
+                full[:len(shp), i] = torch.tensor(list(shp), dtype=torch.int64)
             numel[i] = math.prod(shp)
-    gid, off, size = rows[:, 0], rows[:, 1:1 + d], rows[:, 1 + d:]
-    shp = full[gid, :d]
+    gid = ids
+    # One dimension at a time on 1-D columns: reductions across the few dimensions of an [R, D]
+    # temporary cost several times an elementwise pass at millions of rows.
+    outside = torch.zeros(len(rows), dtype=torch.bool)
+    nsplit = torch.zeros(len(rows), dtype=torch.int64)
+    dim = torch.zeros(len(rows), dtype=torch.int64)
+    vol = torch.ones(len(rows), dtype=torch.int64)
+    for j in range(d):
+        off, size = rows[:, j], rows[:, d + j]
+        shp = full[j][gid]
+        outside |= (off < 0) | (size < 0) | (off + size > shp)
+        part = size != shp
+        nsplit += part
+        dim.masked_fill_(part, j)
+        vol *= size
+        del shp, part
     suspect = torch.zeros(k, dtype=torch.bool)
-    suspect[gid[((off < 0) | (size < 0) | (off + size > shp)).any(1)]] = True
-    vol = torch.zeros(k, dtype=torch.int64).index_add_(0, gid, size.prod(1))
+    suspect[gid[outside]] = True
+    del outside
     is_tensor = torch.tensor([s is not None for s in shapes])
-    suspect |= is_tensor & (vol != numel)
-    partial = (size != shp) & (size.prod(1) > 0)[:, None]
-    nsplit = partial.sum(1)
+    suspect |= is_tensor & (torch.zeros(k, dtype=torch.int64).index_add_(0, gid, vol) != numel)
+    nsplit.masked_fill_(vol == 0, 0)  # an empty chunk splits nothing
+    del vol
     suspect[gid[nsplit > 1]] = True
-    sel = torch.nonzero(nsplit == 1).flatten()
-    if len(sel):
-        g, dim = gid[sel], partial[sel].to(torch.int64).argmax(1)
-        lo = torch.full((k,), d, dtype=torch.int64).scatter_reduce(0, g, dim, "amin")
-        hi = torch.full((k,), -1, dtype=torch.int64).scatter_reduce(0, g, dim, "amax")
-        suspect[g[lo[g] != hi[g]]] = True
-        start = off[sel].gather(1, dim[:, None]).flatten()
-        end = start + size[sel].gather(1, dim[:, None]).flatten()
-        same = g[1:] == g[:-1]
-        if not bool(((g[1:] > g[:-1]) | (same & (start[1:] >= start[:-1]))).all()):  # (a chunk index is sorted)
-            o = torch.argsort(start, stable=True)
-            o = o[torch.argsort(g[o], stable=True)]
-            g, start, end = g[o], start[o], end[o]
-            same = g[1:] == g[:-1]
-        gap = same & (start[1:] != end[:-1])
-        suspect[g[1:][gap]] = True
+    one = nsplit == 1
+    all_one = bool(one.all())
+    sel = None if all_one else torch.nonzero(one).flatten()
+    del nsplit, one
+    if d and (all_one or len(sel)):
+        _split_gaps(rows, gid if all_one else gid[sel], dim if all_one else dim[sel], None if all_one else sel,
+                    suspect)
     for i in torch.nonzero(suspect).flatten().tolist():
         nd = len(shapes[i])
-        boxes = [Box(tuple(r[1:1 + nd]), tuple(r[1 + d:1 + d + nd])) for r in rows[gid == i].tolist()]
+        boxes = [Box(tuple(r[:nd]), tuple(r[d:d + nd])) for r in rows[gid == i].tolist()]
         problem = boxes_tile(shapes[i], boxes)
         if problem:
             return i, problem

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import json
 import struct
+import threading
 from collections import OrderedDict
 from typing import Callable, Iterator
 
@@ -102,51 +103,113 @@ class ChunkIndex:
     # -- making one --------------------------------------------------------------------------
     @classmethod
     def from_rows(cls, ntensors: int, ndims: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor,
-                  name: str = INDEX_FILE) -> "ChunkIndex":
+                  name: str = INDEX_FILE,
+                  on_block: Callable[[int, int, torch.Tensor], None] | None = None,
+                  block_rows: int | None = None) -> "ChunkIndex":
         """From rows already in the file's layout (``[R, 6 + 2D]``, any order): they are sorted by
         tensor and by the offset along each tensor's sort dimension, the one with the most
         distinct offsets (estimated as the fewest chunks at offset 0), so a bisection finds a
         rank's chunks among few candidates. One sorted copy of the rows and a few [R] columns:
-        no Python object per chunk, no temporary as wide as the rows."""
+        no Python object per chunk, no temporary as wide as the rows.
+
+        ``on_block(first tensor, end tensor, sorted rows)`` is called for consecutive blocks of
+        whole tensors (``tensor_blocks(block_rows)``) while the next block is being gathered on a second
+        thread: a check of the sorted rows (the coordinator's tiling) overlaps the sort's row
+        gather instead of following it. Whatever it raises ends the build."""
         r, width = rows.shape
         d = (width - len(ROW_FIELDS)) // 2
-        tensor = rows[:, TENSOR]
+        tensor = rows[:, TENSOR].contiguous()  # read by several passes: once strided, then contiguous
         if r:
-            at_zero = torch.stack([torch.bincount(tensor[rows[:, 6 + k] == 0], minlength=ntensors)
-                                   for k in range(d)], 1)
+            at_zero = torch.stack([torch.zeros(ntensors, dtype=torch.int64).index_add_(
+                0, tensor, (rows[:, 6 + k] == 0).to(torch.int64)) for k in range(d)], 1)
             dims = torch.arange(d)[None, :]
             at_zero[dims >= ndims.clamp(min=1)[:, None]] = r + 1  # dimensions a tensor lacks are never chosen
             sort_dim = at_zero.argmin(1)
             del at_zero
         else:
             sort_dim = torch.zeros(ntensors, dtype=torch.int64)
-        row_dim = sort_dim[tensor]
-        keys = rows.gather(1, (6 + row_dim)[:, None]).flatten()
-        span = torch.zeros(ntensors, dtype=torch.int64).scatter_reduce(
-            0, tensor, rows.gather(1, (6 + d + row_dim)[:, None]).flatten(), "amax")
-        del row_dim
+        counts = torch.bincount(tensor, minlength=ntensors) if r else torch.zeros(ntensors, dtype=torch.int64)
+        used = sort_dim[counts > 0].unique() if r else torch.zeros(1, dtype=torch.int64)
+        if len(used) == 1:  # every chunk sorts along one dimension (the usual case): columns, not a gather
+            j = int(used[0])
+            keys, sizes = rows[:, 6 + j].contiguous(), rows[:, 6 + d + j]
+        else:
+            row_dim = sort_dim[tensor]
+            keys = rows.gather(1, (6 + row_dim)[:, None]).flatten()
+            sizes = rows.gather(1, (6 + d + row_dim)[:, None]).flatten()
+            del row_dim
+        span = torch.zeros(ntensors, dtype=torch.int64).scatter_reduce(0, tensor, sizes, "amax")
+        del sizes
         top = int(keys.max()) if r else 0
         if r and top < (1 << 62) // max(ntensors, 1) and int(keys.min()) >= 0:
-            order = torch.sort(tensor * (top + 1) + keys, stable=True).indices  # one sort: (tensor, key)
+            combined = tensor * (top + 1) + keys  # one sort: (tensor, key); int32 where it fits sorts 2x faster
+            if ntensors * (top + 1) < (1 << 31):
+                combined = combined.to(torch.int32)
+            order = torch.sort(combined, stable=True).indices
+            del combined
         else:
             order = torch.argsort(keys, stable=True)
             order = order[torch.argsort(tensor[order], stable=True)]
-        counts = torch.bincount(tensor, minlength=ntensors) if r else torch.zeros(ntensors, dtype=torch.int64)
+        del tensor
         cols = {
-            "rows": rows[order],
-            "keys": keys[order],
+            "rows": torch.empty_like(rows),
+            "keys": keys.index_select(0, order),
             "tensor_rows": torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]),
             "tensor_sort": torch.stack([sort_dim, span], 1).contiguous(),
             "blocks": blocks.to(torch.int64).contiguous(),
         }
-        del order, keys
+        del keys
         counts4 = (ntensors, r, d, len(blocks))
 
         def read(entry: str, start: int, count: int) -> memoryview:
             col = cols[entry].view(-1)
             return byte_view(col[start:start + count]).cast("q") if count else memoryview(b"").cast("q")
 
-        return cls(name, counts4, read, columns=cols)
+        index = cls(name, counts4, read, columns=cols)
+        index._gather_sorted(rows, order, on_block, block_rows or WALK_ROWS)
+        return index
+
+    def _gather_sorted(self, rows: torch.Tensor, order: torch.Tensor,
+                       on_block: Callable[[int, int, torch.Tensor], None] | None, block_rows: int) -> None:
+        """Fill the sorted rows (``index_select``: a row gather ~2x faster than ``rows[order]``),
+        block by block on a worker thread while ``on_block`` checks the blocks already done
+        (torch releases the GIL inside both). A plain thread, not an executor: an async save's
+        commit may run while the interpreter is exiting, when executors take no new work."""
+        out = self._columns["rows"]
+        spans = list(self.tensor_blocks(block_rows)) if on_block is not None and self.nrows else []
+        if len(spans) < 2:
+            torch.index_select(rows, 0, order, out=out)
+            if on_block is not None:
+                on_block(0, self.tensors, out)
+            return
+        ready = [threading.Event() for _ in spans]
+        failed: list[BaseException] = []
+        stop = threading.Event()
+
+        def gather() -> None:
+            try:
+                for (_, _, lo, hi), done in zip(spans, ready):
+                    if stop.is_set():
+                        return
+                    torch.index_select(rows, 0, order[lo:hi], out=out[lo:hi])
+                    done.set()
+            except BaseException as e:  # handed to the caller's thread
+                failed.append(e)
+            finally:
+                for done in ready:
+                    done.set()
+
+        worker = threading.Thread(target=gather, name="hpdcp-index-sort", daemon=True)
+        worker.start()
+        try:
+            for (t0, t1, lo, hi), done in zip(spans, ready):
+                done.wait()
+                if failed:
+                    raise failed[0]
+                on_block(t0, t1, out[lo:hi])
+        finally:
+            stop.set()
+            worker.join()
 
     def sorted_rows(self) -> torch.Tensor:
         """The rows in file order (an index held in memory: the coordinator's)."""

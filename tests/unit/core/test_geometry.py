@@ -1,10 +1,12 @@
 import itertools
 import math
+import random
 
 import pytest
 import torch
 
-from hpdcp_runner.dcp.core.geometry import Box, boxes_tile, flat_span, intersect, span_is_exact, split_piece
+from hpdcp_runner.dcp.core.geometry import (Box, boxes_tile, flat_span, intersect, span_is_exact, split_piece,
+                                             tiling_problem)
 
 
 def test_intersect_overlap_and_disjoint():
@@ -140,3 +142,53 @@ def test_irregular_layouts_in_three_dimensions_are_refused_clearly():
                   Box((0, i, 1 - i % 2), (n + 1, 1, 1))]
     problem = boxes_tile((n + 1, n, 2), boxes)
     assert problem is not None and "cannot check the tiling in bounded time" in problem
+
+
+def _random_layout(rng, k: int, d: int):
+    """``k`` tensors of up to ``d`` dims, each cut into random boxes, then perhaps spoiled (a box
+    dropped, repeated or moved by one): rows in ``tiling_problem``'s layout and each tensor's truth
+    from the exact sweep."""
+    shapes, rows, truth = [], [], []
+    for i in range(k):
+        nd = rng.randint(0, d)
+        shp = tuple(rng.randint(0, 6) for _ in range(nd))
+        boxes = [Box((0,) * nd, shp)]
+        for _ in range(rng.randint(0, 3) if nd else 0):
+            b = boxes.pop(rng.randrange(len(boxes)))
+            j = rng.randrange(nd)
+            c = rng.randint(0, b.sizes[j])
+            o2, s1, s2 = list(b.offsets), list(b.sizes), list(b.sizes)
+            s1[j], o2[j], s2[j] = c, o2[j] + c, s2[j] - c
+            boxes += [Box(b.offsets, tuple(s1)), Box(tuple(o2), tuple(s2))]
+        spoil = rng.random()
+        if spoil < 0.15:
+            boxes.pop(rng.randrange(len(boxes)))
+        elif spoil < 0.3:
+            boxes.append(boxes[rng.randrange(len(boxes))])
+        elif spoil < 0.45 and nd:
+            b = boxes.pop(rng.randrange(len(boxes)))
+            o = list(b.offsets)
+            o[rng.randrange(nd)] += rng.choice([-1, 1])
+            boxes.append(Box(tuple(o), b.sizes))
+        rng.shuffle(boxes)
+        shapes.append(shp)
+        truth.append(boxes_tile(shp, boxes))
+        rows += [[i, *b.offsets, *(0,) * (d - nd), *b.sizes, *(1,) * (d - nd)] for b in boxes]
+    return shapes, torch.tensor(rows, dtype=torch.int64).reshape(-1, 1 + 2 * d), truth
+
+
+def test_vectorised_tiling_check_agrees_with_the_exact_sweep_on_random_layouts():
+    """The column-wise fast path may only pass what the exact sweep passes, and must name the
+    first tensor that fails, in row order or sorted, with the ids inline or given apart."""
+    rng = random.Random(7)
+    failing = 0
+    for _ in range(1500):
+        shapes, rows, truth = _random_layout(rng, rng.randint(1, 4), rng.randint(1, 3))
+        if rng.random() < 0.5:
+            rows = rows[torch.argsort(rows[:, 0], stable=True)]
+        want = next((i for i, p in enumerate(truth) if p), None)
+        got = tiling_problem(shapes, rows)
+        assert (got[0] if got else None) == want, (shapes, rows.tolist(), got, truth)
+        assert tiling_problem(shapes, rows[:, 1:], rows[:, 0]) == got
+        failing += want is not None
+    assert 300 < failing < 1200  # both outcomes were exercised

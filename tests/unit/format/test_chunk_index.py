@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import threading
 
 import pytest
 import torch
@@ -119,3 +120,63 @@ def test_any_grid_layout_loads_bitwise_reading_few_rows(tmp_path, seed, monkeypa
         load({key: LocalShard(got, offs, t.shape)}, checkpoint_id=ck, strict=False)
         want = t[tuple(slice(o, o + z) for o, z in zip(offs, sizes))]
         assert torch.equal(got, want), (seed, key, offs, sizes)
+
+
+def _random_rows(rng: random.Random, ntensors: int, d: int, per_tensor: int, mixed: bool):
+    """Rows in the index's layout, in any order: each tensor cut along one dimension (all along
+    dim 0 unless ``mixed``), with the other columns random; and the dimension each tensor's
+    index must sort along (the cut one; dim 0 for a tensor left whole)."""
+    rows, dims = [], []
+    for t in range(ntensors):
+        j = rng.randrange(d) if mixed else 0
+        pieces = rng.randint(1, per_tensor)
+        dims.append(j if pieces > 1 else 0)
+        for c in range(pieces):
+            off, size = [0] * d, [4] * d
+            off[j], size[j] = 4 * c, 4
+            rows.append([t, rng.randrange(8), rng.randrange(1 << 40), rng.randrange(1 << 40), 0, 0] + off + size)
+    rng.shuffle(rows)
+    return torch.tensor(rows, dtype=torch.int64), dims
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_sorted_index_is_the_same_whether_checked_block_by_block_or_not(mixed):
+    """The sort's row gather runs on a worker thread a block ahead of the check: the rows come out
+    in (tensor, offset along the sort dimension) order, identical to one gather, every tensor is
+    handed to the check exactly once and in order, and each block is already filled when seen."""
+    rng = random.Random(3)
+    rows, dims = _random_rows(rng, 40, 2, 9, mixed)
+    ndims = torch.full((40,), 2, dtype=torch.int64)
+    plain = chunk_index.ChunkIndex.from_rows(40, ndims, rows.clone(), torch.zeros(0, dtype=torch.int64))
+    seen = []
+
+    def check(t0, t1, part):
+        assert torch.equal(part[:, 0].unique_consecutive(), torch.arange(t0, t1)[torch.bincount(
+            part[:, 0], minlength=t1)[t0:t1] > 0])
+        seen.append((t0, t1, part.clone()))
+
+    blocked = chunk_index.ChunkIndex.from_rows(40, ndims, rows.clone(), torch.zeros(0, dtype=torch.int64),
+                                               on_block=check, block_rows=16)
+    assert len(seen) > 5 and [s[0] for s in seen] == [0] + [s[1] for s in seen[:-1]] and seen[-1][1] == 40
+    assert torch.equal(torch.cat([s[2] for s in seen]), blocked.sorted_rows())
+    assert torch.equal(blocked.sorted_rows(), plain.sorted_rows())
+    assert [dim for dim, _ in plain.tensor_sort] == dims and (mixed or not any(dims))
+    assert plain.sorted_rows().tolist() == sorted(rows.tolist(), key=lambda r: (r[0], r[6 + dims[r[0]]]))
+    assert blocked.describe() == plain.describe()
+
+
+def test_a_failing_block_check_ends_the_build_and_its_gather_thread():
+    rows, _ = _random_rows(random.Random(5), 30, 2, 9, False)
+    calls = []
+
+    def check(t0, t1, part):
+        calls.append(t0)
+        if len(calls) == 2:
+            raise ValueError("tensor 7 does not tile")
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="tensor 7 does not tile"):
+        chunk_index.ChunkIndex.from_rows(30, torch.full((30,), 2, dtype=torch.int64), rows,
+                                         torch.zeros(0, dtype=torch.int64), on_block=check, block_rows=16)
+    assert len(calls) == 2
+    assert {t.name for t in threading.enumerate()} - before == set()

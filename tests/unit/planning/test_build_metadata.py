@@ -13,10 +13,21 @@ from hpdcp_runner.dcp.core.columns import decode_frame, encode_frame
 from hpdcp_runner.dcp.format.metadata import FileMeta, ReportedRows, WriteResult, WrittenRows, chunk_key
 from hpdcp_runner.dcp.planning.interfaces import TENSOR
 from hpdcp_runner.dcp.planning.save_dedup import assign_owners
+from hpdcp_runner.dcp.planning import standard
 from hpdcp_runner.dcp.planning.standard import build_metadata, written_rows
 
 CUTS = [0, 4, 4, 9]  # rank 1 holds no rows of w
 WIDTH = 300_000  # 1.2 MB per row of w: its chunks carry block digests (5 and 6 of 1 MiB)
+
+
+@pytest.fixture(autouse=True, params=["whole", "one rank and one tensor at a time"])
+def blocks(request, monkeypatch):
+    """Every test twice: as at scale (ranks renumbered in groups, the sorted rows checked in
+    blocks of tensors beside the gather), with groups and blocks of one rank and one tensor."""
+    if request.param != "whole":
+        monkeypatch.setattr(standard, "_RENUMBER_ROWS", 1)
+        monkeypatch.setattr(standard, "_CHECK_ROWS", 1)
+    return request.param
 
 
 def _plans():
@@ -90,9 +101,10 @@ def test_a_chunk_reported_twice_or_not_at_all_is_refused(how):
 def test_a_row_naming_a_key_or_file_the_rank_lacks_is_refused():
     plans = _plans()
     gplan = assign_owners(plans)
-    for col, value in ((0, 99), (1, 5), (4, 10**6)):  # key id, file id, block start
+    for col, value in ((0, 99), (0, -1), (1, 5), (1, -1), (4, 10**6), (4, -1), (5, -1)):
+        # key id, file id, block start, block count; in the last rank that wrote a row
         written, _ = _written(plans, gplan)
-        w = next(w for w in written if len(w.rows))
+        w = next(w for w in reversed(written) if len(w.rows))
         w.rows[0, col] = value
         with pytest.raises(MetadataError, match=f"rank {w.rank} reported a chunk"):
             build_metadata(gplan, _through_the_wire(written, 3), 3)
