@@ -340,7 +340,13 @@ def parse_header(name: str, size: int, pread: Callable[[int, int], bytes],
     return raw, entries
 
 
+def index_parts(index: ChunkIndex) -> list:
+    """A format-v2 chunk index file's bytes as the buffers it is made of, in file order (views of
+    the columns held in memory, not copies: a streamed upload sends them as they are)."""
+    header, cols = index.encode()
+    return [struct.pack("<Q", len(header)), header, *(byte_view(c) for c in cols)]
+
+
 def index_bytes(index: ChunkIndex) -> bytes:
     """A format-v2 chunk index file's bytes (for storages that write whole objects)."""
-    header, cols = index.encode()
-    return b"".join([struct.pack("<Q", len(header)), header, *(bytes(byte_view(c)) for c in cols)])
+    return b"".join(index_parts(index))

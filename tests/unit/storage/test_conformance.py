@@ -378,3 +378,25 @@ def test_a_process_mode_async_save_writes_from_its_persisting_process(store):
     got = _zeros()
     dcp.load(got, checkpoint_id=path)
     _equal(_state(5), got)
+
+
+@pytest.mark.parametrize("kind", ["s3", "az"])  # (the GCS emulator takes no saves: see tests/emulators.py)
+def test_a_streamed_chunk_index_is_the_object_a_whole_put_writes(request, kind, monkeypatch):
+    """A large chunk index is uploaded from its columns as they are (multipart), never joined into
+    one copy first: the object is byte for byte the one a single PUT writes, and it loads."""
+    from hpdcp_runner.dcp.storage import object_checkpoint
+
+    store = ObjectStore(kind, request.getfixturevalue({"s3": "s3_bucket", "az": "az_container"}[kind]))
+    src = _state(3)
+    dcp.save(src, checkpoint_id=join(store.root, "whole"))
+    monkeypatch.setattr(object_checkpoint, "_JOINED_INDEX", 0)
+    dcp.save(src, checkpoint_id=join(store.root, "streamed"))
+
+    def index_of(name):
+        key = next(k for k in store.keys(name) if k.endswith("/chunk_index.safetensors"))
+        return store.bucket.get(key)[0]
+
+    assert len(index_of("whole")) > 500 and index_of("streamed") == index_of("whole")
+    got = _zeros()
+    dcp.load(got, checkpoint_id=join(store.root, "streamed"))
+    _equal(src, got)
