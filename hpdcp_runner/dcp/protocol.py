@@ -35,9 +35,11 @@ from .comm.collectives import Comm
 from .core import faults
 from .core.errors import ConfigError, KeyMismatchError, MetadataError
 from .core.geometry import Box, relative
+from .format.chunk_index import INDEX_FILE
 from .format.metadata import METADATA_FILE, Metadata, ReportedRows, WrittenRows, chunk_key
+from .format.safetensors_io import IndexStream
 from .format.renames import rename_keys
-from .planning.interfaces import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from .planning.interfaces import TENSOR, LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .planning.load_replicas import Batch, CompactShards, batch_ops
 from .planning.plans import CompactPlan, GlobalSavePlan, parse_table
 from .planning.save_dedup import SaveLayouts
@@ -134,6 +136,7 @@ class SaveReply:
 # Cached save plans (``save(cache_plan=True)``): per (process group, planner), every rank's plan
 # digest (as all-gathered) and this rank's write list; on the coordinator also the global plan.
 _PLAN_CACHE: dict[tuple, dict] = {}
+STREAM_INDEX_BYTES = 64 << 20  # a chunk index this large is written while it is built (IndexStream)
 PLAN_CACHE_STATS = {"hits": 0, "misses": 0}
 
 
@@ -398,17 +401,47 @@ class SaveSteps:
             self.reported = ReportedRows.from_envelopes(self.envelopes, rows, digests)
             self.envelopes = None
 
-    def build_metadata(self) -> None:
-        """Coordinator: the checkpoint's metadata from the global plan and the rows ranks wrote."""
+    def build_metadata(self) -> bool:
+        """Coordinator: the checkpoint's metadata from the global plan and the rows ranks wrote.
+        True when its chunk index was streamed into staging as it was built (``IndexStream``)."""
         reported, self.reported = self.reported, None  # its rows are consumed (sorted into the index)
-        self.committed = build_metadata(self.gplan, reported, self.comm.world_size, self.extra)
+        stream = self._index_stream(reported)
+        try:
+            self.committed = build_metadata(self.gplan, reported, self.comm.world_size, self.extra,
+                                            on_sorted=stream.put if stream is not None else None)
+            if stream is not None:
+                stream.finish(self.committed.index)
+        except BaseException:
+            if stream is not None:
+                stream.abort()
+            raise
         if self.format_version == 1:
             self.committed = self.committed.as_v1()
+        return stream is not None
+
+    def _index_stream(self, reported: ReportedRows) -> IndexStream | None:
+        """A format-v2 index of ``STREAM_INDEX_BYTES`` or more is written while it is built, into
+        the writer's ``open_sink`` (a writer without one commits it whole, as a smaller one is)."""
+        if self.format_version == 1:
+            return None
+        counts = (sum(1 for k in self.gplan.keys if k.kind == TENSOR), len(reported.rows), self.gplan.ndim,
+                  reported.blocks.numel())
+        size = IndexStream.size(*counts)
+        if size < STREAM_INDEX_BYTES:
+            return None
+        try:
+            sink = self.writer.open_sink(INDEX_FILE, size)
+        except NotImplementedError:
+            return None
+        return IndexStream(sink, *counts)
 
     def commit(self) -> str:
-        self.build_metadata()
+        streamed = self.build_metadata()
         faults.point("save.commit", rank=self.comm.rank, path=self.path)
-        self.writer.commit(self.committed)
+        if streamed:  # the index is in staging already: metadata.json last, then visible
+            self.writer.commit_copy(self.committed, self.committed.to_json().encode())
+        else:
+            self.writer.commit(self.committed)
         return self.committed.to_json() if self.comm.world_size > 1 else ""
 
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import struct
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -22,12 +23,12 @@ import torch
 import xxhash
 
 from ..core import faults
-from ..core.errors import CorruptCheckpointError
+from ..core.errors import CorruptCheckpointError, MetadataError
 from ..core.rafile import open_regular_file
 from ..core.utils import byte_view
 from . import jsondoc
 from .checksums import BLOCK_BYTES, digest, file_checksum
-from .chunk_index import ChunkIndex
+from .chunk_index import ChunkIndex, encode_header
 from .metadata import DTYPES, dtype_name, element_size
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -350,3 +351,85 @@ def index_parts(index: ChunkIndex) -> list:
 def index_bytes(index: ChunkIndex) -> bytes:
     """A format-v2 chunk index file's bytes (for storages that write whole objects)."""
     return b"".join(index_parts(index))
+
+
+class IndexStream:
+    """A format-v2 chunk index written to ``sink`` (``write``/``close``/``abort``: a storage
+    writer's ``open_sink``) while it is being built, on a thread of its own: the header first
+    (the counts are known before the sort), the sorted rows block by block as the build gathers
+    them (``put``), the small columns at ``finish``. At 8,192 ranks the index is 1.2 GB, whose
+    write is the disk's (or the store's) time: it overlaps the sort and the tiling check
+    instead of following them. The bytes are ``index_parts``' exactly."""
+
+    def __init__(self, sink: Any, tensors: int, nrows: int, ndim: int, nblocks: int) -> None:
+        self.sink = sink
+        self.rows_bytes = 8 * nrows * (6 + 2 * ndim)
+        self.header, _ = encode_header(tensors, nrows, ndim, nblocks)
+        self._queue: list[Any] = [struct.pack("<Q", len(self.header)), self.header]
+        self._sent = 0  # bytes of rows handed over so far
+        self._cv = threading.Condition()
+        self._closing = self._stopped = self._ended = False
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hpdcp-index-write", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def size(tensors: int, nrows: int, ndim: int, nblocks: int) -> int:
+        header, _ = encode_header(tensors, nrows, ndim, nblocks)
+        return 8 + len(header) + 8 * (nrows * (6 + 2 * ndim) + nrows + tensors + 1 + 2 * tensors + nblocks)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing and not self._stopped:
+                    self._cv.wait()
+                if self._stopped or (not self._queue and self._closing):
+                    return
+                part = self._queue.pop(0)
+            try:
+                self.sink.write(part)
+            except BaseException as e:  # handed to the building thread at its next put or finish
+                with self._cv:
+                    self._failed, self._stopped = e, True
+                return
+
+    def _push(self, part: Any) -> None:
+        with self._cv:
+            if self._failed is not None:
+                raise self._failed
+            self._queue.append(part)
+            self._cv.notify()
+
+    def put(self, rows: torch.Tensor) -> None:
+        """The next block of sorted rows (kept unchanged in memory until ``finish``)."""
+        self._sent += rows.numel() * 8
+        self._push(byte_view(rows))
+
+    def finish(self, index: ChunkIndex) -> None:
+        """The columns after the rows, then the sink closed (durable); raises what the writing did."""
+        header, cols = index.encode()
+        if header != self.header or self._sent != self.rows_bytes or cols[0].numel() * 8 != self.rows_bytes:
+            self.abort()
+            raise MetadataError(f"chunk index: {self._sent} of {self.rows_bytes} bytes of rows were "
+                                         f"streamed, or its counts changed while it was built")
+        for c in cols[1:]:
+            self._push(byte_view(c))
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+        if self._failed is not None:
+            self.abort()
+            raise self._failed
+        self._ended = True
+        self.sink.close()
+
+    def abort(self) -> None:
+        """Stop writing and drop the sink (a failed build): nothing of it stays in staging. Once."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+        if not self._ended:
+            self._ended = True
+            self.sink.abort()

@@ -257,12 +257,15 @@ class MinimumRankLoadPlanner(StandardLoadPlanner):
 
 
 def build_metadata(gplan: GlobalSavePlan, reported: ReportedRows, world_size: int,
-                   extra: Mapping[str, Any] | None = None) -> Metadata:
+                   extra: Mapping[str, Any] | None = None,
+                   on_sorted: Callable[[torch.Tensor], None] | None = None) -> Metadata:
     """The checkpoint's metadata from the global plan's key tables and what every rank wrote
     (pure; runs on the coordinator). The ranks' rows become the chunk index after a few column
     operations (their key, file and block numbering made global) and one sort; every tensor's
     chunks must then tile it (``tiling_problem``, over a bounded block of tensors at a time).
-    Python touches keys, files and ranks, never chunks. ``reported.rows`` is consumed."""
+    Python touches keys, files and ranks, never chunks. ``reported.rows`` is consumed.
+    ``on_sorted``: given each block of the index's sorted rows, in file order, as soon as it is
+    gathered and before it is checked (the coordinator streams the index file meanwhile)."""
     keys = gplan.keys
     files: dict[str, FileMeta] = {}
     for fs in reported.files:
@@ -299,8 +302,15 @@ def build_metadata(gplan: GlobalSavePlan, reported: ReportedRows, world_size: in
     missing = sorted(k.fqn for k in keys if k.kind != TENSOR and k.fqn not in objects)
     if missing:
         raise MetadataError(f"save: no rank wrote the object(s) {missing[:5]}")
-    index = ChunkIndex.from_rows(len(tensor_keys), ndims, rows, reported.blocks,
-                                 on_block=_tiling_check([keys[i] for i in tensor_keys]), block_rows=1048576)
+    check = _tiling_check([keys[i] for i in tensor_keys])
+
+    def on_block(t0: int, t1: int, part: torch.Tensor) -> None:
+        if on_sorted is not None:
+            on_sorted(part)
+        check(t0, t1, part)
+
+    index = ChunkIndex.from_rows(len(tensor_keys), ndims, rows, reported.blocks, on_block=on_block,
+                                 block_rows=_CHECK_ROWS)
     del rows
     file_list = [files[n] for n in file_names]
     tmetas = {}

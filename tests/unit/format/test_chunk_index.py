@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from hpdcp_runner.dcp import LocalShard, StandardLoadPlanner, load, read_metadata
 from hpdcp_runner.dcp.core.geometry import Box
-from hpdcp_runner.dcp.format import chunk_index, metadata
+from hpdcp_runner.dcp.format import chunk_index, metadata, safetensors_io
 from hpdcp_runner.dcp.format.chunk_index import INDEX_FILE
 from hpdcp_runner.dcp.offline.transforms import import_checkpoint, shard_dim0
 from hpdcp_runner.dcp.tools import verify
@@ -180,3 +180,53 @@ def test_a_failing_block_check_ends_the_build_and_its_gather_thread():
                                          torch.zeros(0, dtype=torch.int64), on_block=check, block_rows=16)
     assert len(calls) == 2
     assert {t.name for t in threading.enumerate()} - before == set()
+
+
+class _ListSink:
+    """A sink that keeps what it is given (``fail_at``: the write that raises)."""
+
+    def __init__(self, fail_at=None):
+        self.parts, self.closed, self.aborted, self.fail_at = [], False, False, fail_at
+
+    def write(self, data):
+        if self.fail_at is not None and len(self.parts) == self.fail_at:
+            raise OSError(28, "No space left on device")
+        self.parts.append(bytes(data))
+
+    def close(self):
+        self.closed = True
+
+    def abort(self):
+        self.aborted = True
+
+
+def _streamed(rows, ntensors, sink, block_rows=16):
+    stream = safetensors_io.IndexStream(sink, ntensors, len(rows), (rows.shape[1] - 6) // 2, 0)
+    try:
+        index = chunk_index.ChunkIndex.from_rows(ntensors, torch.full((ntensors,), 2, dtype=torch.int64), rows,
+                                                 torch.zeros(0, dtype=torch.int64),
+                                                 on_block=lambda t0, t1, part: stream.put(part), block_rows=block_rows)
+        stream.finish(index)
+    except BaseException:
+        stream.abort()
+        raise
+    return index
+
+
+def test_an_index_streamed_while_it_is_built_is_the_file_written_whole():
+    rows, _ = _random_rows(random.Random(11), 40, 2, 9, True)
+    sink = _ListSink()
+    index = _streamed(rows.clone(), 40, sink)
+    whole = b"".join(bytes(p) for p in safetensors_io.index_parts(index))
+    assert sink.closed and not sink.aborted and len(sink.parts) > 8
+    assert b"".join(sink.parts) == whole
+    assert len(whole) == safetensors_io.IndexStream.size(40, len(rows), 2, 0)
+
+
+def test_a_failed_index_write_fails_the_build_and_drops_the_sink():
+    rows, _ = _random_rows(random.Random(12), 40, 2, 9, False)
+    sink = _ListSink(fail_at=3)
+    with pytest.raises(OSError, match="No space left"):
+        _streamed(rows, 40, sink)
+    assert sink.aborted and not sink.closed
+    assert not any(t.name == "hpdcp-index-write" for t in threading.enumerate())

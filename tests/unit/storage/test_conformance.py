@@ -400,3 +400,49 @@ def test_a_streamed_chunk_index_is_the_object_a_whole_put_writes(request, kind, 
     got = _zeros()
     dcp.load(got, checkpoint_id=join(store.root, "streamed"))
     _equal(src, got)
+
+
+def _index_bytes(store, name):
+    if store.kind == "local":
+        with open(os.path.join(store.root, name, "chunk_index.safetensors"), "rb") as f:
+            return f.read()
+    return store.bucket.get(next(k for k in store.keys(name) if k.endswith("/chunk_index.safetensors")))[0]
+
+
+def test_an_index_written_while_it_is_built_commits_the_same_checkpoint(store, monkeypatch):
+    """The coordinator streams a large chunk index into staging while it sorts and checks it
+    (forced here for a small one): the committed index is byte for byte the one written whole
+    after the build, and the checkpoint loads bitwise."""
+    from hpdcp_runner.dcp import protocol
+
+    src = _state(4)
+    dcp.save(src, checkpoint_id=join(store.root, "whole"))
+    monkeypatch.setattr(protocol, "STREAM_INDEX_BYTES", 0)
+    dcp.save(src, checkpoint_id=join(store.root, "streamed"))
+    assert _index_bytes(store, "streamed") == _index_bytes(store, "whole")
+    got = _zeros()
+    dcp.load(got, checkpoint_id=join(store.root, "streamed"))
+    _equal(src, got)
+
+
+def test_an_index_whose_write_fails_while_it_is_built_commits_nothing(store, monkeypatch):
+    """The disk or store failing under the streamed index: the save fails naming the cause, the
+    checkpoint it was replacing still loads, and its staging is gone."""
+    from hpdcp_runner.dcp import protocol
+    from hpdcp_runner.dcp.format import safetensors_io
+
+    path = join(store.root, "ck")
+    src = _state(5)
+    dcp.save(src, checkpoint_id=path)
+    monkeypatch.setattr(protocol, "STREAM_INDEX_BYTES", 0)
+
+    def full(self, rows):
+        raise OSError(28, "No space left on device (the index)")
+
+    monkeypatch.setattr(safetensors_io.IndexStream, "put", full)
+    with pytest.raises(dcp.HpdcpError, match="No space left on device"):
+        dcp.save(_state(6), checkpoint_id=path, overwrite=True)
+    got = _zeros()
+    dcp.load(got, checkpoint_id=path)
+    _equal(src, got)
+    assert not store.debris_left("ck")
