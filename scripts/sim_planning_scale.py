@@ -54,6 +54,13 @@ from hpdcp_runner.dcp.format.chunk_index import INDEX_FILE
 from hpdcp_runner.dcp.format.metadata import (METADATA_FILE, FileMeta, Metadata, ReportedRows, WriteResult,
                                               WrittenRows, chunk_key)
 from hpdcp_runner.dcp.format.safetensors_io import write_index
+try:  # (absent before the index was streamed: this script also times older trees, on PYTHONPATH)
+    from hpdcp_runner.dcp.format.safetensors_io import IndexStream
+    from hpdcp_runner.dcp.protocol import STREAM_INDEX_BYTES
+except ImportError:
+    IndexStream, STREAM_INDEX_BYTES = None, 0
+from hpdcp_runner.dcp.storage.filesystem import FileSink
+from hpdcp_runner.dcp.storage.interfaces import IOCounters
 from hpdcp_runner.dcp.planning.interfaces import TENSOR, SavePlan, WriteItem
 from hpdcp_runner.dcp.planning.plans import CompactPlan
 from hpdcp_runner.dcp.core.ragged import LocalShard
@@ -231,7 +238,7 @@ def measure(fn):
     return secs, max(peak, 0.0), out
 
 
-def row(n: int, t: int, skip_metadata: bool, v1: bool = False) -> str:
+def row(n: int, t: int, skip_metadata: bool, v1: bool = False, whole_index: bool = False) -> str:
     cols = []
     r = n // 2
     s_rank, m_rank, (summary, _, items) = measure(lambda: rank_first_save(n, t, r))
@@ -247,22 +254,42 @@ def row(n: int, t: int, skip_metadata: bool, v1: bool = False) -> str:
         rows_mib = reported.rows.numel() * 8 / MIB
         tmp = tempfile.mkdtemp(prefix="sim_md_")
 
+        parts = {}
+
         def commit() -> str:  # what the coordinator does after the writes: metadata, index file, JSON
             nonlocal reported
             rep, reported = reported, None
-            built = build_metadata(gplan, rep, n)
+            t0 = time.perf_counter()
+            counts = (sum(1 for k in gplan.keys if k.kind == TENSOR), len(rep.rows), gplan.ndim, rep.blocks.numel())
+            stream = None
+            if not v1 and not whole_index and IndexStream and IndexStream.size(*counts) >= STREAM_INDEX_BYTES:  # as the protocol does
+                stream = IndexStream(FileSink(os.path.join(tmp, INDEX_FILE), False, IOCounters()), *counts)
+            built = build_metadata(gplan, rep, n, **({"on_sorted": stream.put} if stream else {}))
             del rep
+            t1 = time.perf_counter()
             if v1:  # the format before the chunk index: every chunk inline in metadata.json
                 built = dataclasses.replace(built, index=None, tensors={
                     k: dataclasses.replace(tm, chunks=tuple(tm.chunks)) for k, tm in built.tensors.items()})
+            elif stream is not None:
+                stream.finish(built.index)
             else:
                 write_index(os.path.join(tmp, INDEX_FILE), built.index, fsync=False)
-            return built.to_json()
+            if not v1:
+                parts["index_bytes"] = os.path.getsize(os.path.join(tmp, INDEX_FILE))
+            t2 = time.perf_counter()
+            out = built.to_json()
+            parts.update(build=t1 - t0, write=t2 - t1, json=time.perf_counter() - t2, streamed=stream is not None)
+            return out
 
         s, m, text = measure(commit)
         with open(os.path.join(tmp, METADATA_FILE), "w") as f:
             f.write(text)
-        cols.append(f"{s:.2f} ({m:.0f}); {rows_mib:.0f} MiB of rows in")
+        split = (f"build while the index streams {parts['build']:.2f} + the index's end {parts['write']:.2f}"
+                 if parts["streamed"] else f"build {parts['build']:.2f} + index write {parts['write']:.2f}") \
+            + f" + JSON {parts['json']:.2f}"
+        if "index_bytes" in parts:
+            split += f"; the same {parts['index_bytes'] / MIB:.0f} MiB written alone: {write_bound(tmp, parts['index_bytes']):.2f}"
+        cols.append(f"{s:.2f} ({m:.0f}); {rows_mib:.0f} MiB of rows in; {split}")
 
         def opener(name: str) -> int:
             return os.open(os.path.join(tmp, name), os.O_RDONLY)
@@ -295,6 +322,22 @@ def row(n: int, t: int, skip_metadata: bool, v1: bool = False) -> str:
     del texts
     cols.append(f"{s:.2f} ({m:.0f})")
     return f"| {n} | {t} | " + " | ".join(cols) + " |"
+
+
+def write_bound(tmp: str, nbytes: int) -> float:
+    """The bound of the index write on this disk: ``nbytes`` from memory into a fresh file of the
+    same directory, one write as ``write_index`` does, no fsync. Once, right after the index
+    write, so it meets the same dirty-page backlog (a second write after deleting the first
+    reuses its pages and measures 10x faster, which no save meets)."""
+    buf = torch.ones(nbytes, dtype=torch.uint8).numpy()
+    path = os.path.join(tmp, "bound")
+    t0 = time.perf_counter()
+    with open(path, "xb") as f:
+        f.write(buf)
+        f.flush()
+    took = time.perf_counter() - t0
+    os.unlink(path)
+    return took
 
 
 def describe_tensors(md: Metadata) -> None:
@@ -355,6 +398,9 @@ def main() -> None:
     ap.add_argument("--hostile", type=int, nargs="*", default=[],
                     help="also time validating the adversarial strips metadata at these strip counts")
     ap.add_argument("--cached", action="store_true", help="time a repeated save with a cached plan instead")
+    ap.add_argument("--whole-index", action="store_true",
+                    help="write the chunk index after the build, not streamed while it is built (the protocol streams "
+                         "one of 64 MiB or more)")
     ap.add_argument("--format-v1", action="store_true",
                     help="commit and read format v1 (every chunk inline in metadata.json): the 'before' of the index")
     args = ap.parse_args()
@@ -378,7 +424,8 @@ def main() -> None:
     print("\n".join(rows), flush=True)
     for n in args.ranks:
         set_rows(n)
-        rows.append(row(n, args.tensors, n * args.tensors > args.skip_metadata_above, args.format_v1))
+        rows.append(row(n, args.tensors, n * args.tensors > args.skip_metadata_above, args.format_v1,
+                        args.whole_index))
         print(rows[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
