@@ -4,6 +4,7 @@
     # ByteCheckpoint pins torch<=2.5: into a directory of its own, never the project's environment
     pip install --no-deps --target /tmp/bcp bytecheckpoint==0.0.2 mmh3 universal-pathlib cachetools grpcio protobuf==3.20.3
     OMP_NUM_THREADS=1 python scripts/bench_peers.py --reps 5 --scale 0.125 --bytecheckpoint-path /tmp/bcp
+    OMP_NUM_THREADS=1 python scripts/bench_peers.py --reps 5 --scale 0.125 --train-steps 40 --train-only
 
 The script runs each group of libraries as its own torchrun job (ours, torch DCP and
 torch-checkpointing in one; ByteCheckpoint, whose gRPC coordinator and background services do
@@ -38,6 +39,15 @@ element. Times are the max over ranks; medians with min-max over ``--reps``; rat
 median / ours. A peer that fails is a row with its error, never a missing row. The bounds of the
 same disk in the same run: the durable write (sequential writes + fdatasync) and the page-cache
 write (no fdatasync) of the bytes our save wrote on each rank.
+
+``--train-steps N``: what async saves cost a training loop, each library in the same loop over
+the sharded state (``train_loop``: a fixed compute per step, the optimizer's in-place update of
+every shard being saved, a gradient all-reduce; an async save every ``--train-every`` steps, the
+next one waiting for the last). Per library and repetition: the median step of a loop with no
+saves (run just before, the same library's turn), the median step that ran while a persist was
+in flight (on any rank), their ratio, and the median time ``async_save`` blocked the loop. The
+first save and the steps up to the second are warm-up, left out. ByteCheckpoint's async save
+returns no handle, so when its persist ends is unknown: its rows say so.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -73,6 +84,20 @@ def page_cache_write(path: str, nbytes: int) -> None:
             n = min(left, len(buf))
             f.write(buf[:n])
             left -= n
+
+
+class Pending:
+    """An async save in flight: ``done()`` (None when the library gives no handle) and ``wait()``."""
+
+    def __init__(self, fut: Any) -> None:
+        self.fut = fut
+
+    def done(self) -> bool | None:
+        return None if self.fut is None else bool(self.fut.done())
+
+    def wait(self) -> None:
+        if self.fut is not None:
+            self.fut.result()
 
 
 class TorchCheckpointing:
@@ -121,7 +146,7 @@ class TorchCheckpointing:
         finally:
             m.close()
 
-    def async_save(self, sd: dict, path: str) -> Callable[[], None]:
+    def async_save(self, sd: dict, path: str) -> "Pending":
         """Blocks until the state is staged (the caller may change it again): its ``save``
         returns before staging ends, so the blocking part includes the staging future it keeps
         (a private attribute: the library exposes no public wait for it). Ours and torch DCP's
@@ -130,7 +155,7 @@ class TorchCheckpointing:
         staging = getattr(self._async, "_staging_future", None)
         if staging is not None:
             staging.result()
-        return (lambda: None) if fut is None else fut.result
+        return Pending(fut)
 
     def close(self) -> None:
         self._async.close()
@@ -149,16 +174,17 @@ class TorchDCP:
     def load(self, tgt: dict, path: str) -> None:
         tdcp.load(tgt, storage_reader=tdcp.FileSystemReader(path))
 
-    def async_save(self, sd: dict, path: str) -> Callable[[], None]:
-        fut = tdcp.async_save(sd, storage_writer=tdcp.FileSystemWriter(path, thread_count=self.threads))
-        return fut.result
+    def async_save(self, sd: dict, path: str) -> "Pending":
+        return Pending(tdcp.async_save(sd, storage_writer=tdcp.FileSystemWriter(path, thread_count=self.threads)))
 
 
 class Ours:
     name = "hpdcp_runner"
 
-    def __init__(self) -> None:
-        self.version = "this tree"
+    def __init__(self, mode: str = "thread") -> None:
+        self.version, self.mode = "this tree", mode
+        if mode != "thread":
+            self.name = f"hpdcp_runner ({mode})"
 
     def save(self, sd: dict, path: str) -> None:
         dcp.save(sd, checkpoint_id=path)
@@ -166,8 +192,13 @@ class Ours:
     def load(self, tgt: dict, path: str) -> None:
         dcp.load(tgt, checkpoint_id=path)
 
-    def async_save(self, sd: dict, path: str) -> Callable[[], None]:
-        return dcp.async_save(sd, checkpoint_id=path).result
+    def async_save(self, sd: dict, path: str) -> "Pending":
+        return Pending(dcp.async_save(sd, checkpoint_id=path, mode=self.mode))
+
+    def supports(self, case: str) -> str | None:
+        if self.mode != "thread" and case not in ("async save, blocking", "train"):
+            return "(the sync save and load of hpdcp_runner)"
+        return None
 
 
 class ByteCheckpoint:
@@ -207,6 +238,8 @@ class ByteCheckpoint:
             return "n/a: its FSDP2 checkpointer holds Shard(0) parameters only"
         if case.startswith("reshard"):
             return "n/a: its FSDP2 checkpointer loads into Shard(0) parameters only"
+        if case == "train":
+            return "n/a: its async save returns no handle, so the steps beside its persist are not known"
         return None
 
     def save(self, sd: dict, path: str) -> None:
@@ -219,18 +252,20 @@ class ByteCheckpoint:
             for v, p_ in zip(tgt.values(), m.parameters()):
                 v.to_local().copy_(p_.to_local())
 
-    def async_save(self, sd: dict, path: str) -> Callable[[], None]:
+    def async_save(self, sd: dict, path: str) -> "Pending":
         self.bcp.save(path, {"model": self._module(sd)}, framework="fsdp2", fast_saving=True)
-        return lambda: None
+        return Pending(None)  # (it returns no handle: when its persist ends is not known here)
 
 
+TRAIN_CASES = ("train: step, loop without saves", "train: step beside a persist",
+               "train: step beside a persist / without saves", "train: blocking per save")
 GROUPS = {"main": ("hpdcp_runner", "torch DCP", "torch-checkpointing"), "bytecheckpoint": ("ByteCheckpoint",)}
 
 
 def _peers(group: str, threads: int) -> tuple[list[Any], dict[str, str]]:
     """The libraries of this job that run here, and why each of the others does not."""
     makers: dict[str, Callable[[], list[Any]]] = {
-        "hpdcp_runner": lambda: [Ours()], "torch DCP": lambda: [TorchDCP(1), TorchDCP(threads)],
+        "hpdcp_runner": lambda: [Ours(), Ours("process")], "torch DCP": lambda: [TorchDCP(1), TorchDCP(threads)],
         "torch-checkpointing": lambda: [TorchCheckpointing()], "ByteCheckpoint": lambda: [ByteCheckpoint()]}
     libs: list[Any] = []
     failed = {}
@@ -252,6 +287,58 @@ def _loopback(self, addr, *a):
     return _connect(self, addr, *a)
 socket.socket.connect = _loopback
 """
+
+
+def train_loop(lib: Any, sd: dict, args: Any, path: str | None) -> dict[str, list[float]]:
+    """A training loop over the sharded state: each step a fixed compute (``--train-matmuls``
+    384x384 matmuls), the optimizer's in-place update of every local shard being saved, and a
+    gradient all-reduce (the ranks step together). With ``path``, an async save every
+    ``--train-every`` steps (the next waits for the last to finish, as a loop that keeps one in
+    flight). Per step, the max over ranks of its time (a save step's without its blocking part)
+    and whether a persist was in flight at its start on any rank. The first save and the steps
+    up to the second are warm-up (a writer thread or process starting), left out."""
+    from torch.distributed.tensor import DTensor
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    group = args.grad_group
+    a = torch.randn(384, 384, generator=g) / 20
+    shards = [v.to_local() if isinstance(v, DTensor) else v for v in sd.values()]
+    every = args.train_every
+    times, busy, blocking = [], [], []
+    pending = None
+    first_counted = every + every // 2 if path else 0
+    for i in range(args.train_steps):
+        t0, blocked = time.perf_counter(), 0.0
+        if path and i % every == every // 2:
+            if pending is not None:
+                pending.wait()
+            b0 = time.perf_counter()
+            pending = lib.async_save(sd, f"{path}-{i}")
+            blocked = time.perf_counter() - b0
+            if i >= first_counted:
+                blocking.append(blocked)
+        in_flight = pending is not None and pending.done() is not True
+        x = a
+        for _ in range(args.train_matmuls):
+            x = torch.tanh(x @ a)
+        with torch.no_grad():
+            for t in shards:
+                t.mul_(0.9999)
+        dist.all_reduce(x[:1, :1].contiguous(), group=group)
+        if i >= first_counted:
+            times.append(time.perf_counter() - t0 - blocked)
+            busy.append(float(in_flight))
+    if pending is not None:
+        pending.wait()
+    t = torch.tensor(times, dtype=torch.float64)
+    b = torch.tensor(busy, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(b, op=dist.ReduceOp.MAX, group=group)
+    bl = torch.tensor(blocking, dtype=torch.float64)
+    dist.all_reduce(bl, op=dist.ReduceOp.MAX, group=group)
+    over = [x for x, f in zip(t.tolist(), b.tolist()) if f]
+    free = [x for x, f in zip(t.tolist(), b.tolist()) if not f]
+    return {"over": over, "free": free, "blocking": bl.tolist(), "all": t.tolist()}
 
 
 def worker(args: Any) -> None:
@@ -283,7 +370,7 @@ def worker(args: Any) -> None:
             errors.setdefault(what, {})[lib.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             return False
 
-    for rep in range(args.reps):
+    for rep in range(0 if args.train_only else args.reps):
         root = f"{base}/rep{rep}"
         order = libs if rep % 2 == 0 else libs[::-1]
         for layout in ("sharded", "replicated"):
@@ -305,15 +392,15 @@ def worker(args: Any) -> None:
                         check(ref1, tgt)
                     if rep == 0:  # warm-up, untimed: a writer thread or process started, buffers allocated
                         try:
-                            lib.async_save(sd, f"{path}-warmup-async")()
+                            lib.async_save(sd, f"{path}-warmup-async").wait()
                         except Exception:
                             pass
                         dist.barrier()
                     settle()
-                    waits: list[Callable[[], None]] = []
+                    waits: list[Pending] = []
                     case("async save, blocking", lib, lambda: waits.append(lib.async_save(sd, f"{path}-async")))
                     for w in waits:
-                        w()
+                        w.wait()
                     dist.barrier()
             ours = f"{root}/{layout}-hpdcp_runner"
             if os.path.isdir(ours):  # the bounds: the bytes our save wrote on this rank, on this disk
@@ -324,6 +411,42 @@ def worker(args: Any) -> None:
                     bounds.setdefault(f"{layout} {kind}", []).append(timed(lambda: write(f"{root}/bound-{rank}", mine)))
                     os.unlink(f"{root}/bound-{rank}")
             del sd
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        dist.barrier()
+    # the loop's gradient all-reduce on a group of its own, as a training job's data-parallel group
+    # is: the libraries' background collectives use the default group
+    args.grad_group = dist.new_group(backend="gloo") if args.train_steps else None
+    for rep in range(args.reps if args.train_steps else 0):  # the training loop, each library beside a loop without saves
+        root = f"{base}/train{rep}"
+        state = workload(args.scale, "sharded", mesh)
+        for lib in (libs if rep % 2 == 0 else libs[::-1]):
+            why = getattr(lib, "supports", lambda c: None)("train")
+            if why:
+                for c in TRAIN_CASES:
+                    errors.setdefault(c, {})[lib.name] = why
+                continue
+            settle()
+            plain = train_loop(lib, state, args, None)
+            settle()
+            try:
+                got = train_loop(lib, state, args, f"{root}/{lib.name.replace(' ', '_').replace('=', '')}")
+            except Exception as e:
+                if rank == 0:
+                    traceback.print_exc()
+                for c in TRAIN_CASES:
+                    errors.setdefault(c, {})[lib.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                continue
+            base_step = statistics.median(plain["all"])
+            for c, v in (("train: step, loop without saves", base_step),
+                         ("train: step beside a persist", statistics.median(got["over"]) if got["over"] else None),
+                         ("train: step beside a persist / without saves",
+                          statistics.median(got["over"]) / base_step if got["over"] else None),
+                         ("train: blocking per save", statistics.median(got["blocking"]) if got["blocking"] else None)):
+                if v is not None:
+                    times.setdefault(c, {}).setdefault(lib.name, []).append(v)
+        del state
         dist.barrier()
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
@@ -351,6 +474,11 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--dcp-threads", type=int, default=2)
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="also run a training loop of this many steps per library (0: not run)")
+    ap.add_argument("--train-every", type=int, default=8, help="an async save every this many steps")
+    ap.add_argument("--train-only", action="store_true", help="only the training loop (with --train-steps)")
+    ap.add_argument("--train-matmuls", type=int, default=24, help="the compute of one step")
     ap.add_argument("--bytecheckpoint-path", default=None,
                     help="a directory holding bytecheckpoint and its dependencies (pip install --no-deps --target), "
                          "put on its job's PYTHONPATH only")
@@ -376,7 +504,10 @@ def main() -> None:
             results = os.path.join(tmp, f"{group}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", __file__,
                    "--worker", group, "--results", results, "--reps", str(args.reps), "--scale", str(args.scale),
-                   "--dcp-threads", str(args.dcp_threads)] + (["--dir", args.dir] if args.dir else [])
+                   "--dcp-threads", str(args.dcp_threads), "--train-steps", str(args.train_steps),
+                   "--train-every", str(args.train_every), "--train-matmuls", str(args.train_matmuls)] \
+                + (["--train-only"] if args.train_only else []) \
+                + (["--dir", args.dir] if args.dir else [])
             r = subprocess.run(cmd, env=env)
             if r.returncode or not os.path.exists(results):
                 for name in GROUPS[group]:
@@ -406,13 +537,17 @@ def _cell(xs: list[float] | None) -> str:
 
 
 def report(args: Any, m: dict) -> str:
-    cases = ["sharded save", "replicated save", "sharded load, warm", "replicated load, warm", "reshard S0->S1, warm",
-             "async save, blocking"]
+    cases = ([] if args.train_only else ["sharded save", "replicated save", "sharded load, warm",
+                                         "replicated load, warm", "reshard S0->S1, warm", "async save, blocking"]) \
+        + (list(TRAIN_CASES) if args.train_steps else [])
     names = [n for n, _ in m["libs"]] + [n for n in m["failed"] if n not in {x for x, _ in m["libs"]}]
     ws = m.get("world_size", args.nproc)
     size = sum(t.numel() * t.element_size() for t in workload(args.scale, "replicated", None).values()) / 2**30
     versions = ", ".join(f"{n} {v}" for n, v in m["libs"] if n != "torch DCP tc=1")
-    lines = [f"Command: `OMP_NUM_THREADS=1 python scripts/bench_peers.py --reps {args.reps} --scale {args.scale}"
+    train = (f" --train-steps {args.train_steps} --train-every {args.train_every} --train-matmuls {args.train_matmuls}"
+             + (" --train-only" if args.train_only else "") if args.train_steps else "")
+    nproc = f" --nproc {args.nproc}" if args.nproc != 2 else ""
+    lines = [f"Command: `OMP_NUM_THREADS=1 python scripts/bench_peers.py --reps {args.reps}{nproc} --scale {args.scale}{train}"
              + (" --bytecheckpoint-path <dir>" if args.bytecheckpoint_path else "") + "`", "",
              f"Machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, gloo on CPU, "
              f"{ws} ranks, local disk; state {size:.3f} GiB. Versions: {versions}."
@@ -430,7 +565,7 @@ def report(args: Any, m: dict) -> str:
                 row.append(err or "-")
                 continue
             row.append(_cell(xs))
-            if n != "hpdcp_runner":
+            if not n.startswith("hpdcp_runner"):
                 peers.append((statistics.median(xs), n))
         ours = m["times"].get(c, {}).get("hpdcp_runner")
         best = min(peers) if peers else None
@@ -438,7 +573,7 @@ def report(args: Any, m: dict) -> str:
         lines.append(f"| {c} | " + " | ".join(row) + f" | {best[1] if best else '-'} | {ratio} |")
     lines.append("")
     b = m["bounds"]
-    for layout in ("sharded", "replicated"):
+    for layout in (() if args.train_only else ("sharded", "replicated")):
         lines.append(f"- {layout} save, the bounds of this disk for the bytes our save wrote per rank: durable write "
                      f"{_cell(b.get(f'{layout} durable'))} s, page-cache write {_cell(b.get(f'{layout} page cache'))} s "
                      f"(torch-checkpointing never fsyncs: its saves end in the page cache)")
