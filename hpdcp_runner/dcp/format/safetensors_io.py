@@ -249,13 +249,10 @@ def write_file(path: str, entries: Sequence[tuple[str, torch.Tensor]], *, meta: 
 
 def write_index(path: str, index: ChunkIndex, *, fsync: bool = True) -> None:
     """Write a format-v2 chunk index (a safetensors file of int64 arrays) from memory."""
-    header, cols = index.encode()
     with open(path, "xb") as f, naming(path):
         faults.point("file.write", path=path)
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for c in cols:
-            f.write(byte_view(c))
+        for part in index_parts(index):
+            f.write(part)
         f.flush()
         if fsync:
             faults.point("file.fsync", path=path)
