@@ -193,7 +193,9 @@ class Ours:
         dcp.load(tgt, checkpoint_id=path)
 
     def async_save(self, sd: dict, path: str) -> "Pending":
-        return Pending(dcp.async_save(sd, checkpoint_id=path, mode=self.mode))
+        # cache_plan: what the runner's saves use (dcp.cache_plan=true): a save of the layout of the
+        # last one skips planning, which otherwise runs beside the training loop
+        return Pending(dcp.async_save(sd, checkpoint_id=path, mode=self.mode, cache_plan=True))
 
     def supports(self, case: str) -> str | None:
         if self.mode != "thread" and case not in ("async save, blocking", "train"):
