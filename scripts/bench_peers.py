@@ -45,7 +45,9 @@ the sharded state (``train_loop``: a fixed compute per step, the optimizer's in-
 every shard being saved, a gradient all-reduce; an async save every ``--train-every`` steps, the
 next one waiting for the last). Per library and repetition: the median step of a loop with no
 saves (run just before, the same library's turn), the median step that ran while a persist was
-in flight (on any rank), their ratio, and the median time ``async_save`` blocked the loop. The
+in flight (on any rank), their ratio, the median time ``async_save`` blocked the loop, and what a
+save cost the loop in all (the steps beside its persist over the loop without saves, plus its
+blocking, per save: a short intense persist and a long gentle one compared by their total). The
 first save and the steps up to the second are warm-up, left out. ByteCheckpoint's async save
 returns no handle, so when its persist ends is unknown: its rows say so.
 """
@@ -260,7 +262,8 @@ class ByteCheckpoint:
 
 
 TRAIN_CASES = ("train: step, loop without saves", "train: step beside a persist",
-               "train: step beside a persist / without saves", "train: blocking per save")
+               "train: step beside a persist / without saves", "train: blocking per save",
+               "train: loop time lost per save")
 GROUPS = {"main": ("hpdcp_runner", "torch DCP", "torch-checkpointing"), "bytecheckpoint": ("ByteCheckpoint",)}
 
 
@@ -445,7 +448,12 @@ def worker(args: Any) -> None:
                          ("train: step beside a persist", statistics.median(got["over"]) if got["over"] else None),
                          ("train: step beside a persist / without saves",
                           statistics.median(got["over"]) / base_step if got["over"] else None),
-                         ("train: blocking per save", statistics.median(got["blocking"]) if got["blocking"] else None)):
+                         ("train: blocking per save", statistics.median(got["blocking"]) if got["blocking"] else None),
+                         # what a save costs the loop in all: the steps beside its persist, over what
+                         # they take without saves, plus its blocking; per save
+                         ("train: loop time lost per save",
+                          (sum(got["over"]) - len(got["over"]) * base_step + sum(got["blocking"])) / len(got["blocking"])
+                          if got["blocking"] else None)):
                 if v is not None:
                     times.setdefault(c, {}).setdefault(lib.name, []).append(v)
         del state
