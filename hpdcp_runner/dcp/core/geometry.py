@@ -250,8 +250,7 @@ def tiling_problem(shapes: Sequence[Sequence[int] | None], rows: torch.Tensor,
     along several dimensions, and any that fail, go to the exact sweep (``boxes_tile``), which
     also words the problem. Checking one chunk costs ~1 us here instead of ~20 in Python.
     """
-    if ids is None:
-        ids, rows = rows[:, 0], rows[:, 1:]
+    gid, rows = (rows[:, 0], rows[:, 1:]) if ids is None else (ids, rows)
     d = rows.shape[1] // 2
     k = len(shapes)
     if not k:
@@ -263,7 +262,6 @@ def tiling_problem(shapes: Sequence[Sequence[int] | None], rows: torch.Tensor,
             if len(shp):
                 full[:len(shp), i] = torch.tensor(list(shp), dtype=torch.int64)
             numel[i] = math.prod(shp)
-    gid = ids
     # One dimension at a time on 1-D columns: reductions across the few dimensions of an [R, D]
     # temporary cost several times an elementwise pass at millions of rows.
     outside = torch.zeros(len(rows), dtype=torch.bool)

@@ -15,6 +15,7 @@ import math
 import os
 import struct
 import threading
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -28,7 +29,7 @@ from ..core.rafile import open_regular_file
 from ..core.utils import byte_view
 from . import jsondoc
 from .checksums import BLOCK_BYTES, digest, file_checksum
-from .chunk_index import ChunkIndex, encode_header
+from .chunk_index import ChunkIndex, encode_header, entry_shapes
 from .metadata import DTYPES, dtype_name, element_size
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -360,9 +361,9 @@ class IndexStream:
 
     def __init__(self, sink: Any, tensors: int, nrows: int, ndim: int, nblocks: int) -> None:
         self.sink = sink
-        self.rows_bytes = 8 * nrows * (6 + 2 * ndim)
+        self.rows_bytes = 8 * math.prod(entry_shapes(tensors, nrows, ndim, nblocks)["rows"])
         self.header, _ = encode_header(tensors, nrows, ndim, nblocks)
-        self._queue: list[Any] = [struct.pack("<Q", len(self.header)), self.header]
+        self._queue: deque[Any] = deque([struct.pack("<Q", len(self.header)), self.header])
         self._sent = 0  # bytes of rows handed over so far
         self._cv = threading.Condition()
         self._closing = self._stopped = self._ended = False
@@ -373,7 +374,7 @@ class IndexStream:
     @staticmethod
     def size(tensors: int, nrows: int, ndim: int, nblocks: int) -> int:
         header, _ = encode_header(tensors, nrows, ndim, nblocks)
-        return 8 + len(header) + 8 * (nrows * (6 + 2 * ndim) + nrows + tensors + 1 + 2 * tensors + nblocks)
+        return 8 + len(header) + 8 * sum(math.prod(s) for s in entry_shapes(tensors, nrows, ndim, nblocks).values())
 
     def _run(self) -> None:
         while True:
@@ -382,7 +383,7 @@ class IndexStream:
                     self._cv.wait()
                 if self._stopped or (not self._queue and self._closing):
                     return
-                part = self._queue.pop(0)
+                part = self._queue.popleft()
             try:
                 self.sink.write(part)
             except BaseException as e:  # handed to the building thread at its next put or finish
@@ -408,7 +409,7 @@ class IndexStream:
         if header != self.header or self._sent != self.rows_bytes or cols[0].numel() * 8 != self.rows_bytes:
             self.abort()
             raise MetadataError(f"chunk index: {self._sent} of {self.rows_bytes} bytes of rows were "
-                                         f"streamed, or its counts changed while it was built")
+                                f"streamed, or its counts changed while it was built")
         for c in cols[1:]:
             self._push(byte_view(c))
         with self._cv:
