@@ -114,6 +114,10 @@ class StorageConf:
     coalesce_bytes: Size = "auto"
     read_buffer_bytes: Size = "256MiB"  # the most a rank fetches ahead before copying out
     orphan_grace_s: float = 900.0  # abandoned/superseded saves untouched this long are deleted by later saves
+    # foreign checkpoints (Hugging Face, torch DCP, ...) record few or no checksums: each object read
+    # whole is checked against the MD5 the store keeps (S3/GCS ETags). auto: a mismatch fails the
+    # load unless this store's ETags are not MD5s (encrypted objects); strict: always fails; off
+    store_digests: str = "auto"
 
 
 @dataclass
@@ -751,7 +755,7 @@ def engine_options(c: Config) -> EngineOptions:
         coalesce_bytes=None if s.coalesce_bytes == "auto" else size("dcp.storage.coalesce_bytes", s.coalesce_bytes),
         read_buffer_bytes=size("dcp.storage.read_buffer_bytes", s.read_buffer_bytes, True),
         orphan_grace_s=s.orphan_grace_s, request_timeout_s=s.request_timeout_s, retry_timeout_s=s.retry_timeout_s,
-        unconditional_ok=s.unconditional_ok))
+        unconditional_ok=s.unconditional_ok, store_digests=s.store_digests))
     if problems:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,

@@ -34,6 +34,11 @@ class Proxy:
         # one header's name in lower case (a store that honours only the other)
         self.strip_conditions: bool | str = False
         self.only: str | None = None  # faults apply to methods of this name only (None: all)
+        # flip one byte of an object in GET replies: (path containing this, the byte's offset in the
+        # object, how many replies to corrupt: -1 for every one). A store serving other bytes than
+        # it stored, or a network corrupting them past TCP's checksum: no server does it on demand
+        self.flip: tuple[str, int, int] | None = None
+        self.flipped = 0
         self.requests = 0
         self.bytes_in = 0  # request bodies received (uploads)
         self.bytes_out = 0  # response bodies sent (downloads)
@@ -135,6 +140,8 @@ class Proxy:
             h.connection.shutdown(2)
             return
         status, reason = resp.status, resp.reason
+        if self.flip and h.command == "GET" and self.flip[0] in h.path and status in (200, 206):
+            data = self._flipped(data, resp.getheader("Content-Range"))
         if self.ranged_200_as_206 and status == 200 and h.headers.get("Range") and resp.getheader("Content-Range"):
             status, reason = 206, "Partial Content"
         h.send_response(status, reason)
@@ -153,6 +160,20 @@ class Proxy:
             else:
                 h.wfile.write(data)
         conn.close()
+
+    def _flipped(self, data: bytes, content_range: str | None) -> bytes:
+        _, at, times = self.flip
+        start = int(content_range.split()[1].split("-")[0]) if content_range else 0
+        if not start <= at < start + len(data):
+            return data
+        with self.lock:
+            if times == 0:
+                return data
+            self.flip = (self.flip[0], at, times - 1 if times > 0 else times)
+            self.flipped += 1
+        body = bytearray(data)
+        body[at - start] ^= 0x01
+        return bytes(body)
 
     def _pace(self, n: int) -> None:
         if self.conn_bps:  # this request's own rate

@@ -4,7 +4,8 @@ A Hugging Face or torch DCP checkpoint (``job.source.format``) has no checksums 
 structure is validated (index against shard headers, bounds, overlaps, tiling, files, a torch DCP
 record's zip structure) and every tensor byte is read once. torch DCP records carry a zip CRC-32,
 checked for every record read whole (verify reads each whole); Hugging Face files record none,
-so a flipped bit in their data cannot be detected.
+so a flipped bit in their data is detected only where the store keeps a digest of the whole
+file (S3 and GCS MD5 ETags; ``dcp.storage.store_digests``), which verify, reading every byte, checks.
 """
 
 from __future__ import annotations
@@ -26,10 +27,19 @@ def run(ctx: JobContext) -> dict:
         with ctx.metrics.phase("verify"), ctx.user_errors(key):
             n = len(full_tensor_digests(path, reader))
         crcs = reader.counters.chunks_verified
-        how = (f"{crcs} records matched their zip CRC-32" if crcs else
-               "this format records no checksums, so flipped bits cannot be detected")
-        write_out(f"OK: {path} ({reader.format_name}): structure valid, {n} tensors read in full; {how}")
-        return {"checkpoint": path, "tensors_read": n, "format": reader.format_name, "checksums": bool(crcs), "records_crc_checked": crcs}
+        states = reader.files.store_digest_states()
+        stored = sum(s == "matched" for s in states.values())
+        how = [f"{crcs} records matched their zip CRC-32"] if crcs else []
+        if stored:
+            how.append(f"{stored} object(s) matched the store's MD5")
+        unchecked = sorted(n for n, s in states.items() if s in ("unusable", "skipped"))
+        if unchecked:
+            how.append(f"not checked against the store's digest: {', '.join(unchecked)}")
+        if not how:
+            how = ["this format records no checksums (nor does this storage), so flipped bits cannot be detected"]
+        write_out(f"OK: {path} ({reader.format_name}): structure valid, {n} tensors read in full; {'; '.join(how)}")
+        return {"checkpoint": path, "tensors_read": n, "format": reader.format_name, "checksums": bool(crcs or stored),
+                "records_crc_checked": crcs, "store_digests_matched": stored}
     reader.close()
     with ctx.metrics.phase("verify"), ctx.bytes_bar(f"verify {path}") as bar, ctx.user_errors(key):
         report = verify(path, on_bytes=bar)

@@ -133,5 +133,14 @@ class CheckpointFiles(ABC):
         """Bytes fetched so far (progress leads the copies out); 0 where nothing is fetched ahead."""
         return 0
 
+    # -- the storage's own digests (foreign files, which record none) -----------------------------
+    def check_store_digests(self) -> None:
+        """Check every file read whole against the digest the storage keeps of it, where it keeps
+        one (object stores: ``store_digests``); a file system keeps none (default: nothing)."""
+
+    def store_digest_states(self) -> dict[str, str]:
+        """{file: matched | skipped | unusable | failed | open} of the files with such a digest."""
+        return {}
+
     def close(self) -> None:
         """Release the pin and anything held."""

@@ -114,6 +114,8 @@ class _DescribedReader(CheckpointReader):
         kwargs["verify_checksums"] = False
         super().__init__(files if isinstance(files, CheckpointFiles) else PinnedDirectory(files), **kwargs)
         self._described: str | None = None
+        if self.check_crc:  # the format's own checksums are few or none: the storage's, where it keeps them
+            self.files.check_store_digests()
 
     def _checked_name(self, name: Any, where: str) -> str:
         try:

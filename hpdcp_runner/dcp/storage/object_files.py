@@ -11,7 +11,7 @@ import bisect
 import concurrent.futures as cf
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, HpdcpError
 from ..core.rafile import RandomAccessFile
@@ -20,6 +20,7 @@ from .checkpoint_files import CheckpointFiles, plain_name
 from .interfaces import IOCounters
 from .object_checkpoint import SAVE_PREFIX, check_commit_matches, read_commit
 from .object_store import Bucket, RemoteFile
+from .store_digests import StoreDigests
 
 
 READ_PART_FLOOR = 1 << 20  # ranged GETs smaller than this cost more in requests than they gain
@@ -45,6 +46,9 @@ class StorePrefix(CheckpointFiles):
         self._arrived = 0
         self._arrived_lock = threading.Lock()
         self._commit_seen = commit  # (read_commit's answer, seconds): read moments ago, used by the first pin
+        self._etags: dict[str, str] = {}  # of the listing: the store's digests, where they are MD5s
+        self._digests_wanted = False
+        self._digests: StoreDigests | None = None
 
     def _key(self, name: str) -> str:
         return "/".join(p for p in (self.name_key, self.data, name) if p)
@@ -85,12 +89,16 @@ class StorePrefix(CheckpointFiles):
             self._resolve()
 
     def pin(self) -> Any:
-        """The save read (its id; "" for the prefix itself) and, once listed, its files' sizes."""
-        return self.data if self._sizes is None else {"save": self.data, "sizes": self._sizes}
+        """The save read (its id; "" for the prefix itself) and, once listed, its files' sizes
+        (and the store's digests of them, for a rank that checks them)."""
+        if self._sizes is None:
+            return self.data
+        return {"save": self.data, "sizes": self._sizes, **({"etags": self._etags} if self._digests_wanted else {})}
 
     def attach(self, pin: Any) -> None:
         if isinstance(pin, dict):
             self.data, self._sizes = pin["save"], {str(k): int(v) for k, v in pin["sizes"].items()}
+            self._etags = {str(k): str(v) for k, v in (pin.get("etags") or {}).items()}
         elif pin is not None:
             self.data = pin
         self.pin_directory()
@@ -120,10 +128,42 @@ class StorePrefix(CheckpointFiles):
         if self._sizes is None:
             base = self._key("")
             if self.data:
-                self._sizes = {o["path"][len(base) + 1:]: o["size"] for o in self.bucket.list(base)}
+                objs = {o["path"][len(base) + 1:]: o for o in self.bucket.list(base)}
             else:
-                self._sizes = {o["path"].rsplit("/", 1)[-1]: o["size"] for o in self.bucket.list_dir(base)[1]}
+                objs = {o["path"].rsplit("/", 1)[-1]: o for o in self.bucket.list_dir(base)[1]}
+            self._sizes = {name: o["size"] for name, o in objs.items()}
+            self._etags = {name: o["e_tag"] for name, o in objs.items() if o.get("e_tag")}
         return self._sizes
+
+    # -- the store's own digests (foreign files: the format records none) -------------------------
+    def check_store_digests(self) -> None:
+        self._digests_wanted = self.bucket.options.store_digests != "off"
+
+    def _digest_watch(self) -> StoreDigests | None:
+        if not self._digests_wanted:
+            return None
+        if self._digests is None:
+            sizes = self._listing()
+            self._digests = StoreDigests(scheme=self.bucket.scheme, url=self.url, key_of=self._key,
+                                         read_range=self.bucket.get_range, mode=self.bucket.options.store_digests,
+                                         counters=self.counters)
+            self._digests.watch({name: (size, self._etags.get(name)) for name, size in sizes.items()})
+        return self._digests
+
+    def _feed(self, name: str, offset: int, data: Any, wait: bool = True) -> None:
+        """``wait``: until hashed (a read the caller uses now); a round's GETs go on instead, and
+        ``release`` waits for their verdicts before the round counts as read."""
+        watch = self._digest_watch()
+        if watch is not None:
+            watch.feed(name, offset, data, wait=wait)
+
+    def _on_data(self, name: str) -> Callable[[int, Any], None] | None:
+        return (lambda offset, data: self._feed(name, offset, data)) if self._digests_wanted else None
+
+    def store_digest_states(self) -> dict[str, str]:
+        """{file: matched | skipped | unusable | failed | open} of the objects with a store digest."""
+        watch = self._digest_watch()
+        return watch.states() if watch is not None else {}
 
     def require_directory(self) -> None:
         if not self._listing():
@@ -142,6 +182,7 @@ class StorePrefix(CheckpointFiles):
         got = self.bucket.get(self._key(plain_name(name, self.url)), max_bytes=max_bytes)  # over: an error naming it
         if got is None:
             raise CheckpointNotFoundError(f"{self.url}/{name} is missing")
+        self._feed(name, 0, got[0])
         return got[0]
 
     def open_random(self, name: str) -> RandomAccessFile:
@@ -149,7 +190,7 @@ class StorePrefix(CheckpointFiles):
         # round trip fewer before a load's first byte
         size = self._listing().get(plain_name(name, self.url))
         return RemoteFile(self.bucket, self._key(plain_name(name, self.url)), size, lambda: self.missing(name),
-                          self.counters)
+                          self.counters, self._on_data(name))
 
     def check_sizes(self, names: Iterable[str], expected: dict[str, int]) -> None:
         sizes = self._listing()
@@ -164,7 +205,7 @@ class StorePrefix(CheckpointFiles):
     def open_handle(self, name: str, expected: int | None) -> RemoteFile:
         self.pin_directory()
         return RemoteFile(self.bucket, self._key(check_file_name(name)), expected, lambda: self.missing(name),
-                          self.counters)
+                          self.counters, self._on_data(name))
 
     def handles_kept(self, files_kept: int) -> int:
         return 1 << 30  # a handle holds nothing open
@@ -223,6 +264,7 @@ class StorePrefix(CheckpointFiles):
                                              f"file's {handles[name].size()} bytes (truncated file or bad metadata)")
         if not merged:
             return
+        self._digest_watch()  # made here, before the GETs that feed it run in threads
 
         def get(name: str, key: str, lo: int, hi: int) -> Any:
             t0 = time.perf_counter()
@@ -233,6 +275,7 @@ class StorePrefix(CheckpointFiles):
             self._observe(hi - lo, time.perf_counter() - t0)
             with self._arrived_lock:
                 self._arrived += hi - lo
+            self._feed(name, lo, buf, wait=False)
             return buf
 
         self._pool = cf.ThreadPoolExecutor(max_workers=min(o.concurrency, len(merged)), thread_name_prefix="hpdcp-get")
@@ -250,12 +293,19 @@ class StorePrefix(CheckpointFiles):
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         self._fetched.clear()
+        if self._digests is not None:
+            self._digests.gaps_final()
+            self._digests.settle()  # the round's bytes judged before the load may use them as read
 
     def bytes_arrived(self) -> int:
         return self._arrived
 
     def close(self) -> None:
-        self.release()
+        try:
+            self.release()
+        finally:
+            if self._digests is not None:
+                self._digests.close()
 
     # -- the cost model: measured on these files' own requests ------------------------------------
     _DEFAULT_LATENCY_S = 0.01

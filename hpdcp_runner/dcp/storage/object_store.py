@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..core.errors import CheckpointNotFoundError, ConfigError, StorageAccessError
 from .uri import redact
 from .interfaces import IOCounters
+from .store_digests import check_mode as check_digest_mode
 from .stores import KINDS
 
 INSTALL_HINT = 'pip install "hpdcp_runner[s3]" (or [gcs], [azure]: the same client)'
@@ -60,8 +61,12 @@ class ObjectStoreOptions:
     # a store that ignores conditional writes (If-None-Match / If-Match) cannot keep two saves of
     # one name from both reporting success; true runs on such a store anyway (one saver per name)
     unconditional_ok: bool = False
+    # foreign files (no checksums of their own): check each object read whole against the MD5 the
+    # store keeps (auto | strict | off; see store_digests)
+    store_digests: str = "auto"
 
     def __post_init__(self) -> None:
+        check_digest_mode(self.store_digests)
         if self.part_size < 5 << 20:
             raise ConfigError(f"part_size must be >= 5MiB (the S3 minimum for a multipart part), got {self.part_size}")
         for name in ("concurrency", "max_retries"):
@@ -447,9 +452,10 @@ class RemoteFile:
     """One object read by ranges (a random-access file for the chunk index and the reads)."""
 
     def __init__(self, bucket: Bucket, key: str, size: int | None, on_missing: Callable[[], Exception] | None = None,
-                 counters: IOCounters | None = None) -> None:
+                 counters: IOCounters | None = None, on_data: Callable[[int, Any], None] | None = None) -> None:
+        """``on_data(offset, bytes)`` hears every range that arrives (a store digest's check)."""
         self.bucket, self.key, self._size = bucket, key, size
-        self.on_missing, self.counters = on_missing, counters
+        self.on_missing, self.counters, self.on_data = on_missing, counters, on_data
         self._cache: dict[int, bytes] = {}  # small reads' blocks, oldest first
 
     def size(self) -> int:
@@ -502,6 +508,8 @@ class RemoteFile:
             raise
         if self.counters is not None:
             self.counters.bump("store_requests")
+        if self.on_data is not None:
+            self.on_data(start, data)
         return bytes(data)
 
     def close(self) -> None:

@@ -83,7 +83,7 @@ dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp
 dcp.cache_plan dcp.format_version dcp.async_mode dcp.persist_start_wait_s
 dcp.storage.endpoint dcp.storage.region dcp.storage.allow_http dcp.storage.part_size dcp.storage.concurrency
 dcp.storage.max_retries dcp.storage.coalesce_bytes dcp.storage.read_buffer_bytes dcp.storage.orphan_grace_s
-dcp.storage.request_timeout_s dcp.storage.retry_timeout_s dcp.storage.unconditional_ok
+dcp.storage.request_timeout_s dcp.storage.retry_timeout_s dcp.storage.unconditional_ok dcp.storage.store_digests
 job.fail_on_rank job.name job.output job.output_format job.hf_max_shard_size job.hf_files_from job.verify
 job.include job.exclude job.model_only job.dtype job.experts
 job.source.layout job.source.path job.source.format job.source.weights job.source.rename
