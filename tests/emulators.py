@@ -130,6 +130,14 @@ def start_azurite() -> tuple[str, subprocess.Popen | None]:
     return _start(cmd, lambda p: f"http://127.0.0.1:{p}/{AZ_ACCOUNT}", "azurite")
 
 
+def start_azurite_on_disk(root: str) -> tuple[str, subprocess.Popen]:
+    """An azurite of the caller's own that keeps blobs in files under ``root`` (its extents), so
+    a test can corrupt a stored blob at rest while the service keeps the Content-MD5 it recorded."""
+    cmd = [install_azurite() or "azurite-blob", "--blobHost", "127.0.0.1", "--blobPort", "{port}", "--silent",
+           "--skipApiVersionCheck", "--loose", "--location", root]
+    return _start(cmd, lambda p: f"http://127.0.0.1:{p}/{AZ_ACCOUNT}", "azurite")
+
+
 def azure_env(endpoint: str) -> dict[str, str]:
     """The standard Azure environment pointing at the emulator."""
     return {"AZURE_STORAGE_ACCOUNT_NAME": AZ_ACCOUNT, "AZURE_STORAGE_ACCOUNT_KEY": AZ_KEY,
@@ -175,6 +183,16 @@ def start_gcs() -> tuple[str, subprocess.Popen | None]:
         return given, None
     cmd = [gcs_bin() or "fake-gcs-server", "-scheme", "http", "-host", "127.0.0.1", "-port", "{port}",
            "-public-host", "127.0.0.1:{port}", "-backend", "memory", "-log-level", "error"]
+    return _start(cmd, lambda p: f"http://127.0.0.1:{p}", "fake-gcs-server")
+
+
+def start_gcs_on_disk(root: str) -> tuple[str, subprocess.Popen]:
+    """A fake-gcs-server of the caller's own that keeps objects as files under ``root``
+    (``<root>/<bucket>/<name>``) with their recorded MD5 beside them, so a test can corrupt a
+    stored object at rest while the server keeps serving the MD5 it recorded."""
+    cmd = [gcs_bin() or "fake-gcs-server", "-scheme", "http", "-host", "127.0.0.1", "-port", "{port}",
+           "-public-host", "127.0.0.1:{port}", "-backend", "filesystem", "-filesystem-root", root,
+           "-log-level", "error"]
     return _start(cmd, lambda p: f"http://127.0.0.1:{p}", "fake-gcs-server")
 
 

@@ -224,3 +224,90 @@ def test_cli_reshard_of_a_corrupted_model_fails_on_every_rank(tmp_path, s3_endpo
     assert r.returncode != 0, r.stdout[-2000:]
     assert "hf/model.safetensors" in r.stderr and "stored copy is corrupted" in r.stderr, r.stderr[-3000:]
     assert proxy.flipped >= 2
+
+
+# -- corrupted at rest, in a real server's own storage (no proxy) -----------------------------------
+
+def _flip_in_files(root, payload: bytes, at: int) -> str:
+    """Flip the byte ``at`` of ``payload`` where the server stored it under ``root``; the file."""
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            path = os.path.join(dirpath, n)
+            with open(path, "rb") as f:
+                raw = f.read()
+            i = raw.find(payload)
+            if i >= 0:
+                with open(path, "r+b") as f:
+                    f.seek(i + at)
+                    f.write(bytes([raw[i + at] ^ 0x01]))
+                return path
+    raise AssertionError(f"the payload is not stored in a file under {root}")
+
+
+@pytest.fixture
+def on_disk_store(request, tmp_path):
+    """(URI of a fresh bucket/container, the server's storage directory, upload(key, bytes)) on a
+    server of the test's own that keeps objects in files: GCS (fake-gcs-server) or Azure (azurite)."""
+    from hpdcp_runner.dcp.storage import object_store
+    from hpdcp_runner.dcp.storage.object_store import Bucket
+
+    root = str(tmp_path / "server")
+    os.makedirs(root)
+    if request.param == "gs":
+        if emulators.gcs_unavailable():
+            pytest.skip(emulators.gcs_unavailable())
+        endpoint, proc = emulators.start_gcs_on_disk(root)
+        env, name = emulators.gcs_env(endpoint), None
+    else:
+        if emulators.azure_unavailable():
+            pytest.skip(emulators.azure_unavailable())
+        endpoint, proc = emulators.start_azurite_on_disk(root)
+        env = emulators.azure_env(endpoint)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    object_store.configure(object_store.ObjectStoreOptions(endpoint=endpoint))
+    try:
+        if request.param == "gs":
+            name = emulators.new_gcs_bucket(endpoint)
+
+            def upload(key, data):
+                emulators.gcs_upload(endpoint, name, key, data)
+        else:
+            name = emulators.new_container(endpoint)
+
+            def upload(key, data):
+                b = Bucket(f"az://{name}")
+                b.put(b.key(key), data)
+        yield f"{request.param}://{name}", root, upload
+    finally:
+        object_store.configure(object_store.ObjectStoreOptions())
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        emulators.stop(proc)
+
+
+@pytest.mark.parametrize("on_disk_store", ["gs", "az"], indirect=True)
+def test_object_corrupted_at_rest_in_the_store(tmp_path, on_disk_store, fault_row):
+    """A byte flipped in the server's own file of the object (bit rot under a store that keeps the
+    MD5 it recorded at upload): the load fails naming the object, and verify does too; before the
+    flip both pass. Azure's digest is a Content-MD5 (read by a signed HEAD), GCS's its ETag."""
+    uri, root, upload = on_disk_store
+    t = _model()
+    save_file(t, str(tmp_path / "model.safetensors"))
+    payload = (tmp_path / "model.safetensors").read_bytes()
+    upload("hf/model.safetensors", payload)
+    upload("hf/config.json", json.dumps({"model_type": "llama"}).encode())
+    got, res = _load(f"{uri}/hf", t)
+    assert all(torch.equal(got[k], t[k]) for k in t) and res.counters["store_digests_matched"] >= 1
+    last = max(_spans(tmp_path / "model.safetensors").values())
+    _flip_in_files(root, payload, last[0] + 100)
+    with pytest.raises(dcp.CorruptCheckpointError) as e:
+        _load(f"{uri}/hf", t)
+    assert "hf/model.safetensors" in str(e.value) and "stored copy is corrupted" in str(e.value), str(e.value)
+    kind = "GCS (fake-gcs-server, ETag)" if uri.startswith("gs") else "Azure (azurite, Content-MD5)"
+    fault_row(f"{kind}: a Hugging Face file corrupted at rest in the server's own storage", "corrupted data",
+              "load fails naming the object: its bytes, read twice, do not match the MD5 the store recorded",
+              "CorruptCheckpointError", "file", None, None, None)

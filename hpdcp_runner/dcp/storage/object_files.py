@@ -144,6 +144,11 @@ class StorePrefix(CheckpointFiles):
             return None
         if self._digests is None:
             sizes = self._listing()
+            if self.bucket.kind.digest == "content-md5" and not any(v.startswith("md5:") for v in self._etags.values()):
+                # a HEAD each (the listing does not carry it), on the rank that describes the
+                # checkpoint; the others get them in the pin
+                found = self.bucket.content_md5s([self._key(name) for name in sizes])
+                self._etags = {name: f"md5:{found[self._key(name)]}" for name in sizes if self._key(name) in found}
             self._digests = StoreDigests(scheme=self.bucket.scheme, url=self.url, key_of=self._key,
                                          read_range=self.bucket.get_range, mode=self.bucket.options.store_digests,
                                          counters=self.counters)

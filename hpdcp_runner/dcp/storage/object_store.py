@@ -15,6 +15,7 @@ never logged and never part of an error.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import datetime as _dt
 import os
 import re
@@ -28,6 +29,8 @@ from .uri import redact
 from .interfaces import IOCounters
 from .store_digests import check_mode as check_digest_mode
 from .stores import KINDS
+
+_log = logging.getLogger(__name__)
 
 INSTALL_HINT = 'pip install "hpdcp_runner[s3]" (or [gcs], [azure]: the same client)'
 
@@ -419,6 +422,39 @@ class Bucket:
                 n += len(block)
         w.close()
         return n
+
+    def content_md5s(self, keys: Sequence[str]) -> dict[str, str]:
+        """{key: MD5 hex} of the objects whose HEAD reports a ``Content-MD5`` (Azure keeps one
+        for a blob uploaded in one request). Our client does not expose that header, so each HEAD
+        goes to a URL the client signs with its own credentials, ``concurrency`` at a time.
+        Credentials that cannot sign, or a HEAD that fails, leave that object out (nothing to
+        check against: logged, never an error)."""
+        import base64
+        import concurrent.futures as cf
+        import urllib.request
+        from datetime import timedelta
+
+        def one(key: str) -> tuple[str, str | None]:
+            url = self.obs.sign(self.store, "GET", key, timedelta(minutes=15))  # read access: a HEAD too
+            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"),
+                                        timeout=self.options.request_timeout_s) as r:
+                got = r.headers.get("Content-MD5")
+            raw = base64.b64decode(got) if got else b""
+            return key, raw.hex() if len(raw) == 16 else None
+
+        out: dict[str, str] = {}
+        if not keys:
+            return out
+        try:
+            with cf.ThreadPoolExecutor(min(self.options.concurrency, len(keys)), thread_name_prefix="hpdcp-head") as ex:
+                for key, md5 in ex.map(one, keys):
+                    if md5:
+                        out[key] = md5
+        except Exception as e:
+            _log.info("%s: the stored MD5s of its objects could not be read (%s): they are not checked",
+                      redact(self.url(self.root)), _first_line(e))
+            return {}
+        return out
 
     def list(self, prefix: str) -> Iterator[dict]:
         """Every object under ``prefix/`` (recursive)."""

@@ -5,8 +5,9 @@ byte flipped on the way from a bucket, or in a store's copy, loads as a wrong va
 a whole-object digest of their own: S3 the MD5 as the ETag of an object uploaded in one part
 (not of a multipart object, ``"<hex>-N"``, nor under SSE-KMS/SSE-C encryption, where the ETag is
 some other 32 hex digits), GCS the MD5 as the ETag its XML API shows for an object not composed
-of parts. Azure's ETag is an opaque version and its Content-MD5 is not exposed by our client, so
-Azure objects are not checked (stated in ``docs/threat_model.md``).
+of parts, Azure a ``Content-MD5`` property of a blob uploaded in one request (its ETag is a
+version): our client does not expose that, so a signed HEAD per object reads it
+(``Bucket.content_md5s``).
 
 A load reads ranges, out of order across threads, and a part of an object only; an MD5 covers the
 whole object in order. So an object is checked when the bytes that arrive cover it whole: the
@@ -38,6 +39,7 @@ import threading
 from typing import Any, Callable
 
 from ..core.errors import ConfigError, CorruptCheckpointError
+from .stores import KINDS
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,9 @@ def check_mode(mode: Any) -> str:
 def content_md5(scheme: str, etag: Any) -> str | None:
     """The MD5 (hex) an ETag states, where the store documents its ETags as content MD5s; None
     when it says nothing about the bytes (Azure, a multipart or composite object)."""
-    if not isinstance(etag, str) or scheme not in ("s3", "gs"):
+    if isinstance(etag, str) and etag.startswith("md5:"):  # read from the store's own MD5 property (Azure)
+        return etag[4:].lower() if re.fullmatch(r"[0-9a-fA-F]{32}", etag[4:]) else None
+    if not isinstance(etag, str) or KINDS.get(scheme) is None or KINDS[scheme].digest != "etag":
         return None
     m = _HEX.match(etag.strip())
     if m:
@@ -99,6 +103,8 @@ class StoreDigests:
         self.counters = counters
         self._objects: dict[str, _Object] = {}
         self._calibrated: bool | None = None  # this prefix's ETags are MD5s (an object matched)
+        kind = KINDS.get(scheme)
+        self._by_etag = kind is None or kind.digest == "etag"  # (an ETag may be some other digest)
         self._calibration_lock = threading.Lock()
         self._listing: dict[str, tuple[int, str | None]] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -230,22 +236,25 @@ class StoreDigests:
             return
         o.state = "failed"
         where = f"{self.url}/{name}"
+        what = "ETag" if self._by_etag else "Content-MD5"
         again = self._reread(name, o.size)
         if again == o.expected:
             raise CorruptCheckpointError(
-                f"{where}: the bytes read do not match the store's MD5 of the object (ETag {o.expected}, read "
+                f"{where}: the bytes read do not match the store's MD5 of the object ({what} {o.expected}, read "
                 f"{got}), and a second read does match it: the first read was corrupted on its way (load again)")
         if again != got:
             raise CorruptCheckpointError(
                 f"{where}: two reads of the object returned different bytes (MD5 {got}, then {again}; the store "
                 f"records {o.expected}): the store or the network is returning corrupted data")
-        if self.mode == "strict" or self._etags_are_md5s(name):
-            raise CorruptCheckpointError(
-                f"{where}: the object's bytes do not match the MD5 the store recorded for it (ETag {o.expected}, "
-                f"read twice: {got}): the stored copy is corrupted. Other objects of this checkpoint match "
-                f"their ETags" if self.mode != "strict" else
-                f"{where}: the object's bytes do not match its ETag {o.expected} (read twice: {got}); "
-                f"dcp.storage.store_digests=strict treats that as corruption")
+        stored = f"{where}: the object's bytes do not match the MD5 the store recorded for it ({what} " \
+                 f"{o.expected}, read twice: {got}): the stored copy is corrupted"
+        if not self._by_etag:  # a Content-MD5 is the MD5 of the bytes, whatever the encryption
+            raise CorruptCheckpointError(stored)
+        if self.mode == "strict":
+            raise CorruptCheckpointError(f"{stored} (dcp.storage.store_digests=strict: an ETag that is not an MD5 "
+                                         f"reads as corruption too)")
+        if self._etags_are_md5s(name):
+            raise CorruptCheckpointError(f"{stored}. Other objects of this checkpoint match their ETags")
         o.state = "unusable"
         self._bump("store_digests_unusable")
         log.warning("%s: its ETag is not the MD5 of its bytes (read twice, the same bytes). This store does not "

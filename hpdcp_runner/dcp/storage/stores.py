@@ -36,6 +36,10 @@ class StoreKind:
     replace_by: str = "e_tag"
     #: the fsspec file system a peer (torch DCP's fsspec path) reaches this store with
     fsspec_package: str = "s3fs"
+    #: where the store states an object's MD5: "etag" (S3 for an object uploaded in one part, GCS
+    #: for one not composed of parts) or "content-md5" (Azure: a property a HEAD reports, kept
+    #: for a blob uploaded in one request); see store_digests
+    digest: str = "etag"
 
     def check_container(self, uri: str, name: str) -> str | None:
         """Why ``name`` is not a valid bucket/container name here, or None."""
@@ -52,7 +56,7 @@ KINDS: dict[str, StoreKind] = {k.scheme: k for k in (
               replace_by="version", fsspec_package="gcsfs"),
     StoreKind("az", "Azure Blob Storage", "container", r"^[a-z0-9](?!.*--)[a-z0-9\-]{1,61}[a-z0-9]$",
               "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or Azure AD",
-              "AZURE_STORAGE_ENDPOINT", "AZURE_ALLOW_HTTP", fsspec_package="adlfs"),
+              "AZURE_STORAGE_ENDPOINT", "AZURE_ALLOW_HTTP", fsspec_package="adlfs", digest="content-md5"),
 )}
 SCHEMES = tuple(KINDS)
 
