@@ -16,7 +16,8 @@ from typing import Callable
 
 from ..config import parse_size
 from ..dcp import HpdcpError
-from ..dcp.tools import compile_rules, dtype_from_name, export_hf, full_tensor_digests, rename_key
+from ..dcp.tools import (compile_rules, dtype_from_name, export_hf, full_tensor_digests, locate,
+                         remove_checkpoint, rename_key)
 from ..config import load_preset
 from ..layouts import place_state
 from ..workloads import reference_state, zeros_like_state
@@ -40,6 +41,9 @@ def run(ctx: JobContext) -> dict:
         del state
     output = ctx.abspath(job.output) if job.output else ctx.checkpoint_path("resharded")
     out_key = "job.output" if job.output else "checkpoint.dir"
+    # whether this job creates the output: if its verify then fails, the output is removed (it holds
+    # what was read, e.g. a source corrupted where only the verify's whole reads could tell)
+    fresh = (job.verify and not locate(output).is_dir()) if ctx.info.rank == 0 else None
     if job.output_format == "hf":
         result = _to_hf(ctx, source, output, foreign, out_key)
         names = result.pop("names")
@@ -84,8 +88,25 @@ def run(ctx: JobContext) -> dict:
                 return _verify(ctx, source, output, foreign, names, split if job.output_format == "hpdcp" else None)
 
         # rank 0 reads both; a difference is every rank's error and exit code
-        result["verified_tensors"] = ctx.comm.agree("reshard: verify", check)[0]
+        try:
+            result["verified_tensors"] = ctx.comm.agree("reshard: verify", check)[0]
+        except HpdcpError as e:
+            raise _output_settled(e, output, fresh) from None
     return result
+
+
+def _output_settled(e: HpdcpError, output: str, fresh: bool | None) -> HpdcpError:
+    """The verify failed after the output was written. Rank 0 (``fresh`` not None) removes an
+    output this job created and says so, or names one it replaced as not to be used."""
+    if fresh is None:
+        return e
+    if fresh:
+        remove_checkpoint(output)
+        what = f"the output {output} was removed (this job wrote it from what it read)"
+    else:
+        what = f"the output {output} was written from what was read: do not use it"
+    e.args = (f"{e.args[0] if e.args else e}\n  {what}",) + tuple(e.args[1:])
+    return e
 
 
 def _to_hf(ctx: JobContext, source: str, output: str, foreign: bool, out_key: str) -> dict:

@@ -211,7 +211,7 @@ def test_verify_job_reports_store_digests(tmp_path, s3_endpoint, s3_bucket):
 def test_cli_reshard_of_a_corrupted_model_fails_on_every_rank(tmp_path, s3_endpoint, s3_bucket, proxied):
     """Through torchrun on 2 ranks: each rank reads part of the model (nothing to check), the
     reshard's verify reads it whole on rank 0 and fails naming the object; both ranks exit
-    non-zero, no hang."""
+    non-zero, no hang, and the output the job wrote from those bytes is removed."""
     proxy, _ = proxied
     uri = f"{s3_bucket}/hf"
     _, at = _upload_model(tmp_path, s3_endpoint, uri)
@@ -223,6 +223,8 @@ def test_cli_reshard_of_a_corrupted_model_fails_on_every_rank(tmp_path, s3_endpo
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode != 0, r.stdout[-2000:]
     assert "hf/model.safetensors" in r.stderr and "stored copy is corrupted" in r.stderr, r.stderr[-3000:]
+    # the output was written from the partial reads before the verify could tell: it is removed
+    assert "was removed (this job wrote it" in r.stderr and not (tmp_path / "out").exists()
     assert proxy.flipped >= 2
 
 
