@@ -149,6 +149,9 @@ class DcpConf:
     # finish starting. 0: never (a save made while it starts is written by a thread instead, so
     # its start-up never lands on the training loop); more: every save goes through the process
     persist_start_wait_s: float = 0.0
+    # process mode: the persisting process runs this much nicer than training (0-19), so its
+    # writes and checksums yield the cores to the steps; 0: the same priority
+    persist_nice: int = 10
 
 
 @dataclass
@@ -682,6 +685,7 @@ class EngineOptions:
     format_version: int = 2
     async_mode: str = "thread"
     persist_start_wait_s: float = 0.0
+    persist_nice: int = 10
 
     def knobs(self) -> dict:
         """The knob values as the engine received them, for metrics.json."""
@@ -693,6 +697,7 @@ class EngineOptions:
                 "dcp.storage.max_request_bytes": r.max_request_bytes,
                 "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s, "dcp.format_version": self.format_version,
                 "dcp.async_mode": self.async_mode, "dcp.persist_start_wait_s": self.persist_start_wait_s,
+                "dcp.persist_nice": self.persist_nice,
                 **{f"dcp.storage.{k}": v for k, v in self.store.kwargs().items()}}
 
 
@@ -742,6 +747,8 @@ def engine_options(c: Config) -> EngineOptions:
         problems.append(f"dcp.async_mode: {d.async_mode!r} is not thread or process")
     if not 0 <= d.persist_start_wait_s <= 3600:  # nan fails both
         problems.append(f"dcp.persist_start_wait_s: {d.persist_start_wait_s!r} is not seconds from 0 to 3600")
+    if not 0 <= d.persist_nice <= 19:
+        problems.append(f"dcp.persist_nice: {d.persist_nice!r} is not a niceness from 0 to 19")
     if d.broadcast.mode not in ("always", "never", "auto"):
         problems.append(f"dcp.broadcast.mode: {d.broadcast.mode!r} is not always, never or auto")
     if problems:
@@ -759,7 +766,8 @@ def engine_options(c: Config) -> EngineOptions:
     if problems:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
-                         d.verify_replicas, d.cache_plan, d.format_version, d.async_mode, d.persist_start_wait_s)
+                         d.verify_replicas, d.cache_plan, d.format_version, d.async_mode, d.persist_start_wait_s,
+                         d.persist_nice)
 
 
 def layout_from_file(layout: LayoutConf) -> LayoutConf:

@@ -174,16 +174,22 @@ def _check_mode(mode: str) -> None:
         raise ConfigError(f"async_save mode must be one of {', '.join(MODES)}, got {mode!r}")
 
 
-def start_async_persist(mode: str, wait_s: float = 0.0) -> bool:
+def start_async_persist(mode: str, wait_s: float = 0.0, nice: int | None = None) -> bool:
     """Start what ``async_save(mode=...)`` persists with ahead of the first save (``process``: the
     persisting process, which takes seconds to import torch). ``wait_s``: how long to wait for it
     to finish starting; a process-mode save made before then is written by a thread of this
-    process instead (its start-up never lands on the caller's loop). Returns whether it is ready."""
+    process instead (its start-up never lands on the caller's loop). ``nice``: how much lower the
+    persisting process's scheduling priority is than this process's (0-19; default 10, so the
+    steps get the cores first; a process already started keeps its own). Returns whether it is ready."""
     _check_mode(mode)
+    if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19):
+        raise ConfigError(f"start_async_persist: nice must be an integer from 0 to 19, got {nice!r}")
     if mode != "process":
         return True
     from . import persister
 
+    if nice is not None:
+        persister.persister().nice = nice
     persister.prepare()
     return persister.persister().wait_ready(wait_s) if wait_s > 0 else persister.persister().ready()
 

@@ -187,7 +187,7 @@ def run(ctx: JobContext) -> dict:
         resumed_from, rank_state, skipped = _resume(ctx, tr, losses, tiers)
         start = tr.step
         if job.async_save and job.save_every:
-            dcp.start_async_persist(ctx.engine.async_mode, ctx.engine.persist_start_wait_s)
+            dcp.start_async_persist(ctx.engine.async_mode, ctx.engine.persist_start_wait_s, ctx.engine.persist_nice)
         timeline: dict[str, list] = {"steps": [], "saves": [], "committed": []}
         _loop(ctx, tr, losses, ckdir, tiers, timeline)
         drains = tiers.finish() if tiers is not None else None

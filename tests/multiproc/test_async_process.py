@@ -182,3 +182,25 @@ def test_a_save_made_while_the_persisting_process_starts_is_written_by_a_thread(
         got = {"v": torch.zeros(4)}
         load(got, checkpoint_id=tmp_path / name)
         assert got["v"].tolist() == [value] * 4
+
+
+@pytest.mark.parametrize("nice", [None, 0, 5])
+def test_the_persisting_process_runs_nicer_than_training(tmp_path, nice):
+    """Its writes and checksums yield the cores to the steps: it runs at this process's niceness
+    plus ``nice`` (default 10), and a save through it still lands."""
+    persister.shutdown()
+    before = persister.persister().nice
+    try:
+        assert start_async_persist("process", wait_s=120, nice=nice)
+        pid = persister.persister().proc.pid
+        want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + (persister.DEFAULT_NICE if nice is None else nice))
+        assert os.getpriority(os.PRIO_PROCESS, pid) == want
+        async_save({"v": torch.full((4,), 3.0)}, checkpoint_id=tmp_path / "n", mode="process").result(timeout=120)
+    finally:
+        persister.shutdown()
+        persister.persister().nice = before
+    got = {"v": torch.zeros(4)}
+    load(got, checkpoint_id=tmp_path / "n")
+    assert got["v"].tolist() == [3.0] * 4
+    with pytest.raises(ConfigError, match="nice must be an integer from 0 to 19"):
+        start_async_persist("process", nice=20)
