@@ -247,47 +247,34 @@ def _flip_in_files(root, payload: bytes, at: int) -> str:
 
 
 @pytest.fixture
-def on_disk_store(request, tmp_path):
+def on_disk_store(request, tmp_path, monkeypatch):
     """(URI of a fresh bucket/container, the server's storage directory, upload(key, bytes)) on a
     server of the test's own that keeps objects in files: GCS (fake-gcs-server) or Azure (azurite)."""
     from hpdcp_runner.dcp.storage import object_store
     from hpdcp_runner.dcp.storage.object_store import Bucket
 
+    gcs = request.param == "gs"
+    why = emulators.gcs_unavailable() if gcs else emulators.azure_unavailable()
+    if why:
+        pytest.skip(why)
     root = str(tmp_path / "server")
     os.makedirs(root)
-    if request.param == "gs":
-        if emulators.gcs_unavailable():
-            pytest.skip(emulators.gcs_unavailable())
-        endpoint, proc = emulators.start_gcs_on_disk(root)
-        env, name = emulators.gcs_env(endpoint), None
-    else:
-        if emulators.azure_unavailable():
-            pytest.skip(emulators.azure_unavailable())
-        endpoint, proc = emulators.start_azurite_on_disk(root)
-        env = emulators.azure_env(endpoint)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    endpoint, proc = (emulators.start_gcs_on_disk if gcs else emulators.start_azurite_on_disk)(root)
+    for k, v in (emulators.gcs_env if gcs else emulators.azure_env)(endpoint).items():
+        monkeypatch.setenv(k, v)
     object_store.configure(object_store.ObjectStoreOptions(endpoint=endpoint))
     try:
-        if request.param == "gs":
-            name = emulators.new_gcs_bucket(endpoint)
+        name = emulators.new_gcs_bucket(endpoint) if gcs else emulators.new_container(endpoint)
 
-            def upload(key, data):
+        def upload(key, data):
+            if gcs:
                 emulators.gcs_upload(endpoint, name, key, data)
-        else:
-            name = emulators.new_container(endpoint)
-
-            def upload(key, data):
+            else:
                 b = Bucket(f"az://{name}")
                 b.put(b.key(key), data)
         yield f"{request.param}://{name}", root, upload
     finally:
         object_store.configure(object_store.ObjectStoreOptions())
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         emulators.stop(proc)
 
 
