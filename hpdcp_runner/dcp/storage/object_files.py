@@ -166,7 +166,7 @@ class StorePrefix(CheckpointFiles):
         return (lambda offset, data: self._feed(name, offset, data)) if self._digests_wanted else None
 
     def store_digest_states(self) -> dict[str, str]:
-        """{file: matched | skipped | unusable | failed | open} of the objects with a store digest."""
+        """{file: matched | skipped | unusable | failed | hashing | open} of the objects with a store digest."""
         watch = self._digest_watch()
         return watch.states() if watch is not None else {}
 
@@ -299,7 +299,7 @@ class StorePrefix(CheckpointFiles):
             pool.shutdown(wait=True, cancel_futures=True)
         self._fetched.clear()
         if self._digests is not None:
-            self._digests.gaps_final()
+            self._digests.round_ended()
             self._digests.settle()  # the round's bytes judged before the load may use them as read
 
     def bytes_arrived(self) -> int:

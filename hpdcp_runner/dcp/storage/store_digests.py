@@ -110,7 +110,7 @@ class StoreDigests:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._failures: list[Exception] = []
-        self._failure_lock = threading.Lock()
+        self._lock = threading.Lock()
 
     def watch(self, listing: dict[str, tuple[int, Any]]) -> None:
         """Objects to check: {name: (size, ETag)} (those whose ETag states no MD5 are left out)."""
@@ -165,7 +165,7 @@ class StoreDigests:
 
     def _hash(self, name: str, o: _Object, view: memoryview) -> None:
         if self._thread is None:
-            with self._failure_lock:  # (GET threads of several objects may get here at once)
+            with self._lock:  # (GET threads of several objects may get here at once)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._hasher, name="hpdcp-store-md5", daemon=True)
                     self._thread.start()
@@ -182,7 +182,7 @@ class StoreDigests:
                 else:
                     self._judge(name, o)
             except Exception as e:  # a failed digest, or a failed second read (a storage error, as such)
-                with self._failure_lock:
+                with self._lock:
                     self._failures.append(e)
             finally:
                 self._queue.task_done()
@@ -191,7 +191,7 @@ class StoreDigests:
         """Wait until every byte fed so far is hashed and judged; raise the first failure."""
         if self._thread is not None:
             self._queue.join()
-        with self._failure_lock:
+        with self._lock:
             failures, self._failures = self._failures, []
         if failures:
             raise failures[0]
@@ -202,7 +202,7 @@ class StoreDigests:
             self._thread.join()
             self._thread = None
 
-    def gaps_final(self) -> None:
+    def round_ended(self) -> None:
         """A read round ended: an object still waiting for bytes before its early pieces is being
         read in part (a reshard's slices), so its check is given up and the pieces let go."""
         for o in self._objects.values():
