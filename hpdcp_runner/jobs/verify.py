@@ -5,7 +5,8 @@ structure is validated (index against shard headers, bounds, overlaps, tiling, f
 record's zip structure) and every tensor byte is read once. torch DCP records carry a zip CRC-32,
 checked for every record read whole (verify reads each whole); Hugging Face files record none,
 so a flipped bit in their data is detected only where the store keeps a digest of the whole
-file (S3 and GCS MD5 ETags; ``dcp.storage.store_digests``), which verify, reading every byte, checks.
+file (S3 and GCS MD5 ETags, Azure's Content-MD5; ``dcp.storage.store_digests``), which verify,
+reading every byte, checks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def run(ctx: JobContext) -> dict:
         how = [f"{crcs} records matched their zip CRC-32"] if crcs else []
         if stored:
             how.append(f"{stored} object(s) matched the store's MD5")
-        unchecked = sorted(n for n, s in states.items() if s in ("unusable", "skipped"))
+        unchecked = sorted(name for name, s in states.items() if s in ("unusable", "skipped"))
         if unchecked:
             how.append(f"not checked against the store's digest: {', '.join(unchecked)}")
         if not how:

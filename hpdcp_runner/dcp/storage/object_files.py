@@ -47,6 +47,7 @@ class StorePrefix(CheckpointFiles):
         self._arrived_lock = threading.Lock()
         self._commit_seen = commit  # (read_commit's answer, seconds): read moments ago, used by the first pin
         self._etags: dict[str, str] = {}  # of the listing: the store's digests, where they are MD5s
+        self._etags_final = False  # Azure's Content-MD5s read (here, or by the rank that pinned)
         self._digests_wanted = False
         self._digests: StoreDigests | None = None
 
@@ -93,12 +94,16 @@ class StorePrefix(CheckpointFiles):
         (and the store's digests of them, for a rank that checks them)."""
         if self._sizes is None:
             return self.data
-        return {"save": self.data, "sizes": self._sizes, **({"etags": self._etags} if self._digests_wanted else {})}
+        if not self._digests_wanted:
+            return {"save": self.data, "sizes": self._sizes}
+        self._digest_watch()  # the digests final (Azure's read by HEADs) before they travel
+        return {"save": self.data, "sizes": self._sizes, "etags": self._etags}
 
     def attach(self, pin: Any) -> None:
         if isinstance(pin, dict):
             self.data, self._sizes = pin["save"], {str(k): int(v) for k, v in pin["sizes"].items()}
             self._etags = {str(k): str(v) for k, v in (pin.get("etags") or {}).items()}
+            self._etags_final = "etags" in pin
         elif pin is not None:
             self.data = pin
         self.pin_directory()
@@ -144,11 +149,12 @@ class StorePrefix(CheckpointFiles):
             return None
         if self._digests is None:
             sizes = self._listing()
-            if self.bucket.kind.digest == "content-md5" and not any(v.startswith("md5:") for v in self._etags.values()):
-                # a HEAD each (the listing does not carry it), on the rank that describes the
+            if self.bucket.kind.digest == "content-md5" and not self._etags_final:
+                # a HEAD each (the listing does not carry it), on the rank that pins the
                 # checkpoint; the others get them in the pin
                 found = self.bucket.content_md5s([self._key(name) for name in sizes])
                 self._etags = {name: f"md5:{found[self._key(name)]}" for name in sizes if self._key(name) in found}
+            self._etags_final = True
             self._digests = StoreDigests(scheme=self.bucket.scheme, url=self.url, key_of=self._key,
                                          read_range=self.bucket.get_range, mode=self.bucket.options.store_digests,
                                          counters=self.counters)

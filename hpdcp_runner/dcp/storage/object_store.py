@@ -15,8 +15,8 @@ never logged and never part of an error.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import datetime as _dt
+import logging
 import os
 import re
 import threading
