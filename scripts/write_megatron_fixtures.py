@@ -9,13 +9,18 @@ Run in a virtualenv of its own holding the pinned writer (never the runner's dep
 
 (megatron-core's wheels declare Python 3.12; it runs on 3.11 for this.) The script launches
 itself under torchrun on 2 gloo ranks (CPU) once per configuration (tensor-parallel 1 and 2, and 2
-with biases on the QKV projection as Qwen2 has them), builds a tiny GPT model (grouped-query
-attention, SwiGLU, RMSNorm, rotary positions, untied output: a Llama's or a Qwen2's shape) with the local (non Transformer-Engine) layer spec, and saves its
+with biases on the QKV projection as Qwen2 has them; two mixtures of experts: expert-parallel 2
+shaped as Mixtral, tensor-parallel 2 with a gated shared expert shaped as Qwen2-MoE whose first
+layer is dense), builds a tiny
+GPT model (grouped-query attention, SwiGLU, RMSNorm, rotary positions, untied output) with the
+local (non Transformer-Engine) layer spec (the experts as ``SequentialMLP``, tokens dispatched by
+all-gather: the all-to-all dispatcher builds a CUDA stream), and saves its
 ``sharded_state_dict()`` with ``dist_checkpointing.save`` (backend ``torch_dist``). Two stand-ins
 let it run without CUDA: ``torch.cuda.current_device`` returns "cpu" and
 ``torch.cuda.synchronize`` does nothing. Next to each checkpoint, ``reference/`` holds every
-tensor-parallel rank's own ``model.state_dict()`` (``tp_rank<R>.safetensors``: the tensors the
-test maps to Hugging Face names by hand) and ``config.json``, the Llama configuration of the same
+tensor-parallel rank's own ``model.state_dict()`` (``tp_rank<R>.safetensors``; with experts, one
+per tensor- and expert-parallel pair, ``tp_rank<R>_ep_rank<E>.safetensors``: the tensors the test
+maps to Hugging Face names by hand) and ``config.json``, the Hugging Face configuration of the same
 shape. (The model's forward needs CUDA in this version, so no logits are recorded: the test
 compares the exported weights with Megatron's own tensors, bitwise.)
 """
@@ -31,26 +36,40 @@ import zlib
 
 from fixture_launch import torchrun_self  # (scripts/: run by path, its own directory is on the path)
 
-#: (directory, tensor-parallel size, biases on the QKV projection as Qwen2 has them)
-CONFIGS = (("gpt_tp1", 1, False), ("gpt_tp2", 2, False), ("gpt_tp2_qkv_bias", 2, True))
+#: (directory, tensor-parallel size, expert-parallel size, the Hugging Face family it is shaped as)
+#: Mixtral: 4 experts, no biases; Qwen2-MoE: biases on q, k and v, 4 experts plus a gated shared expert
+CONFIGS = (("gpt_tp1", 1, 1, "llama"), ("gpt_tp2", 2, 1, "llama"), ("gpt_tp2_qkv_bias", 2, 1, "qwen2"),
+           ("moe_ep2", 1, 2, "mixtral"), ("moe_tp2_shared", 2, 1, "qwen2_moe"))
 PINNED = {"megatron-core": "0.19.2", "torch": "2.13.0"}
 SHAPE = dict(num_layers=2, hidden_size=24, num_attention_heads=4, num_query_groups=2, kv_channels=6,
              ffn_hidden_size=40, vocab_size=68, max_sequence_length=64)
+MOE = dict(experts=4, topk=2, ffn=16, shared_ffn=20)
 
 
-def hf_config(qkv_bias: bool = False) -> dict:
-    if qkv_bias:  # Qwen2: biases on q, k and v only
-        return {**hf_config(), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": SHAPE["vocab_size"],
+def hf_config(family: str = "llama") -> dict:
+    """The Hugging Face ``config.json`` of the same shape, for the families the fixtures are."""
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": SHAPE["vocab_size"],
             "hidden_size": SHAPE["hidden_size"], "intermediate_size": SHAPE["ffn_hidden_size"],
             "num_hidden_layers": SHAPE["num_layers"], "num_attention_heads": SHAPE["num_attention_heads"],
             "num_key_value_heads": SHAPE["num_query_groups"], "head_dim": SHAPE["kv_channels"],
             "max_position_embeddings": SHAPE["max_sequence_length"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
             "torch_dtype": "float32"}
+    if family == "qwen2":  # biases on q, k and v only
+        return {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    if family == "mixtral":
+        return {**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": MOE["ffn"], "num_local_experts": MOE["experts"],
+                "num_experts_per_tok": MOE["topk"]}
+    if family == "qwen2_moe":
+        return {**base, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "qkv_bias": True,
+                "moe_intermediate_size": MOE["ffn"], "num_experts": MOE["experts"],
+                "num_experts_per_tok": MOE["topk"], "shared_expert_intermediate_size": MOE["shared_ffn"],
+                "decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False}
+    return base
 
 
-def worker(out: str, tp: int, qkv_bias: bool) -> None:
+def worker(out: str, tp: int, ep: int, family: str) -> None:
     import torch
 
     torch.cuda.current_device = lambda: "cpu"  # the stand-ins (see the docstring)
@@ -58,37 +77,51 @@ def worker(out: str, tp: int, qkv_bias: bool) -> None:
     torch.distributed.init_process_group("gloo")
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
     from safetensors.torch import save_file
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0) if torch.cuda.is_available() else None
+    moe = family in ("mixtral", "qwen2_moe")
+    moe_args = {} if not moe else dict(
+        num_moe_experts=MOE["experts"], moe_router_topk=MOE["topk"], moe_ffn_hidden_size=MOE["ffn"],
+        expert_model_parallel_size=ep, moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",  # (alltoall builds a CUDA stream)
+        **(dict(moe_shared_expert_intermediate_size=MOE["shared_ffn"], moe_shared_expert_gate=True,
+                moe_layer_freq=[0, 1])  # layer 0 dense, layer 1 experts (Qwen2-MoE's decoder_sparse_step 2)
+           if family == "qwen2_moe" else {}))
     cfg = TransformerConfig(num_layers=SHAPE["num_layers"], hidden_size=SHAPE["hidden_size"],
                             num_attention_heads=SHAPE["num_attention_heads"],
                             num_query_groups=SHAPE["num_query_groups"], kv_channels=SHAPE["kv_channels"],
                             ffn_hidden_size=SHAPE["ffn_hidden_size"], gated_linear_unit=True,
                             activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=1e-5,
-                            add_bias_linear=False, add_qkv_bias=qkv_bias, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-                            params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=False), vocab_size=SHAPE["vocab_size"],
+                            add_bias_linear=False, add_qkv_bias=family in ("qwen2", "qwen2_moe"), use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0, **moe_args)
+    spec = (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm") if moe
+            else get_gpt_layer_local_spec(qk_layernorm=False))
+    model = GPTModel(cfg, spec, vocab_size=SHAPE["vocab_size"],
                      max_sequence_length=SHAPE["max_sequence_length"], position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
     with torch.no_grad():  # weights that are not all equal (norms start at ones)
         for name, p in model.named_parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.02)
     rank, tp_rank = torch.distributed.get_rank(), parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     ckpt = os.path.join(out, "iter_0000002")
     os.makedirs(ckpt, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), ckpt)
     ref = os.path.join(out, "reference")
     os.makedirs(ref, exist_ok=True)
-    if rank == tp_rank:  # the first data-parallel replica's ranks
-        sd = {k: v.contiguous() for k, v in model.state_dict().items()
-              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()
+          if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    if not moe and rank == tp_rank:  # the first data-parallel replica's ranks
         save_file(sd, os.path.join(ref, f"tp_rank{tp_rank}.safetensors"))
+    elif moe and rank == tp_rank + tp * ep_rank:  # one rank of each (tensor, expert)-parallel pair; its
+        # local_experts.<j> is the model's expert ep_rank * experts / ep + j
+        save_file(sd, os.path.join(ref, f"tp_rank{tp_rank}_ep_rank{ep_rank}.safetensors"))
     if rank == 0:
         with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("2")
@@ -98,10 +131,11 @@ def worker(out: str, tp: int, qkv_bias: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--worker", nargs=3, metavar=("DIR", "TP", "QKV_BIAS"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=4, metavar=("DIR", "TP", "EP", "FAMILY"), help=argparse.SUPPRESS)
+    p.add_argument("--only", nargs="*", help="write only these configurations (default: all)")
     a = p.parse_args()
     if a.worker:
-        worker(a.worker[0], int(a.worker[1]), a.worker[2] == "1")
+        worker(a.worker[0], int(a.worker[1]), int(a.worker[2]), a.worker[3])
         return
     from importlib.metadata import version
 
@@ -111,12 +145,14 @@ def main() -> None:
     if versions != PINNED:
         print(f"warning: pinned {PINNED}, running {versions}", file=sys.stderr)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    for name, tp, qkv_bias in CONFIGS:
+    for name, tp, ep, family in CONFIGS:
+        if a.only and name not in a.only:
+            continue
         out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
-        torchrun_self(__file__, ["--out", out, "--worker", out, str(tp), str(int(qkv_bias))], env)
+        torchrun_self(__file__, ["--out", out, "--worker", out, str(tp), str(ep), family], env)
         with open(os.path.join(out, "reference", "config.json"), "w") as f:
-            json.dump(hf_config(qkv_bias), f, indent=1)
+            json.dump(hf_config(family), f, indent=1)
         print(f"wrote {out}")
     with open(os.path.join(a.out, "versions.json"), "w") as f:
         json.dump({**versions, "python": sys.version.split()[0], "configs": [c[0] for c in CONFIGS]}, f, indent=1,

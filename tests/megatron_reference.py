@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 from safetensors.torch import load_file
@@ -17,8 +18,12 @@ def expected_hf(run: str) -> dict[str, torch.Tensor]:
     cfg = json.load(open(os.path.join(run, "reference", "config.json")))
     hidden, heads, groups = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd, ffn, layers = cfg["head_dim"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    ranks = sorted(f for f in os.listdir(os.path.join(run, "reference")) if f.startswith("tp_rank"))
-    parts = [load_file(os.path.join(run, "reference", f)) for f in ranks]
+    files = {tuple(int(x) for x in re.findall(r"\d+", f)): f for f in os.listdir(os.path.join(run, "reference"))
+             if f.startswith("tp_rank")}  # (tp rank[, ep rank]): file
+    by_rank = {k: load_file(os.path.join(run, "reference", f)) for k, f in files.items()}
+    tps = sorted({k[0] for k in by_rank})
+    eps = sorted({k[1] if len(k) > 1 else 0 for k in by_rank})
+    parts = [by_rank[(t, 0)] if (t, 0) in by_rank else by_rank[(t,)] for t in tps]
     tp = len(parts)
 
     def cat(key, dim):
@@ -40,10 +45,41 @@ def expected_hf(run: str) -> dict[str, torch.Tensor]:
             out[h + "self_attn.k_proj.bias"] = bias[:, per * hd:(per + 1) * hd].reshape(-1)
             out[h + "self_attn.v_proj.bias"] = bias[:, (per + 1) * hd:].reshape(-1)
         out[h + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
-        fc1 = [p[m + "mlp.linear_fc1.weight"] for p in parts]  # each rank: its gate rows, then its up rows
-        out[h + "mlp.gate_proj.weight"] = torch.cat([f[:ffn // tp] for f in fc1])
-        out[h + "mlp.up_proj.weight"] = torch.cat([f[ffn // tp:] for f in fc1])
-        out[h + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
+        if m + "mlp.router.weight" in parts[0]:
+            out.update(_experts(cfg, m, h, by_rank, tps, eps, parts))
+        else:
+            fc1 = [p[m + "mlp.linear_fc1.weight"] for p in parts]  # each rank: its gate rows, then its up rows
+            out[h + "mlp.gate_proj.weight"] = torch.cat([f[:ffn // tp] for f in fc1])
+            out[h + "mlp.up_proj.weight"] = torch.cat([f[ffn // tp:] for f in fc1])
+            out[h + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
         out[h + "input_layernorm.weight"] = parts[0][m + "input_layernorm.weight"]
         out[h + "post_attention_layernorm.weight"] = parts[0][m + "pre_mlp_layernorm.weight"]
+    return out
+
+
+def _swiglu(fc1: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate and up of a SwiGLU fc1 cut over tensor-parallel ranks: each rank its gate rows, then its up rows."""
+    return torch.cat([f[:f.shape[0] // 2] for f in fc1]), torch.cat([f[f.shape[0] // 2:] for f in fc1])
+
+
+def _experts(cfg, m, h, by_rank, tps, eps, parts) -> dict[str, torch.Tensor]:
+    mixtral = cfg["model_type"] == "mixtral"
+    block, gate, up, down = ("block_sparse_moe", "w1", "w3", "w2") if mixtral else ("mlp", "gate_proj", "up_proj",
+                                                                                    "down_proj")
+    n = cfg.get("num_local_experts") or cfg["num_experts"]
+    per = n // len(eps)
+    out = {f"{h}{block}.gate.weight": parts[0][m + "mlp.router.weight"]}
+    for ep in eps:
+        for j in range(per):
+            e, at = ep * per + j, f"{m}mlp.experts.local_experts.{j}."
+            ranks = [by_rank[(t, ep)] for t in tps]
+            g, u = _swiglu([r[at + "linear_fc1.weight"] for r in ranks])
+            out[f"{h}{block}.experts.{e}.{gate}.weight"], out[f"{h}{block}.experts.{e}.{up}.weight"] = g, u
+            out[f"{h}{block}.experts.{e}.{down}.weight"] = torch.cat([r[at + "linear_fc2.weight"] for r in ranks], 1)
+    if m + "mlp.shared_experts.linear_fc1.weight" in parts[0]:  # Qwen2-MoE's shared expert and its gate
+        g, u = _swiglu([p[m + "mlp.shared_experts.linear_fc1.weight"] for p in parts])
+        out[h + "mlp.shared_expert.gate_proj.weight"], out[h + "mlp.shared_expert.up_proj.weight"] = g, u
+        out[h + "mlp.shared_expert.down_proj.weight"] = torch.cat(
+            [p[m + "mlp.shared_experts.linear_fc2.weight"] for p in parts], 1)
+        out[h + "mlp.shared_expert_gate.weight"] = parts[0][m + "mlp.shared_experts.gate_weight"]
     return out

@@ -49,8 +49,8 @@ def test_deepspeed_rewritten_and_read(tmp_path):
 def test_megatron_rewritten_and_read(tmp_path):
     subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "write_megatron_fixtures.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=1200)
-    for tp in (1, 2):
-        run = tmp_path / f"gpt_tp{tp}"
+    for name in ("gpt_tp1", "gpt_tp2", "moe_ep2", "moe_tp2_shared"):
+        run = tmp_path / name
         state = _state(str(run), hf_config=json.load(open(run / "reference" / "config.json")))
         expect = expected_hf(str(run))
         assert state.keys() == expect.keys() and all(torch.equal(state[k], expect[k]) for k in expect)

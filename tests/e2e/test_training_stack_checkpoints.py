@@ -9,6 +9,7 @@ nothing written (exit 1, as for every bad checkpoint)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -103,7 +104,8 @@ def test_bad_deepspeed_input_is_one_line_and_writes_nothing(cli, tmp_path):
         r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_qkv_bias"])  # a Llama; a Qwen2 (biases on q, k, v)
+# a Llama; a Qwen2 (biases on q, k, v); a Mixtral (expert parallel); a Qwen2-MoE (shared expert, dense layer 0)
+@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared"])
 def test_megatron_to_hugging_face(cli, tmp_path, name):
     transformers = pytest.importorskip("transformers")
     from tests.megatron_reference import expected_hf
@@ -118,26 +120,33 @@ def test_megatron_to_hugging_face(cli, tmp_path, name):
     assert exported.keys() == expect.keys() and all(torch.equal(exported[k], expect[k]) for k in expect)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    family = json.load(open(os.path.join(run, "reference", "config.json")))["architectures"][0]
+    assert type(model).__name__ == family
 
 
 @pytest.mark.slow  # four ranks under torchrun
-def test_megatron_resharded_into_ours_under_the_familys_plan(cli, tmp_path):
+@pytest.mark.parametrize("name, plan", [("gpt_tp2", "llama_tp"), ("moe_ep2", "mixtral_ep")])
+def test_megatron_resharded_into_ours_under_the_familys_plan(cli, tmp_path, name, plan):
     from hpdcp_runner.dcp import load, read_metadata
     from hpdcp_runner.dcp.format.metadata import dtype_from_name
     from tests.megatron_reference import expected_hf
 
-    run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", "gpt_tp2"))
+    run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", name))
     out = tmp_path / "ours"
     r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "layout=auto",
              f"job.hf_files_from={run}/reference", f"job.output={out}", f"hydra.run.dir={tmp_path}/r"], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "target_layout: auto:llama_tp" in r.stdout and "kv_replicated" in r.stdout, r.stdout
+    assert f"target_layout: auto:{plan}" in r.stdout, r.stdout
     md = read_metadata(str(out))
     state = {k: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for k, t in md.tensors.items()}
     load(state, checkpoint_id=str(out))
     expect = expected_hf(run)
     assert state.keys() == expect.keys() and all(torch.equal(state[k], expect[k]) for k in expect)
-    assert len(md.tensors["model.layers.0.self_attn.q_proj.weight"].chunks) == 4
+    if name == "gpt_tp2":
+        assert "kv_replicated" in r.stdout and len(md.tensors["model.layers.0.self_attn.q_proj.weight"].chunks) == 4
+    else:  # experts spread over the four ranks' files
+        experts = [md.tensors[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"] for e in range(4)]
+        assert len({c.file for t in experts for c in t.chunks}) == 4, [t.chunks for t in experts]
 
 
 def test_a_zarr_megatron_checkpoint_is_one_line(cli, tmp_path):

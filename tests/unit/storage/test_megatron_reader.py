@@ -1,7 +1,10 @@
 """Megatron-Core torch_dist checkpoints read in place (hpdcp_runner/dcp/storage/megatron.py), on
 files megatron-core 0.19.2 wrote (tests/fixtures/megatron, by scripts/write_megatron_fixtures.py):
 under Hugging Face names (layers un-stacked, QKV cut per query group, fc1 into gate and up) every
-tensor bitwise equal to Megatron's own tensors mapped by hand, at tensor-parallel 1 and 2."""
+tensor bitwise equal to Megatron's own tensors mapped by hand, at tensor-parallel 1 and 2, and for
+mixtures of experts (Mixtral's names at expert-parallel 2; Qwen2-MoE's, with a shared expert and a
+dense first layer, at tensor-parallel 2): every expert cut out of Megatron's [layers, experts, ...]
+records in place."""
 
 from __future__ import annotations
 
@@ -32,10 +35,10 @@ def _read(run, **kw):
     return md, state
 
 
-@pytest.mark.parametrize("name", ["gpt_tp1", "gpt_tp2", "gpt_tp2_qkv_bias"])
+@pytest.mark.parametrize("name", ["gpt_tp1", "gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared"])
 def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(name):
     run = os.path.join(FIXTURES, name)
-    tp = 1 if name == "gpt_tp1" else 2
+    tp = 2 if "tp2" in name else 1
     assert detect_format(run) == "megatron" and detect_format(os.path.join(run, "iter_0000002")) == "megatron"
     md, state = _read(run, hf_config=_config(run))
     expect = expected_hf(run)
@@ -47,6 +50,39 @@ def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(name):
     if tp == 2:  # a query group's rows come from the rank that held them: no bytes copied between
         q = md.tensors["model.layers.1.self_attn.q_proj.weight"]
         assert sorted({c.file for c in q.chunks}) == ["__0_0.distcp", "__1_0.distcp"]
+    if name == "moe_tp2_shared":  # a dense layer, then a layer of experts with the shared one and its gate
+        assert "model.layers.0.mlp.gate_proj.weight" in state and "model.layers.0.mlp.experts.0.up_proj.weight" not in state
+        assert state["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 24)
+        assert state["model.layers.1.mlp.experts.3.gate_proj.weight"].shape == (16, 24)
+
+
+def test_each_expert_is_read_from_the_rank_file_that_held_it():
+    """Expert parallel 2: experts 0-1 were saved by rank 0, 2-3 by rank 1; one expert's weight is
+    read from its own file, its bytes only."""
+    run = os.path.join(FIXTURES, "moe_ep2")
+    r = open_reader(run, allow_pickle=True, hf_config=_config(run))
+    md = Metadata.from_json(r.read_metadata_text())
+    files = {e: {c.file for c in md.tensors[f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight"].chunks}
+             for e in range(4)}
+    assert files == {0: {"__0_0.distcp"}, 1: {"__0_0.distcp"}, 2: {"__1_0.distcp"}, 3: {"__1_0.distcp"}}
+    key = "model.layers.1.block_sparse_moe.experts.3.w3.weight"  # the up rows: fc1's second half
+    state = {key: torch.empty(md.tensors[key].shape)}
+    before = r.counters.bytes_read
+    load(state, storage_reader=r, strict=False)
+    assert r.counters.bytes_read - before == state[key].numel() * 4
+    assert torch.equal(state[key], expected_hf(run)[key])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="llama", num_local_experts=None), "is a mixture of experts; config.json's model_type 'llama' has no experts"),
+    (dict(model_type="deepseek_v3"), "model_type 'deepseek_v3' is not mapped \\(mapped: mixtral, qwen2_moe, qwen3_moe\\)"),
+    (dict(num_local_experts=8), "experts.linear_fc1.weight' holds 4 experts; config.json says 8"),
+    (dict(intermediate_size=20), "experts.linear_fc1.weight' has 32 rows; a SwiGLU MLP of config.json's width 20 has 40"),
+])
+def test_a_mixture_of_experts_under_a_config_that_does_not_fit_is_named(change, message):
+    run = os.path.join(FIXTURES, "moe_ep2")
+    with pytest.raises(MetadataError, match=message):
+        _read(run, hf_config=dict(_config(run), **change))
 
 
 def test_without_a_config_megatrons_own_names():
