@@ -11,7 +11,7 @@ Run in a virtualenv of its own holding the pinned writer (never the runner's dep
 itself under torchrun on 2 gloo ranks (CPU) once per configuration (tensor-parallel 1 and 2, and 2
 with biases on the QKV projection as Qwen2 has them; two mixtures of experts: expert-parallel 2
 shaped as Mixtral, tensor-parallel 2 with a gated shared expert shaped as Qwen2-MoE whose first
-layer is dense), builds a tiny
+layer is dense, expert-parallel 2 with RMSNorm on each query and key head shaped as Qwen3-MoE), builds a tiny
 GPT model (grouped-query attention, SwiGLU, RMSNorm, rotary positions, untied output) with the
 local (non Transformer-Engine) layer spec (the experts as ``SequentialMLP``, tokens dispatched by
 all-gather: the all-to-all dispatcher builds a CUDA stream), and saves its
@@ -37,9 +37,10 @@ import zlib
 from fixture_launch import torchrun_self  # (scripts/: run by path, its own directory is on the path)
 
 #: (directory, tensor-parallel size, expert-parallel size, the Hugging Face family it is shaped as)
-#: Mixtral: 4 experts, no biases; Qwen2-MoE: biases on q, k and v, 4 experts plus a gated shared expert
+#: Mixtral: 4 experts, no biases; Qwen2-MoE: biases on q, k and v, 4 experts plus a gated shared expert;
+#: Qwen3-MoE: 4 experts, RMSNorm on each query and key head
 CONFIGS = (("gpt_tp1", 1, 1, "llama"), ("gpt_tp2", 2, 1, "llama"), ("gpt_tp2_qkv_bias", 2, 1, "qwen2"),
-           ("moe_ep2", 1, 2, "mixtral"), ("moe_tp2_shared", 2, 1, "qwen2_moe"))
+           ("moe_ep2", 1, 2, "mixtral"), ("moe_tp2_shared", 2, 1, "qwen2_moe"), ("moe_qk_norm", 1, 2, "qwen3_moe"))
 PINNED = {"megatron-core": "0.19.2", "torch": "2.13.0"}
 SHAPE = dict(num_layers=2, hidden_size=24, num_attention_heads=4, num_query_groups=2, kv_channels=6,
              ffn_hidden_size=40, vocab_size=68, max_sequence_length=64)
@@ -66,6 +67,10 @@ def hf_config(family: str = "llama") -> dict:
                 "moe_intermediate_size": MOE["ffn"], "num_experts": MOE["experts"],
                 "num_experts_per_tok": MOE["topk"], "shared_expert_intermediate_size": MOE["shared_ffn"],
                 "decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False}
+    if family == "qwen3_moe":
+        return {**base, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "moe_intermediate_size": MOE["ffn"], "num_experts": MOE["experts"], "num_experts_per_tok": MOE["topk"],
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     return base
 
 
@@ -85,7 +90,7 @@ def worker(out: str, tp: int, ep: int, family: str) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0) if torch.cuda.is_available() else None
-    moe = family in ("mixtral", "qwen2_moe")
+    moe = family in ("mixtral", "qwen2_moe", "qwen3_moe")
     moe_args = {} if not moe else dict(
         num_moe_experts=MOE["experts"], moe_router_topk=MOE["topk"], moe_ffn_hidden_size=MOE["ffn"],
         expert_model_parallel_size=ep, moe_grouped_gemm=False,
@@ -99,7 +104,8 @@ def worker(out: str, tp: int, ep: int, family: str) -> None:
                             ffn_hidden_size=SHAPE["ffn_hidden_size"], gated_linear_unit=True,
                             activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=1e-5,
                             add_bias_linear=False, add_qkv_bias=family in ("qwen2", "qwen2_moe"), use_cpu_initialization=True, tensor_model_parallel_size=tp,
-                            params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0, **moe_args)
+                            params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
+                            qk_layernorm=family == "qwen3_moe", **moe_args)
     spec = (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm") if moe
             else get_gpt_layer_local_spec(qk_layernorm=False))
     model = GPTModel(cfg, spec, vocab_size=SHAPE["vocab_size"],

@@ -45,6 +45,9 @@ def expected_hf(run: str) -> dict[str, torch.Tensor]:
             out[h + "self_attn.k_proj.bias"] = bias[:, per * hd:(per + 1) * hd].reshape(-1)
             out[h + "self_attn.v_proj.bias"] = bias[:, (per + 1) * hd:].reshape(-1)
         out[h + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
+        for norm in ("q", "k"):  # Qwen3's RMSNorm on each query and key head (the same on every rank)
+            if f"{m}self_attention.{norm}_layernorm.weight" in parts[0]:
+                out[f"{h}self_attn.{norm}_norm.weight"] = parts[0][f"{m}self_attention.{norm}_layernorm.weight"]
         if m + "mlp.router.weight" in parts[0]:
             out.update(_experts(cfg, m, h, by_rank, tps, eps, parts))
         else:

@@ -104,8 +104,9 @@ def test_bad_deepspeed_input_is_one_line_and_writes_nothing(cli, tmp_path):
         r.stderr[-3000:]
 
 
-# a Llama; a Qwen2 (biases on q, k, v); a Mixtral (expert parallel); a Qwen2-MoE (shared expert, dense layer 0)
-@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared"])
+# a Llama; a Qwen2 (biases on q, k, v); a Mixtral (expert parallel); a Qwen2-MoE (shared expert, dense
+# layer 0); a Qwen3-MoE (norms on query and key heads)
+@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared", "moe_qk_norm"])
 def test_megatron_to_hugging_face(cli, tmp_path, name):
     transformers = pytest.importorskip("transformers")
     from tests.megatron_reference import expected_hf

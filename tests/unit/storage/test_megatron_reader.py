@@ -3,7 +3,7 @@ files megatron-core 0.19.2 wrote (tests/fixtures/megatron, by scripts/write_mega
 under Hugging Face names (layers un-stacked, QKV cut per query group, fc1 into gate and up) every
 tensor bitwise equal to Megatron's own tensors mapped by hand, at tensor-parallel 1 and 2, and for
 mixtures of experts (Mixtral's names at expert-parallel 2; Qwen2-MoE's, with a shared expert and a
-dense first layer, at tensor-parallel 2): every expert cut out of Megatron's [layers, experts, ...]
+dense first layer, at tensor-parallel 2; Qwen3-MoE's, with its per-head query and key norms): every expert cut out of Megatron's [layers, experts, ...]
 records in place."""
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _read(run, **kw):
     return md, state
 
 
-@pytest.mark.parametrize("name", ["gpt_tp1", "gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared"])
+@pytest.mark.parametrize("name", ["gpt_tp1", "gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared",
+                                  "moe_qk_norm"])
 def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(name):
     run = os.path.join(FIXTURES, name)
     tp = 2 if "tp2" in name else 1
@@ -54,6 +55,8 @@ def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(name):
         assert "model.layers.0.mlp.gate_proj.weight" in state and "model.layers.0.mlp.experts.0.up_proj.weight" not in state
         assert state["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 24)
         assert state["model.layers.1.mlp.experts.3.gate_proj.weight"].shape == (16, 24)
+    if name == "moe_qk_norm":  # Qwen3-MoE: a norm on each query and key head
+        assert state["model.layers.1.self_attn.k_norm.weight"].shape == (6,)
 
 
 def test_each_expert_is_read_from_the_rank_file_that_held_it():
