@@ -9,7 +9,7 @@ Run in a virtualenv of its own holding the pinned writer (never the runner's dep
 
 (megatron-core's wheels declare Python 3.12; it runs on 3.11 for this.) The script launches
 itself under torchrun on 2 gloo ranks (CPU) once per configuration (tensor-parallel 1 and 2, and 2
-with biases on the QKV projection as Qwen2 has them; two mixtures of experts: expert-parallel 2
+with biases on the QKV projection as Qwen2 has them; pipeline-parallel 2, a layer per stage; two mixtures of experts: expert-parallel 2
 shaped as Mixtral, tensor-parallel 2 with a gated shared expert shaped as Qwen2-MoE whose first
 layer is dense, expert-parallel 2 with RMSNorm on each query and key head shaped as Qwen3-MoE), builds a tiny
 GPT model (grouped-query attention, SwiGLU, RMSNorm, rotary positions, untied output) with the
@@ -36,11 +36,13 @@ import zlib
 
 from fixture_launch import torchrun_self  # (scripts/: run by path, its own directory is on the path)
 
-#: (directory, tensor-parallel size, expert-parallel size, the Hugging Face family it is shaped as)
+#: (directory, tensor-parallel size, expert-parallel size, pipeline-parallel size, the Hugging Face
+#: family it is shaped as)
 #: Mixtral: 4 experts, no biases; Qwen2-MoE: biases on q, k and v, 4 experts plus a gated shared expert;
 #: Qwen3-MoE: 4 experts, RMSNorm on each query and key head
-CONFIGS = (("gpt_tp1", 1, 1, "llama"), ("gpt_tp2", 2, 1, "llama"), ("gpt_tp2_qkv_bias", 2, 1, "qwen2"),
-           ("moe_ep2", 1, 2, "mixtral"), ("moe_tp2_shared", 2, 1, "qwen2_moe"), ("moe_qk_norm", 1, 2, "qwen3_moe"))
+CONFIGS = (("gpt_tp1", 1, 1, 1, "llama"), ("gpt_tp2", 2, 1, 1, "llama"), ("gpt_tp2_qkv_bias", 2, 1, 1, "qwen2"),
+           ("gpt_pp2", 1, 1, 2, "llama"), ("moe_ep2", 1, 2, 1, "mixtral"), ("moe_tp2_shared", 2, 1, 1, "qwen2_moe"),
+           ("moe_qk_norm", 1, 2, 1, "qwen3_moe"))
 PINNED = {"megatron-core": "0.19.2", "torch": "2.13.0"}
 SHAPE = dict(num_layers=2, hidden_size=24, num_attention_heads=4, num_query_groups=2, kv_channels=6,
              ffn_hidden_size=40, vocab_size=68, max_sequence_length=64)
@@ -74,7 +76,7 @@ def hf_config(family: str = "llama") -> dict:
     return base
 
 
-def worker(out: str, tp: int, ep: int, family: str) -> None:
+def worker(out: str, tp: int, ep: int, pp: int, family: str) -> None:
     import torch
 
     torch.cuda.current_device = lambda: "cpu"  # the stand-ins (see the docstring)
@@ -87,7 +89,8 @@ def worker(out: str, tp: int, ep: int, family: str) -> None:
     from megatron.core.transformer import TransformerConfig
     from safetensors.torch import save_file
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0) if torch.cuda.is_available() else None
     moe = family in ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -104,18 +107,22 @@ def worker(out: str, tp: int, ep: int, family: str) -> None:
                             ffn_hidden_size=SHAPE["ffn_hidden_size"], gated_linear_unit=True,
                             activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=1e-5,
                             add_bias_linear=False, add_qkv_bias=family in ("qwen2", "qwen2_moe"), use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
                             params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
                             qk_layernorm=family == "qwen3_moe", **moe_args)
     spec = (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm") if moe
             else get_gpt_layer_local_spec(qk_layernorm=False))
     model = GPTModel(cfg, spec, vocab_size=SHAPE["vocab_size"],
                      max_sequence_length=SHAPE["max_sequence_length"], position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
+                     share_embeddings_and_output_weights=False,
+                     pre_process=parallel_state.is_pipeline_first_stage(),  # a stage: its layers only
+                     post_process=parallel_state.is_pipeline_last_stage())
     with torch.no_grad():  # weights that are not all equal (norms start at ones)
         for name, p in model.named_parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.02)
     rank, tp_rank = torch.distributed.get_rank(), parallel_state.get_tensor_model_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     ckpt = os.path.join(out, "iter_0000002")
     os.makedirs(ckpt, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), ckpt)
@@ -123,7 +130,9 @@ def worker(out: str, tp: int, ep: int, family: str) -> None:
     os.makedirs(ref, exist_ok=True)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()
           if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    if not moe and rank == tp_rank:  # the first data-parallel replica's ranks
+    if pp > 1:  # every stage's own layers, numbered from 0 (stage s's layer j is the model's s * layers / pp + j)
+        save_file(sd, os.path.join(ref, f"tp_rank{tp_rank}_pp_rank{pp_rank}.safetensors"))
+    elif not moe and rank == tp_rank:  # the first data-parallel replica's ranks
         save_file(sd, os.path.join(ref, f"tp_rank{tp_rank}.safetensors"))
     elif moe and rank == tp_rank + tp * ep_rank:  # one rank of each (tensor, expert)-parallel pair; its
         # local_experts.<j> is the model's expert ep_rank * experts / ep + j
@@ -137,11 +146,11 @@ def worker(out: str, tp: int, ep: int, family: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--worker", nargs=4, metavar=("DIR", "TP", "EP", "FAMILY"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=5, metavar=("DIR", "TP", "EP", "PP", "FAMILY"), help=argparse.SUPPRESS)
     p.add_argument("--only", nargs="*", help="write only these configurations (default: all)")
     a = p.parse_args()
     if a.worker:
-        worker(a.worker[0], int(a.worker[1]), int(a.worker[2]), a.worker[3])
+        worker(a.worker[0], int(a.worker[1]), int(a.worker[2]), int(a.worker[3]), a.worker[4])
         return
     from importlib.metadata import version
 
@@ -151,12 +160,13 @@ def main() -> None:
     if versions != PINNED:
         print(f"warning: pinned {PINNED}, running {versions}", file=sys.stderr)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    for name, tp, ep, family in CONFIGS:
+    for name, tp, ep, pp, family in CONFIGS:
         if a.only and name not in a.only:
             continue
         out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
-        torchrun_self(__file__, ["--out", out, "--worker", out, str(tp), str(ep), family], env)
+        torchrun_self(__file__, ["--out", out, "--worker", out, str(tp), str(ep), str(pp), family],
+                      env)
         with open(os.path.join(out, "reference", "config.json"), "w") as f:
             json.dump(hf_config(family), f, indent=1)
         print(f"wrote {out}")

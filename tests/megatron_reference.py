@@ -18,12 +18,18 @@ def expected_hf(run: str) -> dict[str, torch.Tensor]:
     cfg = json.load(open(os.path.join(run, "reference", "config.json")))
     hidden, heads, groups = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd, ffn, layers = cfg["head_dim"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    files = {tuple(int(x) for x in re.findall(r"\d+", f)): f for f in os.listdir(os.path.join(run, "reference"))
-             if f.startswith("tp_rank")}  # (tp rank[, ep rank]): file
-    by_rank = {k: load_file(os.path.join(run, "reference", f)) for k, f in files.items()}
-    tps = sorted({k[0] for k in by_rank})
-    eps = sorted({k[1] if len(k) > 1 else 0 for k in by_rank})
-    parts = [by_rank[(t, 0)] if (t, 0) in by_rank else by_rank[(t,)] for t in tps]
+    by_rank: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (tp rank, ep rank): its tensors
+    files = [f for f in os.listdir(os.path.join(run, "reference")) if f.startswith("tp_rank")]
+    stages = 1 + max(int(dict(re.findall(r"(tp|ep|pp)_rank(\d+)", f)).get("pp", 0)) for f in files)
+    for f in files:
+        r = {k: int(v) for k, v in re.findall(r"(tp|ep|pp)_rank(\d+)", f)}
+        at = by_rank.setdefault((r["tp"], r.get("ep", 0)), {})
+        for k, v in load_file(os.path.join(run, "reference", f)).items():  # a stage's layers, numbered from 0
+            m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", k)
+            at[k if m is None else f"decoder.layers.{r.get('pp', 0) * layers // stages + int(m[1])}.{m[2]}"] = v
+    tps = sorted({t for t, _ in by_rank})
+    eps = sorted({e for _, e in by_rank})
+    parts = [by_rank[(t, 0)] for t in tps]
     tp = len(parts)
 
     def cat(key, dim):

@@ -1,7 +1,8 @@
 """Megatron-Core torch_dist checkpoints read in place (hpdcp_runner/dcp/storage/megatron.py), on
 files megatron-core 0.19.2 wrote (tests/fixtures/megatron, by scripts/write_megatron_fixtures.py):
 under Hugging Face names (layers un-stacked, QKV cut per query group, fc1 into gate and up) every
-tensor bitwise equal to Megatron's own tensors mapped by hand, at tensor-parallel 1 and 2, and for
+tensor bitwise equal to Megatron's own tensors mapped by hand, at tensor-parallel 1 and 2,
+pipeline-parallel 2, and for
 mixtures of experts (Mixtral's names at expert-parallel 2; Qwen2-MoE's, with a shared expert and a
 dense first layer, at tensor-parallel 2; Qwen3-MoE's, with its per-head query and key norms): every expert cut out of Megatron's [layers, experts, ...]
 records in place."""
@@ -35,8 +36,8 @@ def _read(run, **kw):
     return md, state
 
 
-@pytest.mark.parametrize("name", ["gpt_tp1", "gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared",
-                                  "moe_qk_norm"])
+@pytest.mark.parametrize("name", ["gpt_tp1", "gpt_tp2", "gpt_tp2_qkv_bias", "gpt_pp2", "moe_ep2",
+                                  "moe_tp2_shared", "moe_qk_norm"])
 def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(name):
     run = os.path.join(FIXTURES, name)
     tp = 2 if "tp2" in name else 1
@@ -55,6 +56,10 @@ def test_hugging_face_names_equal_megatrons_tensors_mapped_by_hand(name):
         assert "model.layers.0.mlp.gate_proj.weight" in state and "model.layers.0.mlp.experts.0.up_proj.weight" not in state
         assert state["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 24)
         assert state["model.layers.1.mlp.experts.3.gate_proj.weight"].shape == (16, 24)
+    if name == "gpt_pp2":  # each pipeline stage wrote its own layer, the first the embedding, the last the head
+        assert {c.file for c in md.tensors["model.layers.0.mlp.up_proj.weight"].chunks} == {"__0_0.distcp"}
+        assert {c.file for c in md.tensors["model.layers.1.mlp.up_proj.weight"].chunks} == {"__1_0.distcp"}
+        assert {c.file for c in md.tensors["lm_head.weight"].chunks} == {"__1_0.distcp"}
     if name == "moe_qk_norm":  # Qwen3-MoE: a norm on each query and key head
         assert state["model.layers.1.self_attn.k_norm.weight"].shape == (6,)
 
