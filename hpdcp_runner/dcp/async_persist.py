@@ -41,14 +41,9 @@ from .core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 from .planning.standard import local_pieces
 from .staging import StagingBuffers
 from .state_dict import stateful_to_state_dict
-from .core.utils import TENSOR_LEAVES, gc_paused, get_logger
+from .core.utils import TENSOR_LEAVES, gc_paused, get_logger, is_dtensor
 
 log = get_logger(__name__)
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = ()  # type: ignore[assignment,misc]
 
 _LOCK = threading.Lock()
 _IN_FLIGHT: "AsyncSaveResponse | None" = None
@@ -65,7 +60,7 @@ def _stage_leaf(v: Any, key: tuple, bufs: StagingBuffers) -> Any:
         return FusedShard(bufs.copy(key, v.local), v.global_shape, v.boxes, v.dim)
     if isinstance(v, ShardPieces):
         return ShardPieces(v.global_shape, [(b, bufs.copy(key + (i,), t)) for i, (b, t) in enumerate(v.pieces)])
-    if isinstance(v, (DTensor, LocalShard)):
+    if is_dtensor(v) or isinstance(v, LocalShard):
         pieces = local_pieces(v)
         shape = tuple(int(d) for d in (v.global_shape if isinstance(v, LocalShard) else v.shape))
         if not pieces:  # this rank holds nothing of it (e.g. outside the mesh): an empty flat shard

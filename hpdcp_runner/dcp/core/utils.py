@@ -6,6 +6,7 @@ import ctypes
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -18,6 +19,15 @@ from .ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 
 Path = tuple[Any, ...]
 TENSOR_LEAVES = (torch.Tensor, FlatShard, FusedShard, LocalShard, ShardPieces)
+
+
+def is_dtensor(v: Any) -> bool:
+    """``v`` is a DTensor, asked without importing ``torch.distributed.tensor``: that import costs
+    ~0.5 s of every command's start (an export, an inspect), and no DTensor can exist before its
+    module is loaded, so while it is not loaded the answer is no."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(v, cls)
 
 
 def _holds_tensor(v: Any) -> bool:

@@ -22,12 +22,7 @@ from ..core.geometry import tiling_problem
 from .interfaces import OBJECT, TENSOR, KeyInfo, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from ..core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
 from .load_replicas import BroadcastOp, CompactShards, ShardSummary, plan_replica_reads
-from ..core.utils import TENSOR_LEAVES, flatten_state_dict, set_element
-
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # torch built without distributed
-    DTensor = Shard = ()  # type: ignore[assignment,misc]
+from ..core.utils import TENSOR_LEAVES, flatten_state_dict, is_dtensor, set_element
 
 
 def is_tensor_leaf(v: Any) -> bool:
@@ -42,7 +37,7 @@ def leaf_shape_dtype(v: Any) -> tuple[tuple[int, ...], torch.dtype]:
 
 def local_pieces(v: Any) -> list[tuple[Box, torch.Tensor]]:
     """The boxes of the global tensor this rank holds, each with a detached view of its data."""
-    if isinstance(v, DTensor):
+    if is_dtensor(v):
         box = dtensor_local_box(v)
         return [] if box is None else [(box, v.to_local().detach())]
     if isinstance(v, FlatShard):
@@ -60,8 +55,10 @@ def _held_by_one_rank(v: Any, world_size: int) -> bool:
     """True for a DTensor whose mesh spans the whole group and whose every placement is a Shard:
     each rank's box is its own. A mesh smaller than the group (TP inside each data-parallel
     replica), a Replicate dimension, plain tensors and explicit shards may be held twice."""
-    if not isinstance(v, DTensor) or v.device_mesh.size() != world_size:
+    if not is_dtensor(v) or v.device_mesh.size() != world_size:
         return False
+    from torch.distributed.tensor import Shard
+
     return all(isinstance(p, Shard) for p in v.placements)
 
 
