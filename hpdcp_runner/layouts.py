@@ -101,6 +101,10 @@ _KEY_SIGNS = (("moe", re.compile(r"\.experts\.(\d+\.)?(w[123]|gate_up_proj|gate_
               ("llama", re.compile(r"\.q_proj\.weight$")))
 
 
+#: keys only a Megatron-Core checkpoint read under its own names has (no config.json given)
+_MEGATRON_NAMES = ("decoder.layers.", "embedding.word_embeddings.")
+
+
 def recognise_family(raw_config: Mapping[str, Any] | None, keys: Iterable[str]) -> tuple[str | None, str]:
     """(family, how it was recognised): config.json's ``model_type`` first, else the key names."""
     mt = (raw_config or {}).get("model_type")
@@ -152,6 +156,12 @@ def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterab
                           f"(layout=<name>, layout.file=<your rules>, docs/write_a_layout.md) or a family whose "
                           f"preset fits (layout.family=<{'|'.join(FAMILY_PARALLEL)}>)")
     else:
+        megatron = next((k for k in keys if k.startswith(_MEGATRON_NAMES)), None) if mt is None else None
+        if megatron is not None:
+            raise ConfigError(f"layout=auto: the checkpoint has Megatron-Core's own names (e.g. {megatron!r}: layers "
+                              f"stacked, QKV fused), which no layout places; give the model's Hugging Face config.json "
+                              f"(job.hf_files_from=<its directory> or layout.config=<file>) to read it under its "
+                              f"family's names")
         fam, why = recognise_family(raw_config, keys)
     if fam is None:
         raise ConfigError(f"layout=auto: cannot tell the model family ({why}); name it with layout.family="

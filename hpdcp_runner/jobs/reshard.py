@@ -15,7 +15,7 @@ import os
 from typing import Callable
 
 from ..config import parse_size
-from ..dcp import HpdcpError
+from ..dcp import ConfigError, HpdcpError
 from ..dcp.tools import (compile_rules, dtype_from_name, export_hf, full_tensor_digests, locate,
                          remove_checkpoint, rename_key)
 from ..config import load_preset
@@ -111,6 +111,11 @@ def _output_settled(e: HpdcpError, output: str, fresh: bool | None) -> HpdcpErro
 
 def _to_hf(ctx: JobContext, source: str, output: str, foreign: bool, out_key: str) -> dict:
     e, job = ctx.engine, ctx.cfg.job
+    if foreign and (ctx.source_metadata(source).extra.get("megatron") or {}).get("names") == "megatron":
+        # its own names (layer-stacked, fused QKV) in model.safetensors would load in no model
+        raise ConfigError(f"job.output_format=hf: {source} is a Megatron-Core checkpoint under Megatron's own names; "
+                          f"give the directory holding the model's Hugging Face config.json (job.hf_files_from=<dir>) so "
+                          f"its weights are exported under its family's names, with that config beside them")
     with ctx.metrics.phase("reshard.export_hf"), ctx.user_errors(out_key):
         res = export_hf(source, output, rename=ctx.source_renames() if foreign else (),
                         allow_pickle=e.allow_pickle, max_shard_size=parse_size(job.hf_max_shard_size),

@@ -161,3 +161,24 @@ def test_a_zarr_megatron_checkpoint_is_one_line(cli, tmp_path):
     errs = _errors(r.stderr)
     assert r.returncode == 1 and len(errs) == 1 and str(marker) in errs[0] and "zarr" in errs[0], r.stderr[-3000:]
     assert not out.exists()
+
+
+def test_a_megatron_checkpoint_without_its_config_is_refused_not_exported_under_megatrons_names(cli, tmp_path):
+    """Without the model's config.json a Megatron checkpoint reads under Megatron's own names
+    (layer-stacked, QKV fused): an HF export of those once wrote a model.safetensors no model
+    loads, exit 0; layout=auto had no family to name. Both now say what to give, exit 2."""
+    run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", "moe_ep2"))
+    out = tmp_path / "hf"
+    r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "job.output_format=hf",
+             f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])
+    errs = _errors(r.stderr)
+    assert r.returncode == 2 and len(errs) == 1 and "Megatron's own names" in errs[0] and \
+        "job.hf_files_from=" in errs[0], r.stderr[-3000:]
+    assert not out.exists()
+    out = tmp_path / "ours"
+    r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "layout=auto",
+             f"job.output={out}", f"hydra.run.dir={tmp_path}/r2"])
+    errs = _errors(r.stderr)
+    assert r.returncode == 2 and len(errs) == 1 and "Megatron-Core's own names" in errs[0] and \
+        "job.hf_files_from=" in errs[0], r.stderr[-3000:]
+    assert not out.exists()
