@@ -11,7 +11,8 @@ stage 1, 2 and 3; bf16 and fp32), trains a tiny Llama-family model (grouped-quer
 two steps and saves it with ``engine.save_checkpoint``. Next to each checkpoint it writes what the
 tests compare with, made by DeepSpeed's own tools: ``reference/zero_to_fp32.safetensors`` (its
 ``get_fp32_state_dict_from_zero_checkpoint``), ``reference/universal.safetensors`` (what
-``ds_to_universal --inject_missing_state`` wrote: every parameter's exp_avg and exp_avg_sq),
+``ds_to_universal --inject_missing_state`` wrote: every parameter's exp_avg and exp_avg_sq; the
+universal checkpoint itself is kept as ``_universal`` for ZeRO 2 and 3),
 ``reference/logits.safetensors`` (the model's logits with the fp32 weights on a fixed
 input) and the model's ``config.json``. ``versions.json`` records what wrote them.
 """
@@ -28,6 +29,9 @@ import sys
 from fixture_launch import torchrun_self  # (scripts/: run by path, its own directory is on the path)
 
 CONFIGS = [(1, "bf16"), (2, "fp32"), (3, "bf16")]  # every stage, both kinds of optimizer file
+#: the configurations whose universal checkpoint (``_universal``, ds_to_universal's output) is kept
+#: as a fixture of its own: ZeRO 2 (whole tensors, a step.pt each) and ZeRO 3 (flat tensors, no step)
+KEEP_UNIVERSAL = ("zero2_fp32", "zero3_bf16")
 PINNED = {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.25.0"}
 
 
@@ -99,7 +103,8 @@ def references(out: str) -> None:
                 t = t["param"] if isinstance(t, dict) else t
                 moments[f"{name}.{what}"] = t.contiguous()
     save_file(moments, os.path.join(ref, "universal.safetensors"))
-    shutil.rmtree(uni)
+    if os.path.basename(out) not in KEEP_UNIVERSAL:
+        shutil.rmtree(uni)
     cfg = tiny_config()
     model = LlamaForCausalLM(cfg).eval()
     model.load_state_dict(fp32, strict=False)

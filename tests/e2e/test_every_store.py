@@ -225,3 +225,30 @@ def test_ours_and_torch_dcp_read_in_place_from_gcs(cli, tmp_path, gcs_endpoint, 
     assert all(torch.equal(got[k], state[k]) for k in state)
     r = cli(["+job=inspect", f"checkpoint.path={uri}", f"hydra.run.dir={tmp_path}/i"])
     assert r.returncode == 0 and "rank00000.safetensors" in r.stdout, _tail(r)
+
+
+@pytest.mark.parametrize("kind", ["s3", "az", "gs"])
+def test_a_deepspeed_universal_checkpoint_in_a_bucket_exports_to_hugging_face(cli, request, tmp_path, kind):
+    """A universal checkpoint keeps each parameter in a directory of its own (zero/<param>/): a
+    foreign prefix's listing is its top level, so the files under zero/ are listed once, on first
+    use. Exported from each store, the weights equal DeepSpeed's zero_to_fp32, bit for bit."""
+    from safetensors.torch import load_file
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed", "zero2_fp32")
+    src = Place(request, kind, tmp_path, "runs/ds_universal")
+    if kind == "gs":
+        emulators.gcs_upload_dir(src.endpoint, src.bucket, src.uri.split("/", 3)[3], os.path.join(fixture, "_universal"))
+    else:
+        b = Bucket(src.uri)
+        for root, _, files in os.walk(os.path.join(fixture, "_universal")):
+            for f in files:
+                rel = os.path.relpath(os.path.join(root, f), os.path.join(fixture, "_universal")).replace(os.sep, "/")
+                with open(os.path.join(root, f), "rb") as fh:
+                    b.put(b.key(rel), fh.read())
+    out = tmp_path / "hf"
+    r = cli(["+job=reshard", f"job.source.path={src.uri}", "job.output_format=hf", f"job.output={out}",
+             f"hydra.run.dir={tmp_path}/r"])
+    assert r.returncode == 0, _tail(r)
+    got = load_file(str(out / "model.safetensors"))
+    expect = load_file(os.path.join(fixture, "reference", "zero_to_fp32.safetensors"))
+    assert got.keys() == expect.keys() and all(torch.equal(got[k], v) for k, v in expect.items())

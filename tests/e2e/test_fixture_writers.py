@@ -41,9 +41,12 @@ def test_deepspeed_rewritten_and_read(tmp_path):
     state = _state(str(run))
     for k, v in load_file(str(run / "reference" / "zero_to_fp32.safetensors")).items():
         assert torch.equal(state[k], v), k
+    universal = _state(str(run / "_universal"))  # ds_to_universal's own output, read in place
     for k, v in load_file(str(run / "reference" / "universal.safetensors")).items():
         name, moment = k.rsplit(".", 1)
         assert torch.equal(state[f"optim.state.{name}.{moment}"].flatten(), v.flatten()), k
+        assert torch.equal(universal[f"optim.state.{name}.{moment}"].flatten(), v.flatten()), k
+    assert all(torch.equal(universal[k], state[k]) for k in load_file(str(run / "reference" / "zero_to_fp32.safetensors")))
 
 
 def test_megatron_rewritten_and_read(tmp_path):

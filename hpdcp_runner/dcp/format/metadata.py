@@ -84,6 +84,23 @@ def check_file_name(name: Any) -> str:
     return name
 
 
+MAX_FILE_DEPTH = 4
+
+
+def check_relative_name(name: Any) -> str:
+    """A file of the checkpoint, right inside it or in its subdirectories (a DeepSpeed universal
+    checkpoint keeps ``zero/<parameter>/fp32.pt``): ``/``-separated plain names, at most
+    ``MAX_FILE_DEPTH`` deep. Only the readers' files (``PinnedDirectory``, which opens each
+    directory on the way without following a link, and ``StorePrefix``) open such names; every
+    writer, drain and copy still takes plain names only."""
+    parts = name.split("/") if isinstance(name, str) else [None]
+    if len(parts) > MAX_FILE_DEPTH or any(not isinstance(p, str) or not _FILE_NAME.fullmatch(p) or ".." in p
+                                          for p in parts):
+        raise MetadataError(f"file name {name!r} is not a plain file name inside the checkpoint directory (nor a "
+                            f"path of at most {MAX_FILE_DEPTH} such names)")
+    return name
+
+
 @dataclass(frozen=True)
 class ChunkMeta:
     """One stored chunk: its box in the global tensor and where its bytes are."""
@@ -580,9 +597,13 @@ def _parse_files(doc: dict, source: str) -> dict[str, FileMeta]:
     is refused before anything is read)."""
     files: dict[str, FileMeta] = {}
     ws = doc["world_size"]
+    extra = doc.get("extra")
+    # our saves write every file at the top; only a foreign checkpoint's description (a DeepSpeed
+    # universal checkpoint's zero/<param>/fp32.pt) names files in subdirectories
+    check = check_relative_name if isinstance(extra, dict) and extra.get("source_format") else check_file_name
     for name, f in doc["files"].items():
         try:
-            check_file_name(name)
+            check(name)
         except MetadataError as e:
             raise MetadataError(f"{source}: {e}") from None
         _need(isinstance(f, dict) and set(f) == {"size", "checksum", "rank"} and type(f.get("size")) is int

@@ -21,13 +21,17 @@ from typing import Any, Iterable, Sequence
 
 from ..core.errors import CheckpointChangedError, HpdcpError, MetadataError
 from ..core.rafile import RandomAccessFile
+from ..format.metadata import MAX_FILE_DEPTH
 from .interfaces import IOCounters
 
 
 def plain_name(name: str, where: str) -> str:
-    """A file name right inside the checkpoint (no separator, no dot-dot): what a description's
-    own file names (``.metadata``, an index's shard names, already checked) must still be."""
-    if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+    """A file name inside the checkpoint: a plain name (no separator, no dot-dot), or a path of
+    such names into its subdirectories (at most ``MAX_FILE_DEPTH`` deep): what a description's own file
+    names (``.metadata``, an index's shard names, a universal checkpoint's ``zero/<param>/fp32.pt``,
+    already checked) must still be."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or len(parts) > MAX_FILE_DEPTH or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
         raise MetadataError(f"{where}: {name!r} is not a plain file name inside the checkpoint")
     return name
 

@@ -36,11 +36,13 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
     if fmt == "hf" and loc.url.endswith(".safetensors") and loc.is_file():  # one file: its directory, that file
         only, loc = loc.name, locate(loc.parent().url, options=store_options)
     if fmt == "deepspeed":
-        from .deepspeed import DeepSpeedReader, step_directory
+        from .deepspeed import DeepSpeedReader, DeepSpeedUniversalReader, step_directory
+        from .format_marks import is_deepspeed_universal
 
         loc = step_directory(loc, store_options)
-        return DeepSpeedReader(loc.checkpoint_files(committed=False), names=sorted(loc.files()), weights=weights,
-                               **reader_kwargs)
+        names = sorted(loc.files())
+        cls = DeepSpeedUniversalReader if is_deepspeed_universal(set(names)) else DeepSpeedReader
+        return cls(loc.checkpoint_files(committed=False), names=names, weights=weights, **reader_kwargs)
     if fmt == "megatron":
         from .megatron import MegatronReader, step_directory as megatron_step
 

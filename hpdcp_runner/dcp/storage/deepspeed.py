@@ -28,6 +28,7 @@ turned into plain data; any other class is refused with the file and the class n
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import io
 import math
@@ -41,8 +42,9 @@ import torch
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from ..core.rafile import RandomAccessFile
 from ..core.ragged import decompose_flat_interval
-from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, dtype_name
-from .format_marks import DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, is_deepspeed_step
+from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
+from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERSAL_TRACKER as UNIVERSAL_TRACKER,
+                           is_deepspeed_step, is_deepspeed_universal)
 from .foreign import _DescribedReader, _Window, _bounded_read, _entry_data, _row_major, _STORAGE_DTYPES
 
 if TYPE_CHECKING:
@@ -60,14 +62,16 @@ def step_directory(loc: "Location", options: object = None) -> "Location":
     from .uri import join
 
     names = set(loc.files())
-    if is_deepspeed_step(names) or TRACKER not in names:
+    name = TRACKER if TRACKER in names else UNIVERSAL_TRACKER  # (a run's own step first)
+    if is_deepspeed_step(names) or is_deepspeed_universal(names) or name not in names:
         return loc
-    tracker = join(loc.url, TRACKER)
-    tag = (loc.read_small(TRACKER, 4096) or b"").decode("utf-8", "replace").strip()
+    tracker = join(loc.url, name)
+    tag = (loc.read_small(name, 4096) or b"").decode("utf-8", "replace").strip()
     if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or len(tag) > 255:
         raise MetadataError(f"{tracker}: names {tag!r}, not a step directory inside {loc.url}")
     step = locate(join(loc.url, tag), options=options)
-    if not step.is_dir() or not is_deepspeed_step(set(step.files())):
+    held = set(step.files()) if step.is_dir() else set()
+    if not (is_deepspeed_step(held) or is_deepspeed_universal(held)):
         raise CheckpointNotFoundError(f"{tracker} names {tag!r}, but {step.url} holds no DeepSpeed model and "
                                       f"optimizer states")
     return step
@@ -452,3 +456,84 @@ class DeepSpeedReader(_DescribedReader):
         if missing:
             raise MetadataError(f"{self.path}: no value recorded for {missing[:3]}")
         return {k: float(steps[k]) for k in wanted}
+
+
+class DeepSpeedUniversalReader(DeepSpeedReader):
+    """A universal checkpoint (``ds_to_universal``'s output, the form DeepSpeed resumes at another
+    parallelism from): every parameter whole, ``zero/<name>/fp32.pt``, ``exp_avg.pt`` and
+    ``exp_avg_sq.pt`` (a tensor, or ``{"param": tensor, "cat_dim": ...}``; flat for ZeRO 3) and its
+    step count in ``step.pt``, beside the model states copied from the step it was made from,
+    whose ``param_shapes`` name the parameters and shapes. Each file is one chunk read in place."""
+
+    MOMENTS = ("exp_avg", "exp_avg_sq")
+
+    def describe(self) -> Metadata:
+        self.files.require_directory()
+        model_name = next((n for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+                           if n in self._names), None)
+        if model_name is None:
+            raise CheckpointNotFoundError(f"{self.path}: no mp_rank_00_model_states.pt (a DeepSpeed universal "
+                                          f"checkpoint keeps the model states beside zero/)")
+        stage = 3 if model_name.startswith("zero_pp_rank_") else 2
+        model = self._archive(model_name)
+        shapes = _get(model.tree, model.where, "param_shapes")
+        if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
+            raise MetadataError(f"{model.where}: param_shapes is not a list of name -> shape per group")
+        params = [(str(k), tuple(int(x) for x in v)) for g in shapes for k, v in g.items()]
+        for name, _ in params:  # each names a directory: a plain name, nothing that leaves zero/
+            try:
+                check_file_name(name)
+            except MetadataError:
+                raise MetadataError(f"{model.where}: parameter {name[:200]!r} cannot name a directory of zero/") \
+                    from None
+        if params and not self.files.exists(f"zero/{params[0][0]}/fp32.pt"):
+            raise CheckpointNotFoundError(f"{self.full(f'zero/{params[0][0]}/fp32.pt')} is missing: {self.path} holds "
+                                          f"DeepSpeed model states but no optimizer states (a ZeRO step) and no "
+                                          f"zero/<param>/ (a universal checkpoint)")
+        tensors: dict[str, TensorMeta] = {}
+        objects: dict[str, ObjectMeta] = {}
+        steps: dict[str, float] = {}
+        files: dict[str, FileMeta] = {model_name: FileMeta(model_name, self._size_of(model_name), "", 0)}
+        with cf.ThreadPoolExecutor(8, thread_name_prefix="hpdcp-ds-universal") as pool:  # (a store: small reads)
+            for name, part in zip([n for n, _ in params], pool.map(self._parameter, params)):
+                t, o, sv, f = part
+                tensors.update(t)
+                objects.update(o)
+                steps.update(sv)
+                files.update(f)
+        self._module_tensors(model, model_name, stage, tensors)
+        extra = {"source_format": "deepspeed", "deepspeed": {"universal": True, "zero_stage": stage,
+                                                             "weights": self.weights,
+                                                             "version": str(model.tree.get("ds_version", "")),
+                                                             "steps": steps}}
+        return Metadata(1, tensors, objects, files, extra=extra)
+
+    def _parameter(self, param: tuple[str, tuple[int, ...]]) -> tuple[dict, dict, dict, dict]:
+        """One parameter's files: its fp32 weight (``weights=fp32``), moments and step."""
+        name, shape = param
+        tensors, objects, steps, files = {}, {}, {}, {}
+        for what in (("fp32",) if self.weights == "fp32" else ()) + self.MOMENTS:
+            fname = f"zero/{name}/{what}.pt"
+            if what != "fp32" and not self.files.exists(fname):
+                continue  # (an optimizer without moments; fp32 missing is named by the read)
+            a = self._archive(fname)
+            t = a.tree.get("param") if isinstance(a.tree, dict) else a.tree
+            off, count = a.flat(t, "param")
+            if count != math.prod(shape):
+                raise MetadataError(f"{a.where}: holds {count} elements, but the model states give {name} the shape "
+                                    f"{list(shape)}")
+            key, path = (name, (name,)) if what == "fp32" else (f"optim.state.{name}.{what}",
+                                                                 ("optim", "state", name, what))
+            tensors[key] = TensorMeta(dtype_name(t.dtype), shape, (ChunkMeta((0,) * len(shape), shape, fname, key,
+                                                                             off, ""),), path)
+            files[fname] = FileMeta(fname, self._size_of(fname), "", 0)
+        fname = f"zero/{name}/step.pt"
+        if self.files.exists(fname):
+            a = self._archive(fname)
+            value = self._scalar(a, fname, a.tree, "step")
+            if value is not None:
+                key = f"optim.state.{name}.step"
+                objects[key] = ObjectMeta(fname, "", ("optim", "state", name, "step"))
+                steps[key] = value
+                files[fname] = FileMeta(fname, self._size_of(fname), "", 0)
+        return tensors, objects, steps, files

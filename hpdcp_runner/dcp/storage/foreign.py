@@ -71,7 +71,7 @@ def detect_format(path: "str | os.PathLike | Location") -> str:
     if loc.holds_commit():  # (a store: ours is known from its commit object, no listing)
         return "hpdcp"
     names = set(loc.files())
-    from .format_marks import backend_of, is_deepspeed_run, is_deepspeed_step, is_megatron_run
+    from .format_marks import backend_of, is_deepspeed_run, is_deepspeed_step, is_deepspeed_universal, is_megatron_run
 
     if backend_of(loc, names) is not None or (is_megatron_run(names) and METADATA_FILE not in names):
         return "megatron"  # (its metadata.json names a sharded backend: not ours)
@@ -79,7 +79,7 @@ def detect_format(path: "str | os.PathLike | Location") -> str:
         return "hpdcp"
     if HF_INDEX in names or HF_SINGLE in names:
         return "hf"
-    if is_deepspeed_step(names) or is_deepspeed_run(names):
+    if is_deepspeed_step(names) or is_deepspeed_run(names) or is_deepspeed_universal(names):
         return "deepspeed"
     if DCP_METADATA in names:
         if any(n.startswith("_rank") and n.endswith("_.safetensors") for n in names):

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .location import Location
 
-#: DeepSpeed: the run directory's tracker, naming the newest step directory (``global_step<N>``)
+#: DeepSpeed: the run directory's tracker, naming the newest step directory (``global_step<N>``),
+#: and the one ``ds_to_universal`` writes beside it, naming the universal checkpoint it made
 DS_TRACKER = "latest"
+DS_UNIVERSAL_TRACKER = "latest_universal"
 DS_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _DS_MODEL3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 _DS_MODEL12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
@@ -29,9 +31,18 @@ def is_deepspeed_step(names: set[str]) -> bool:
         any(DS_OPTIM.fullmatch(n) for n in names)
 
 
+def is_deepspeed_universal(names: set[str]) -> bool:
+    """A universal checkpoint (``ds_to_universal``'s output): the model states copied from the
+    step it was made from, no optimizer-states archive (its state is in ``zero/<param>/``), and
+    no checkpoint of another format beside it."""
+    return any(_DS_MODEL12.fullmatch(n) or _DS_MODEL3.fullmatch(n) for n in names) and \
+        not any(DS_OPTIM.fullmatch(n) for n in names) and not names & _OTHER_FORMATS
+
+
 def is_deepspeed_run(names: set[str]) -> bool:
-    """A run directory: a ``latest`` file and no checkpoint of another format beside it."""
-    return DS_TRACKER in names and not names & _OTHER_FORMATS
+    """A run directory: a ``latest`` (or only a ``latest_universal``) file and no checkpoint of
+    another format beside it."""
+    return bool({DS_TRACKER, DS_UNIVERSAL_TRACKER} & names) and not names & _OTHER_FORMATS
 
 
 def is_megatron_run(names: set[str]) -> bool:

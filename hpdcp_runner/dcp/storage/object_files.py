@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, HpdcpError
 from ..core.rafile import RandomAccessFile
-from ..format.metadata import METADATA_FILE, check_file_name
+from ..format.metadata import METADATA_FILE
 from .checkpoint_files import CheckpointFiles, plain_name
 from .interfaces import IOCounters
 from .object_checkpoint import SAVE_PREFIX, check_commit_matches, read_commit
@@ -40,6 +40,7 @@ class StorePrefix(CheckpointFiles):
         self.data: str | None = None if committed else ""  # the pinned save prefix ("" for the prefix itself)
         self.round_bytes = self.bucket.options.read_buffer_bytes
         self._sizes: dict[str, int] | None = None  # one listing of the pinned save
+        self._below: set[str] = set()  # a foreign prefix's subdirectories listed (for names inside them)
         self._fetched: dict[str, list[tuple[int, int, cf.Future]]] = {}  # (lo, hi, its GET) per file
         self._pool: cf.ThreadPoolExecutor | None = None  # the round's GETs in flight
         self._samples: list[tuple[int, float]] = []  # (bytes, seconds) of requests: the cost model
@@ -140,6 +141,24 @@ class StorePrefix(CheckpointFiles):
             self._etags = {name: o["e_tag"] for name, o in objs.items() if o.get("e_tag")}
         return self._sizes
 
+    def _listed(self, name: str) -> dict[str, int]:
+        """The listing, holding ``name``'s size when it is there: a foreign checkpoint's listing
+        is its top level only (a Hugging Face repo's subfolders are not its files), so a name in
+        a subdirectory (``zero/<param>/fp32.pt``) lists everything under its first part once."""
+        sizes = self._listing()
+        name = plain_name(name, self.url)
+        top = name.split("/", 1)[0]
+        if "/" in name and name not in sizes and not self.data and top not in self._below:
+            self._below.add(top)
+            base = self._key("")
+            for o in self.bucket.list(self._key(top)):
+                rel = o["path"][len(base) + 1:]
+                if rel.startswith(f"{top}/"):
+                    sizes[rel] = o["size"]
+                    if o.get("e_tag"):
+                        self._etags[rel] = o["e_tag"]
+        return sizes
+
     # -- the store's own digests (foreign files: the format records none) -------------------------
     def check_store_digests(self) -> None:
         self._digests_wanted = self.bucket.options.store_digests != "off"
@@ -181,12 +200,13 @@ class StorePrefix(CheckpointFiles):
             raise CheckpointNotFoundError(f"no checkpoint at {self.url} (nothing is stored under it)")
 
     def exists(self, name: str) -> bool:
-        return plain_name(name, self.url) in self._listing()
+        return name in self._listed(name)
 
     def size_of(self, name: str) -> int:
-        if name not in self._listing():
+        sizes = self._listed(name)
+        if name not in sizes:
             raise CheckpointNotFoundError(f"{self.url}/{name} is missing")
-        return self._listing()[name]
+        return sizes[name]
 
     def read_small(self, name: str, max_bytes: int) -> bytes:
         self.pin_directory()
@@ -199,14 +219,13 @@ class StorePrefix(CheckpointFiles):
     def open_random(self, name: str) -> RandomAccessFile:
         # its size from the listing a load makes anyway (check_sizes), not a HEAD of its own: one
         # round trip fewer before a load's first byte
-        size = self._listing().get(plain_name(name, self.url))
-        return RemoteFile(self.bucket, self._key(plain_name(name, self.url)), size, lambda: self.missing(name),
+        size = self._listed(name).get(name)
+        return RemoteFile(self.bucket, self._key(name), size, lambda: self.missing(name),
                           self.counters, self._on_data(name))
 
     def check_sizes(self, names: Iterable[str], expected: dict[str, int]) -> None:
-        sizes = self._listing()
         for name in names:
-            check_file_name(name)
+            sizes = self._listed(name)
             if name not in sizes:
                 raise self.missing(name)
             if name in expected and sizes[name] != expected[name]:
@@ -215,7 +234,7 @@ class StorePrefix(CheckpointFiles):
 
     def open_handle(self, name: str, expected: int | None) -> RemoteFile:
         self.pin_directory()
-        return RemoteFile(self.bucket, self._key(check_file_name(name)), expected, lambda: self.missing(name),
+        return RemoteFile(self.bucket, self._key(plain_name(name, self.url)), expected, lambda: self.missing(name),
                           self.counters, self._on_data(name))
 
     def handles_kept(self, files_kept: int) -> int:

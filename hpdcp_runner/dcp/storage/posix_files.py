@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import Any, Iterable
 
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, HpdcpError, MetadataError
 from ..core.rafile import FdFile, RandomAccessFile, open_regular, open_regular_file
-from ..format.metadata import METADATA_FILE, check_file_name
+from ..format.metadata import METADATA_FILE
 from ..format.safetensors_io import pread_into
 from .checkpoint_files import CheckpointFiles, plain_name
 from .commit import STAGING_MARK, interrupted_swap, storage_access_error
@@ -31,6 +32,7 @@ class PinnedDirectory(CheckpointFiles):
     def __init__(self, path: str | os.PathLike) -> None:
         self.url = os.path.abspath(os.fspath(path))
         self._dir_fd: int | None = None
+        self._subdirs: dict[str, int] = {}  # a subdirectory's path: its descriptor, opened inside the pin
 
     def _join(self, name: str) -> str:
         return os.path.join(self.url, name)
@@ -109,10 +111,34 @@ class PinnedDirectory(CheckpointFiles):
             raise CheckpointNotFoundError(f"no checkpoint directory at {self.url}")
         self.pin_directory()
 
-    def _stat(self, name: str) -> os.stat_result:
+    def _parent(self, name: str) -> tuple[int, str]:
+        """(a descriptor of the directory holding ``name``, its last part): a name in a
+        subdirectory (``zero/<param>/fp32.pt``) reaches it one directory at a time, each opened
+        inside the pinned one without following a link, so no link can lead a load outside."""
         self.pin_directory()
+        *dirs, base = plain_name(name, self.url).split("/")
+        fd = self._dir_fd
+        for i in range(len(dirs)):
+            sub = "/".join(dirs[:i + 1])
+            if sub not in self._subdirs:
+                flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                try:
+                    self._subdirs[sub] = os.open(dirs[i], flags, dir_fd=fd)
+                except FileNotFoundError:
+                    raise CheckpointNotFoundError(f"{self._join(name)} is missing (no directory {self._join(sub)})") \
+                        from None
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise CorruptCheckpointError(f"{self._join(sub)} is a link or not a directory (a checkpoint's "
+                                                     f"subdirectories must be directories inside it)") from None
+                    raise storage_access_error(e, f"cannot open {self._join(sub)}") from None
+            fd = self._subdirs[sub]
+        return fd, base
+
+    def _stat(self, name: str) -> os.stat_result:
+        fd, base = self._parent(name)
         try:
-            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            st = os.stat(base, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self._join(name)} is missing") from None
         if not stat.S_ISREG(st.st_mode):
@@ -121,21 +147,20 @@ class PinnedDirectory(CheckpointFiles):
         return st
 
     def exists(self, name: str) -> bool:
-        plain_name(name, self.url)
-        self.pin_directory()
         try:
-            os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
+            fd, base = self._parent(name)
+            os.stat(base, dir_fd=fd, follow_symlinks=False)
+        except (FileNotFoundError, CheckpointNotFoundError):
             return False
         return True
 
     def size_of(self, name: str) -> int:
-        return self._stat(plain_name(name, self.url)).st_size
+        return self._stat(name).st_size
 
     def read_small(self, name: str, max_bytes: int) -> bytes:
-        self.pin_directory()
+        fd, _ = self._parent(name)
         try:
-            with open_regular_file(self._join(plain_name(name, self.url)), self._dir_fd) as f:
+            with open_regular_file(self._join(name), fd) as f:
                 body = f.read(max_bytes + 1)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self._join(name)} is missing") from None
@@ -144,19 +169,19 @@ class PinnedDirectory(CheckpointFiles):
         return body
 
     def open_random(self, name: str) -> RandomAccessFile:
-        self.pin_directory()
+        fd, _ = self._parent(name)
         try:
-            return FdFile(open_regular(self._join(plain_name(name, self.url)), self._dir_fd))
+            return FdFile(open_regular(self._join(name), fd))
         except FileNotFoundError:
             raise self.missing(name) from None
 
     def check_sizes(self, names: Iterable[str], expected: dict[str, int]) -> None:
         self.pin_directory()
         for name in names:
-            check_file_name(name)
             try:
-                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
+                fd, base = self._parent(name)
+                st = os.stat(base, dir_fd=fd, follow_symlinks=False)
+            except (FileNotFoundError, CheckpointNotFoundError):
                 raise self.missing(name) from None
             full = self._join(name)
             if stat.S_ISLNK(st.st_mode):
@@ -169,10 +194,10 @@ class PinnedDirectory(CheckpointFiles):
                                              f"records {expected[name]} (truncated or modified)")
 
     def open_handle(self, name: str, expected: int | None) -> int:
-        self.pin_directory()
-        full = self._join(check_file_name(name))
+        parent, _ = self._parent(name)
+        full = self._join(name)
         try:
-            fd = open_regular(full, self._dir_fd)
+            fd = open_regular(full, parent)
         except FileNotFoundError:
             raise self.missing(name) from None
         actual = os.fstat(fd).st_size
@@ -195,6 +220,9 @@ class PinnedDirectory(CheckpointFiles):
         return handle
 
     def close(self) -> None:
+        for fd in self._subdirs.values():
+            os.close(fd)
+        self._subdirs.clear()
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None

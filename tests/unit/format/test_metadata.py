@@ -35,6 +35,14 @@ def _mutate(fn):
     (lambda d: d.update(format="torch"), "not an hpdcp checkpoint"),
     (lambda d: d["files"].update({"../escape": {"size": 1, "checksum": "a", "rank": 0}}), "not a plain file name"),
     (lambda d: d["files"].update({"/etc/passwd": {"size": 1, "checksum": "a", "rank": 0}}), "not a plain file name"),
+    # a foreign checkpoint's description may name a subdirectory's file (a universal checkpoint's
+    # zero/<param>/fp32.pt): a path of plain names, no dot-dot in any part, no empty part, at most 4 deep
+    (lambda d: d.update(extra={"source_format": "deepspeed"}) or d["files"].update(
+        {"zero/../../x": {"size": 1, "checksum": "a", "rank": 0}}), "not a plain file name"),
+    (lambda d: d.update(extra={"source_format": "deepspeed"}) or d["files"].update(
+        {"zero//x": {"size": 1, "checksum": "a", "rank": 0}}), "not a plain file name"),
+    (lambda d: d.update(extra={"source_format": "deepspeed"}) or d["files"].update(
+        {"a/b/c/d/e": {"size": 1, "checksum": "a", "rank": 0}}), "nor a path of at most 4"),
     (lambda d: d["tensors"]["model.w"]["chunks"][1].__setitem__(0, [3, 0]), "outside shape"),
     (lambda d: d["tensors"]["model.w"]["chunks"][1].__setitem__(0, [1, 0]), "overlap"),
     (lambda d: d["tensors"]["model.w"]["chunks"].pop(), "cover 6 of 12"),

@@ -198,3 +198,63 @@ def test_a_non_number_never_loads_into_a_step_tensor(tmp_path):
     got = {"n": torch.zeros((), dtype=torch.int64)}
     load(got, checkpoint_id=str(tmp_path / "c"), strict=False)
     assert got["n"].item() == 3
+
+
+# -- universal checkpoints (ds_to_universal's output: zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt) ---------
+
+@pytest.mark.parametrize("config", ["zero2_fp32", "zero3_bf16"])
+def test_a_universal_checkpoint_reads_as_zero_to_fp32_and_ds_to_universal(config, tmp_path):
+    """The universal checkpoint ds_to_universal 0.19.8 made of the fixture (``_universal``): every
+    parameter's fp32 weight bitwise equal to zero_to_fp32's (ZeRO 3 keeps it flat: the model
+    states give its shape), its moments to the references, its step; found through the run
+    directory when ``latest_universal`` is its only tracker."""
+    uni = os.path.join(FIXTURES, config, "_universal")
+    assert detect_format(uni) == "deepspeed"
+    md, state = _read_all(uni)
+    assert md.extra["deepspeed"]["universal"] is True
+    for k, v in load_file(os.path.join(FIXTURES, config, "reference", "zero_to_fp32.safetensors")).items():
+        assert state[k].shape == v.shape and torch.equal(state[k], v), k
+    for k, v in load_file(os.path.join(FIXTURES, config, "reference", "universal.safetensors")).items():
+        name, moment = k.rsplit(".", 1)
+        assert torch.equal(state[f"optim.state.{name}.{moment}"].flatten(), v.flatten()), k
+    if config == "zero2_fp32":  # (ZeRO 3's universal checkpoint has no step.pt)
+        assert state["optim.state.model.norm.weight.step"] == 2.0
+    run = tmp_path / "run"  # a run directory whose only tracker names the universal checkpoint
+    shutil.copytree(uni, run / "_universal")
+    (run / "latest_universal").write_text("_universal")
+    assert detect_format(str(run)) == "deepspeed"
+    assert _metadata(str(run)).tensors.keys() == md.tensors.keys()
+
+
+def test_a_universal_checkpoint_reads_only_the_files_of_what_is_loaded():
+    """One parameter's weight is one file's bytes: loading it reads those bytes and nothing else."""
+    uni = os.path.join(FIXTURES, "zero2_fp32", "_universal")
+    r = open_reader(uni)
+    md = Metadata.from_json(r.read_metadata_text())
+    key = "model.layers.1.mlp.up_proj.weight"
+    assert [c.file for c in md.tensors[key].chunks] == [f"zero/{key}/fp32.pt"]
+    state = {key: torch.empty(md.tensors[key].shape)}
+    before = r.counters.bytes_read
+    load(state, storage_reader=r, strict=False)
+    assert r.counters.bytes_read - before == state[key].numel() * 4
+
+
+def test_a_link_or_a_missing_file_inside_a_universal_checkpoint_is_named(tmp_path):
+    """Each directory of zero/ is opened inside the checkpoint without following a link: a
+    parameter's directory replaced by a link (to a copy outside) is refused, never read."""
+    uni = tmp_path / "uni"
+    shutil.copytree(os.path.join(FIXTURES, "zero2_fp32", "_universal"), uni)
+    victim = uni / "zero" / "model.norm.weight"
+    outside = tmp_path / "outside"
+    shutil.move(str(victim), outside)
+    os.symlink(outside, victim)
+    with pytest.raises(CorruptCheckpointError, match=f"{victim} is a link or not a directory"):
+        _read_all(str(uni))
+    os.unlink(victim)
+    shutil.copytree(outside, victim)
+    (victim / "fp32.pt").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=f"{victim / 'fp32.pt'}"):
+        _read_all(str(uni))
+    shutil.rmtree(uni / "zero")  # model states and nothing else: neither a ZeRO step nor universal
+    with pytest.raises(CheckpointNotFoundError, match="no optimizer states .* and no zero/<param>/"):
+        _metadata(str(uni))
