@@ -7,9 +7,10 @@ scripts/write_deepspeed_fixtures.py)::
     /tmp/dsvenv/bin/python scripts/write_deepspeed_fixtures.py --big --out /tmp/dsbig
     python scripts/bench_deepspeed_export.py --run /tmp/dsbig --ds-python /tmp/dsvenv/bin/python
 
-Each tool runs as its own process, alternating, ``--repeats`` times after one warm-up of each
-(the checkpoint's files are in the page cache for both: what is measured is the work, not the
-first read from disk). Timed: the whole command, start to exit. Peak memory: the process's
+Each tool runs as its own process, alternating (each first in turn), ``--repeats`` times after
+one warm-up of each (the checkpoint's files are in the page cache for both: what is measured is
+the work, not the first read from disk), after an ``os.sync()`` (untimed) so that no run pays
+for the writeback of another's output. Timed: the whole command, start to exit. Peak memory: the process's
 maximum resident set (``ru_maxrss`` of the child). Ours writes with fsync (a durable model);
 ``zero_to_fp32`` does not fsync, so the durable-write bound of this disk is printed beside.
 Both outputs are compared tensor by tensor (bitwise) before any figure is printed.
@@ -115,9 +116,13 @@ def main() -> None:
     peaks: dict[str, list[float]] = {k: [] for k in tools}
     outputs = {}
     names_ = list(tools)
+    make_of = dict(tools)
     for i in range(a.repeats + 1):
-        for name, make in tools.items():
-            cmd, out = make(i)
+        for name in names_[i % len(names_):] + names_[:i % len(names_)]:  # each tool first in turn
+            cmd, out = make_of[name](i)
+            # the disk drained first: zero_to_fp32 never fsyncs, so its output's dirty pages would
+            # otherwise be written back during (and charged to) whichever run came next
+            os.sync()
             dt, rss = measure(cmd, env)
             if not os.path.exists(out):
                 raise SystemExit(f"{name} wrote no {out}")

@@ -210,7 +210,9 @@ def tensor_digest(t: torch.Tensor) -> str:
     from ..core.utils import byte_view
 
     c = t.detach().to("cpu").contiguous()
-    return digest(f"{c.dtype}{list(c.shape)}".encode() + bytes(byte_view(c)))
+    # streamed over the tensor's own bytes: the one-shot digest of header + a bytes() copy cost two
+    # copies of every tensor (1.8 s of a 2.2 s verify of 1.25 GiB; the hash itself 0.05 s)
+    return digest_pieces((f"{c.dtype}{list(c.shape)}".encode(), byte_view(c)))
 
 
 def full_tensor_digests(path: str | os.PathLike, reader: StorageReader | None = None, *,

@@ -238,3 +238,18 @@ def test_an_import_writes_through_the_save_writer_with_block_digests(tmp_path):
     tgt = {"big": torch.zeros(700, 1024), "small": torch.zeros(3)}
     load(tgt, checkpoint_id=tmp_path / "ours")
     assert torch.equal(tgt["big"], big)
+
+
+@pytest.mark.parametrize("t", [torch.arange(12.).view(3, 4), torch.ones(0, 3), torch.tensor(3.5),
+                               torch.arange(10, dtype=torch.bfloat16)[::2], torch.arange(6, dtype=torch.int64).view(2, 3).t()])
+def test_a_tensor_digest_is_the_hash_of_its_dtype_shape_and_row_major_bytes(t):
+    """The verify compares digests of both sides; streaming the hash over a tensor's bytes (no
+    copy) must give exactly the digest of dtype + shape + its row-major bytes, whatever its
+    strides, dtype or size."""
+    import xxhash
+
+    from hpdcp_runner.dcp.offline.inspection import tensor_digest
+
+    c = t.contiguous()
+    raw = c.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert tensor_digest(t) == xxhash.xxh3_64_hexdigest(f"{c.dtype}{list(c.shape)}".encode() + raw)
