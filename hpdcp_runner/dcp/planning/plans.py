@@ -181,7 +181,7 @@ class CompactPlan:
         for t in cols:
             t = t.contiguous()  # kept alive while its bytes are read
             h.update(str(t.numel()).encode() + b":")
-            h.update(bytes(byte_view(t)) if t.numel() else b"")
+            h.update(byte_view(t) if t.numel() else b"")  # (no copy: the hash reads the bytes in place)
         h.update(json.dumps(self.checksums).encode() if self.checksums is not None else b"-")
         return h.hexdigest()
 
