@@ -168,17 +168,12 @@ def test_a_megatron_checkpoint_without_its_config_is_refused_not_exported_under_
     (layer-stacked, QKV fused): an HF export of those once wrote a model.safetensors no model
     loads, exit 0; layout=auto had no family to name. Both now say what to give, exit 2."""
     run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", "moe_ep2"))
-    out = tmp_path / "hf"
-    r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "job.output_format=hf",
-             f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])
-    errs = _errors(r.stderr)
-    assert r.returncode == 2 and len(errs) == 1 and "Megatron's own names" in errs[0] and \
-        "job.hf_files_from=" in errs[0], r.stderr[-3000:]
-    assert not out.exists()
-    out = tmp_path / "ours"
-    r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "layout=auto",
-             f"job.output={out}", f"hydra.run.dir={tmp_path}/r2"])
-    errs = _errors(r.stderr)
-    assert r.returncode == 2 and len(errs) == 1 and "Megatron-Core's own names" in errs[0] and \
-        "job.hf_files_from=" in errs[0], r.stderr[-3000:]
-    assert not out.exists()
+    for i, (knob, said) in enumerate([("job.output_format=hf", "Megatron's own names"),
+                                      ("layout=auto", "Megatron-Core's own names")]):
+        out = tmp_path / f"out{i}"
+        r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", knob, f"job.output={out}",
+                 f"hydra.run.dir={tmp_path}/r{i}"])
+        errs = _errors(r.stderr)
+        assert r.returncode == 2 and len(errs) == 1 and said in errs[0] and "job.hf_files_from=" in errs[0], \
+            r.stderr[-3000:]
+        assert not out.exists()
