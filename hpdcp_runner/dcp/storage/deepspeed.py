@@ -495,8 +495,7 @@ class DeepSpeedUniversalReader(DeepSpeedReader):
         steps: dict[str, float] = {}
         files: dict[str, FileMeta] = {model_name: FileMeta(model_name, self._size_of(model_name), "", 0)}
         with cf.ThreadPoolExecutor(8, thread_name_prefix="hpdcp-ds-universal") as pool:  # (a store: small reads)
-            for name, part in zip([n for n, _ in params], pool.map(self._parameter, params)):
-                t, o, sv, f = part
+            for t, o, sv, f in pool.map(self._parameter, params):
                 tensors.update(t)
                 objects.update(o)
                 steps.update(sv)

@@ -41,6 +41,7 @@ class StorePrefix(CheckpointFiles):
         self.round_bytes = self.bucket.options.read_buffer_bytes
         self._sizes: dict[str, int] | None = None  # one listing of the pinned save
         self._below: set[str] = set()  # a foreign prefix's subdirectories listed (for names inside them)
+        self._below_lock = threading.Lock()
         self._fetched: dict[str, list[tuple[int, int, cf.Future]]] = {}  # (lo, hi, its GET) per file
         self._pool: cf.ThreadPoolExecutor | None = None  # the round's GETs in flight
         self._samples: list[tuple[int, float]] = []  # (bytes, seconds) of requests: the cost model
@@ -148,15 +149,17 @@ class StorePrefix(CheckpointFiles):
         sizes = self._listing()
         name = plain_name(name, self.url)
         top = name.split("/", 1)[0]
-        if "/" in name and name not in sizes and not self.data and top not in self._below:
-            self._below.add(top)
-            base = self._key("")
-            for o in self.bucket.list(self._key(top)):
-                rel = o["path"][len(base) + 1:]
-                if rel.startswith(f"{top}/"):
-                    sizes[rel] = o["size"]
-                    if o.get("e_tag"):
-                        self._etags[rel] = o["e_tag"]
+        if "/" in name and name not in sizes and not self.data:
+            with self._below_lock:  # (describing threads: the second waits for the first's listing)
+                if top not in self._below:
+                    base = self._key("")
+                    for o in self.bucket.list(self._key(top)):
+                        rel = o["path"][len(base) + 1:]
+                        if rel.startswith(f"{top}/"):
+                            sizes[rel] = o["size"]
+                            if o.get("e_tag"):
+                                self._etags[rel] = o["e_tag"]
+                    self._below.add(top)
         return sizes
 
     # -- the store's own digests (foreign files: the format records none) -------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from typing import Any, Iterable
 
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, HpdcpError, MetadataError
@@ -33,6 +34,7 @@ class PinnedDirectory(CheckpointFiles):
         self.url = os.path.abspath(os.fspath(path))
         self._dir_fd: int | None = None
         self._subdirs: dict[str, int] = {}  # a subdirectory's path: its descriptor, opened inside the pin
+        self._subdirs_lock = threading.Lock()
 
     def _join(self, name: str) -> str:
         return os.path.join(self.url, name)
@@ -120,20 +122,23 @@ class PinnedDirectory(CheckpointFiles):
         fd = self._dir_fd
         for i in range(len(dirs)):
             sub = "/".join(dirs[:i + 1])
-            if sub not in self._subdirs:
-                flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                try:
-                    self._subdirs[sub] = os.open(dirs[i], flags, dir_fd=fd)
-                except FileNotFoundError:
-                    raise CheckpointNotFoundError(f"{self._join(name)} is missing (no directory {self._join(sub)})") \
-                        from None
-                except OSError as e:
-                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise CorruptCheckpointError(f"{self._join(sub)} is a link or not a directory (a checkpoint's "
-                                                     f"subdirectories must be directories inside it)") from None
-                    raise storage_access_error(e, f"cannot open {self._join(sub)}") from None
-            fd = self._subdirs[sub]
+            with self._subdirs_lock:  # (readers' threads share the descriptors)
+                if sub not in self._subdirs:
+                    self._subdirs[sub] = self._open_subdir(dirs[i], fd, sub, name)
+                fd = self._subdirs[sub]
         return fd, base
+
+    def _open_subdir(self, part: str, parent: int, sub: str, name: str) -> int:
+        flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            return os.open(part, flags, dir_fd=parent)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self._join(name)} is missing (no directory {self._join(sub)})") from None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CorruptCheckpointError(f"{self._join(sub)} is a link or not a directory (a checkpoint's "
+                                             f"subdirectories must be directories inside it)") from None
+            raise storage_access_error(e, f"cannot open {self._join(sub)}") from None
 
     def _stat(self, name: str) -> os.stat_result:
         fd, base = self._parent(name)
