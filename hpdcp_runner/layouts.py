@@ -156,6 +156,7 @@ def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterab
                           f"(layout=<name>, layout.file=<your rules>, docs/write_a_layout.md) or a family whose "
                           f"preset fits (layout.family=<{'|'.join(FAMILY_PARALLEL)}>)")
     else:
+        keys = keys if isinstance(keys, Mapping) else list(keys)  # (read twice below)
         megatron = next((k for k in keys if k.startswith(_MEGATRON_NAMES)), None) if mt is None else None
         if megatron is not None:
             raise ConfigError(f"layout=auto: the checkpoint has Megatron-Core's own names (e.g. {megatron!r}: layers "

@@ -247,18 +247,31 @@ class JobContext:
                            weights=weights, hf_config=hf_config, config_source=config_source,
                            **self.engine.reader.kwargs())
 
+    def format_of(self, path: str, fmt: str) -> str:
+        """``fmt``, or for ``auto`` the format the files at ``path`` show (detected once per path:
+        a job opens its source several times)."""
+        if fmt != "auto":
+            return fmt
+        if path not in self._formats:
+            self._formats[path] = detect_format(path)
+        return self._formats[path]
+
+    def megatron_under_its_own_names(self, path: str) -> bool:
+        """The source at ``path`` is a Megatron-Core checkpoint and no config.json names its
+        weights (``layout.config``, ``job.hf_files_from``): it reads under Megatron's own names."""
+        source = getattr(self.cfg.job, "source", None)
+        fmt = source.format if source is not None else "auto"
+        return fmt in ("auto", "megatron") and \
+            not (self.cfg.layout.config or getattr(self.cfg.job, "hf_files_from", None)) and \
+            self.format_of(path, fmt) == "megatron"
+
     def _megatron_names(self, path: str, fmt: str) -> tuple[dict | None, str]:
         """A Megatron-Core checkpoint reads under Hugging Face names when the model's config.json
         is known (``layout.config``, else ``job.hf_files_from``): (that config, where), else
         (None, '') and Megatron's own names."""
         where = self.cfg.layout.config or getattr(self.cfg.job, "hf_files_from", None)
-        if not where or fmt not in ("auto", "megatron"):
+        if not where or self.format_of(path, fmt) != "megatron":
             return None, ""
-        if fmt == "auto":  # (detected once per path: a job opens its source several times)
-            if path not in self._formats:
-                self._formats[path] = detect_format(path)
-            if self._formats[path] != "megatron":
-                return None, ""
         raw, found = read_model_config(self.abspath(where))
         if raw is None:
             key = "layout.config" if self.cfg.layout.config else "job.hf_files_from"

@@ -111,8 +111,12 @@ def _output_settled(e: HpdcpError, output: str, fresh: bool | None) -> HpdcpErro
 
 def _to_hf(ctx: JobContext, source: str, output: str, foreign: bool, out_key: str) -> dict:
     e, job = ctx.engine, ctx.cfg.job
-    if foreign and (ctx.source_metadata(source).extra.get("megatron") or {}).get("names") == "megatron":
-        # its own names (layer-stacked, fused QKV) in model.safetensors would load in no model
+    if foreign and ctx.megatron_under_its_own_names(source):
+        # its own names (layer-stacked, fused QKV) in model.safetensors would load in no model (known
+        # from the files present: no describe of the source before the export's own). Opening the
+        # reader first lets what no config.json mends (a zarr backend, a missing iteration) say so
+        with ctx.user_errors("job.source.path"):
+            ctx.reader(source, foreign).close()
         raise ConfigError(f"job.output_format=hf: {source} is a Megatron-Core checkpoint under Megatron's own names; "
                           f"give the directory holding the model's Hugging Face config.json (job.hf_files_from=<dir>) so "
                           f"its weights are exported under its family's names, with that config beside them")
