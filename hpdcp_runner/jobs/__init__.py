@@ -25,9 +25,11 @@ FAILED_MARKER = "FAILED"
 
 
 def _fail(message: str, code: int, *, every_rank: bool = False, run_dir: str | None = None,
-          logged: bool = False) -> None:
+          logged: bool = False, farewell: Any = None) -> None:
     """One line on the console (from rank 0 alone when every rank has the same error), the cause
-    in ``<run dir>/FAILED`` (what a sweep reports for the point), the exit code."""
+    in ``<run dir>/FAILED`` (what a sweep reports for the point), the exit code. ``farewell``:
+    the group every rank waits on before leaving, once rank 0 has said it (a rank that left first
+    would have torchrun stop rank 0 before its line is out)."""
     runtime.mark_failed()
     runtime.job_ending()
     if not logged:
@@ -40,6 +42,8 @@ def _fail(message: str, code: int, *, every_rank: bool = False, run_dir: str | N
     if (every_rank or rank == 0) and run_dir and os.path.isdir(run_dir):
         with open(os.path.join(run_dir, FAILED_MARKER), "a") as f:
             f.write(f"{prefix}{message}\n")
+    if farewell is not None:
+        runtime.farewell_barrier(farewell)
     raise SystemExit(code)
 
 
@@ -153,9 +157,8 @@ def _run(cfg: DictConfig, run_dir: str | None = None) -> Any:
     try:
         result = ctx.comm.agree(f"job {c.job.name}", body)[ctx.info.rank]
     except HpdcpError as e:
-        if not _unagreed(e):  # every rank has this error: leave together
-            runtime.farewell_barrier(ctx.comm.control)
-        _job_failed(e, run_dir)
+        # every rank has this error: leave together, once it is said
+        _job_failed(e, run_dir, farewell=None if _unagreed(e) else ctx.comm.control)
     detail.info("job %s: done", c.job.name)
     _report(ctx, result, digests[0])
     return result.get("objective") if isinstance(result, dict) else None
@@ -174,7 +177,7 @@ def describe_failure(e: HpdcpError) -> str:
     return f"{type(e).__name__}: " + "; ".join(f"rank {r}: {m}" for r, m in failures.items())
 
 
-def _job_failed(e: HpdcpError, run_dir: str) -> None:
+def _job_failed(e: HpdcpError, run_dir: str, farewell: Any = None) -> None:
     """User mistakes and bad checkpoints: one line, no traceback (the rank log has it). Bugs (a
     non-hpdcp exception on some rank): also the traceback, on the console and in torchrun's
     error summary."""
@@ -187,7 +190,7 @@ def _job_failed(e: HpdcpError, run_dir: str) -> None:
             sys.stderr.write("".join(traceback.format_exception(local)))
     # a rank that lost its peers may be the only one left to say so
     _fail(describe_failure(e), 2 if isinstance(e, ConfigError) else 1,
-          every_rank=_unagreed(e), run_dir=run_dir, logged=True)
+          every_rank=_unagreed(e), run_dir=run_dir, logged=True, farewell=farewell)
 
 
 def _unagreed(e: HpdcpError) -> bool:
