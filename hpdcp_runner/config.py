@@ -212,6 +212,10 @@ class FastTierConf:
     dir: Optional[str] = None  # null: no fast tier (saves go to checkpoint.dir directly)
     keep_last: int = 2  # checkpoints kept in the fast tier (0 keeps all); checkpoint.keep_last is the durable tier's
     drain_every: int = 1  # every k-th save is also copied to checkpoint.dir
+    # the directory is each node's own disk (the same path on every node, seen by that node
+    # only): each node holds its ranks' files, replicated to `replicas` other nodes
+    node_local: bool = False
+    replicas: int = 1  # node_local: how many other nodes hold a copy of each node's part (< nodes)
 
 
 @dataclass
@@ -553,6 +557,8 @@ def _tier_problems(c: Config) -> list[str]:
         out.append(f"checkpoint.fast_tier.keep_last: must be >= 0 (0 keeps all), got {t.keep_last}")
     if t.drain_every < 1:
         out.append(f"checkpoint.fast_tier.drain_every: must be >= 1 (every k-th save is drained), got {t.drain_every}")
+    if t.replicas < 0:
+        out.append(f"checkpoint.fast_tier.replicas: must be >= 0, got {t.replicas}")
     if t.dir is None:
         return out
     if not is_local(t.dir):

@@ -5,6 +5,12 @@ that store's commit. Each tier keeps its own ``keep_last``. ``checkpoint.resume=
 the newest checkpoint committed in either tier, the fast tier's copy when it is whole on every
 rank, else the next newest (the durable tier's when a node's fast tier is gone); a copy that then
 fails its checksums while it loads gives way to the next whole one (the durable copy of the step).
+
+``checkpoint.fast_tier.node_local=true``: the directory is each node's own disk. Each node holds
+its ranks' files (``dcp.node_tier``); after every commit a background thread of its own gives
+the other nodes their part, applies each node's retention and sends each node's part to
+``replicas`` other nodes; ``resume=latest`` makes every node's copy of the newest restorable
+checkpoint whole (from its own disk, the peers' replicas, then the durable tier) and loads it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import dcp
-from .dcp.tools import apply_retention, get_logger, join_location, list_checkpoints
+from .dcp.tools import Comm, apply_retention, get_logger, join_location, list_checkpoints, node_tier
 
 log = get_logger(__name__)
 
@@ -81,10 +87,28 @@ class Tiers:
         self.series = ctx.series[1]
         self.rank = ctx.info.rank
         e = ctx.engine
+        t = c.fast_tier
+        self.node_local = bool(t.node_local)
+        self.replicas = int(t.replicas) if self.node_local else 0
+        self.fast_id = t.dir  # as configured: the same on every node (its directory may differ)
+        comm = Comm.create(None, e.timeout_s)
+        self.nodes = node_tier.Nodes.discover(comm)
+        node = self.nodes.node_of[self.rank]
+        self.leader = self.nodes.leader(node) == self.rank
+        if self.node_local and self.replicas >= self.nodes.count:
+            raise dcp.ConfigError(f"checkpoint.fast_tier.replicas={self.replicas}: each node's part goes to that many "
+                                  f"other nodes, and this job has {self.nodes.count} node(s); set it below "
+                                  f"{self.nodes.count} (0: no replicas)")
+        node_tier.check_sharing(comm, self.nodes, self.fast, self.node_local, "checkpoint.fast_tier.node_local",
+                                shown=f"checkpoint.fast_tier.dir={t.dir}")
         self.drainer = dcp.Drainer(timeout=e.timeout_s, store_options=e.store, fsync=e.fsync,
                                    overwrite=c.overwrite)
         self.durable_after: dict[str, float] = {}
         self._retention_lock = threading.Lock()  # commits (a save's thread) and drains land concurrently
+        self.restored: dict[str, Any] | None = None
+        self.set_aside: list[str] = []
+        self.replication: dict[str, dict[str, Any]] = {}
+        self.worker = node_tier.Background(e.timeout_s) if self.node_local else None
 
     def candidates(self) -> list[Candidate]:
         """Rank 0's listing of both tiers, newest step first, the fast tier first on a tie."""
@@ -96,11 +120,71 @@ class Tiers:
             out.sort(key=lambda x: (-x.step, x.tier != "fast"))
         return [Candidate(*x) for x in _from_rank0([(x.tier, x.name, x.step, x.path) for x in out])]
 
+    def _durable_listing(self) -> dict[str, Candidate]:
+        out = []
+        if self.rank == 0:
+            out = [(e.name, e.step if e.step is not None else -1) for e in list_checkpoints(self.durable, self.series)]
+        return {n: Candidate("durable", n, s, join_location(self.durable, n)) for n, s in _from_rank0(out)}
+
+    def whole_across_nodes(self) -> Iterator[Candidate]:
+        """Node-local: the newest checkpoint every file of which some node holds (or the durable
+        tier's copy of it does), made whole on every node before it is yielded; durable-only
+        checkpoints in their order. Says in one line where each node's files came from."""
+        comm = Comm.create(None, self.ctx.engine.timeout_s)
+        found = node_tier.survey(comm, self.nodes, self.fast, self.series)
+        durable = self._durable_listing()
+        steps = {n: next(iter(h.values())).step for n, h in found.items()}
+        steps.update({n: c.step for n, c in durable.items() if n not in steps})
+        broken: list[str] = []
+        for name in sorted(steps, key=lambda n: (-steps[n], n not in found)):
+            if name not in found:
+                self._set_aside(comm, broken)
+                yield durable[name]
+                continue
+            plan = node_tier.plan_restore(found[name], self.nodes, name in durable)
+            if plan is None:
+                log.warning("checkpoint.resume=latest: %s is not whole on the nodes (a file is on no node) and the "
+                            "durable tier has no copy; trying the next newest", name)
+                broken.append(name)
+                continue
+            self._set_aside(comm, broken)
+            t0 = time.perf_counter()
+            reader = None
+            if any(src < 0 for n, moves in plan.moves.items() for _, src in moves
+                   if self.nodes.leader(n) == self.rank):
+                reader = self.ctx.reader(durable[name].path)
+                reader.read_metadata_text()
+            try:
+                node_tier.fetch(comm, self.nodes, self.fast, plan, self.drainer.group, durable=reader,
+                                fsync=self.ctx.engine.fsync)
+            finally:
+                if reader is not None:
+                    reader.close()
+            summary = plan.summary(self.nodes)
+            self.restored = {"checkpoint": name, "step": plan.step, "fetch_s": round(time.perf_counter() - t0, 4),
+                             "parts": summary}
+            log.info("checkpoint.resume=latest: %s from the node-local tier: %s", name,
+                     "; ".join(f"{node}: " + ", ".join(f"{v} {k}" for k, v in got.items())
+                               for node, got in summary.items()))
+            yield Candidate("fast", name, plan.step, os.path.join(self.fast, name))
+            if name in durable:
+                yield durable[name]
+
+    def _set_aside(self, comm: Comm, broken: list[str]) -> None:
+        """Parts of newer checkpoints no copy completes would block the next save of their step."""
+        if broken:
+            node_tier.set_aside(comm, self.nodes, self.fast, broken)
+            self.set_aside = list(broken)
+            broken.clear()
+
     def whole(self) -> Iterator[Candidate]:
         """The checkpoints committed in some tier and whole where they are read, newest first: a
         fast-tier copy counts only when every rank finds all its files (checked on every rank,
         agreed); the durable tier's copy of the same step follows it (what a resume falls back to
         when the fast copy then fails its checksums)."""
+        if self.node_local:
+            yield from self.whole_across_nodes()
+            return
         for cand in self.candidates():
             if cand.tier == "durable":
                 yield cand
@@ -116,19 +200,61 @@ class Tiers:
         """The fast tier's retention (rank 0): checkpoints a drain still reads are kept, and so
         is ``keep`` (the one just committed). Run after each commit and after each drain lands,
         so a checkpoint kept only while it drained goes once it has landed."""
-        if self.rank != 0 or self.keep_fast <= 0:
+        if not self.leader or self.keep_fast <= 0 or (self.rank != 0 and not self.node_local):
             return
         with self._retention_lock:
             busy = {os.path.basename(p) for p in self.drainer.busy()}
             apply_retention(self.fast, self.keep_fast, series=self.series, keep=busy | set(keep))
 
-    def committed(self, name: str, step: int, save_index: int, started: float | None = None) -> None:
-        """After the fast tier committed ``name`` (any thread): its retention, then the drain if due."""
+    def target(self, name: str) -> tuple[str, Any]:
+        """(the checkpoint id, the writer or None) of the save of ``name`` to the fast tier; a
+        node-local one is named as configured (one name on every node) and written to this
+        node's own directory."""
+        path = join_location(self.fast, name)
+        if not self.node_local:
+            return path, None
+        e = self.ctx.engine
+        return join_location(self.fast_id, name), dcp.FileSystemWriter(path, fsync=e.fsync, node_local=True)
+
+    def reader_for(self, path: str) -> Any:
+        """The reader of a resume candidate: a node-local copy is read on every node from its own disk."""
+        if self.node_local and os.path.dirname(path) == self.fast:
+            return node_tier.NodeLocalReader(path)
+        return None
+
+    def committed(self, name: str, step: int, save_index: int, started: float | None = None,
+                  token: str | None = None) -> None:
+        """After the fast tier committed ``name`` (any thread): its retention, then the drain if
+        due; node-local: first the other nodes' parts and the replicas, in the background."""
+        if self.worker is not None:
+            self.worker.submit(lambda comm: self._spread(comm, name, save_index, started, token))
+            return
         self._retain_fast(name)
+        self._drain_if_due(name, save_index, started)
+
+    def _drain_if_due(self, name: str, save_index: int, started: float | None) -> None:
         if save_index % self.every:
             return
         self.drainer.submit(os.path.join(self.fast, name), join_location(self.durable, name),
                             callback=lambda md: self._landed(name, started))
+
+    def _spread(self, comm: Comm, name: str, save_index: int, started: float | None, token: str | None) -> None:
+        """Node-local (the tiers' own thread, every rank): publish every node's part, retention on
+        each node, the replicas, then the drain if due."""
+        t0 = time.perf_counter()
+        path = os.path.join(self.fast, name)
+        out: dict[str, Any] = {}
+        self.replication[name] = out
+        e = self.ctx.engine
+        table = node_tier.publish_parts(comm, self.nodes, path, token or "", overwrite=self.ctx.cfg.checkpoint.overwrite,
+                                     fsync=e.fsync)
+        self._retain_fast(name)
+        if self.replicas:
+            stats = node_tier.replicate(comm, self.nodes, path, table, self.replicas, comm.group, fsync=e.fsync)
+            out["moved"] = {k: v for k, v in stats.items() if v}
+        out["seconds"] = round(time.perf_counter() - t0, 4)
+        out["replicas"] = self.replicas
+        self._drain_if_due(name, save_index, started)
 
     def _landed(self, name: str, started: float | None) -> None:
         if started is not None:  # from the start of the save to its commit in the durable tier
@@ -137,8 +263,21 @@ class Tiers:
             apply_retention(self.durable, self.keep_durable, series=self.series, keep=[name])
         self._retain_fast()  # (the drainer may still list this one as busy: finish() runs it again)
 
+    def close(self, timeout: float | None = None) -> None:
+        if self.worker is not None:
+            self.worker.close(timeout)
+        self.drainer.close(timeout=timeout)
+
     def finish(self) -> dict[str, Any]:
         """Wait for every drain to land or fail (the job does not exit before); what happened."""
+        if self.worker is not None:
+            failures = self.worker.close()
+            for name_err in failures:
+                log.error("node tier: %s", name_err)
+            if failures:
+                self.drainer.close()
+                raise dcp.HpdcpError(f"the node-local fast tier {self.fast} failed to complete a checkpoint: "
+                                     f"{failures[0]}")
         responses = self.drainer.close()
         self._retain_fast()  # nothing drains any more: what was kept only for a drain goes
         outcome: dict[str, Any] = {}
@@ -164,3 +303,4 @@ class Tiers:
     def listing(self) -> dict[str, list[str]]:
         return {tier: [e.name for e in list_checkpoints(d, self.series)]
                 for tier, d in (("fast", self.fast), ("durable", self.durable))}
+

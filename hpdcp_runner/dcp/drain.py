@@ -40,10 +40,12 @@ COPY_BLOCK = 8 << 20
 Timeout = float | _dt.timedelta | None
 
 
-def copy_verified(src_dir: str, name: str, size: int, checksum: str, sink: Any, rank: int = 0) -> int:
+def copy_verified(src_dir: str, name: str, size: int, checksum: str, sink: Any, rank: int = 0,
+                  as_name: str | None = None) -> int:
     """Stream ``src_dir/name`` into ``sink`` (``write``/``close``/``abort``), recomputing its
     checksum as recorded (a safetensors file: its header and each entry's digest; any other file:
-    the digest of its bytes). ``sink.close()`` only when it matches; returns the bytes copied."""
+    the digest of its bytes). ``sink.close()`` only when it matches; returns the bytes copied.
+    ``as_name``: the checkpoint's name of the file (a file received under a temporary name)."""
     full = os.path.join(src_dir, name)
     faults.point("copy.file", rank=rank, path=full)
     fd = open_regular(full)
@@ -51,8 +53,8 @@ def copy_verified(src_dir: str, name: str, size: int, checksum: str, sink: Any, 
         actual = os.fstat(fd).st_size
         if actual != size:
             raise CorruptCheckpointError(f"{full}: {actual} bytes, metadata.json records {size}; not copied")
-        if name.endswith(".safetensors"):
-            raw, entries = parse_header(name, size, lambda n, off: os.pread(fd, n, off))
+        if (as_name or name).endswith(".safetensors"):
+            raw, entries = parse_header(as_name or name, size, lambda n, off: os.pread(fd, n, off))
             spans = [(e.byte_offset, e.byte_offset + e.nbytes) for e in entries]
         else:
             raw, spans = None, [(0, size)]

@@ -14,6 +14,7 @@ from .core.utils import TENSOR_LEAVES, PhaseTimer, flatten_state_dict, get_logge
 from .format.metadata import DTYPES, METADATA_FILE, dtype_from_name
 from .format.jsondoc import parse as parse_json
 from .format.renames import compile_rules, new_key_path, rename_key
+from . import node_tier
 from .offline import transforms
 from .offline.hf_export import export_hf
 from .offline.inspection import describe, full_tensor_digests, verify
@@ -31,7 +32,7 @@ from .storage.retention import (apply_retention, latest_checkpoint, list_checkpo
 
 __all__ = ["node_id", "save_in_flight", "available_bytes", "check_allocation", "check_together", "Comm", "Box", "dtensor_local_box", "narrow", "split_piece", "whole", "decompose_flat_interval",
            "TENSOR_LEAVES", "PhaseTimer", "flatten_state_dict", "get_logger", "set_element", "DTYPES",
-           "METADATA_FILE", "dtype_from_name", "parse_json", "compile_rules", "rename_key", "transforms", "export_hf", "describe",
+           "METADATA_FILE", "dtype_from_name", "parse_json", "compile_rules", "rename_key", "transforms", "node_tier", "export_hf", "describe",
            "full_tensor_digests", "verify", "read_side_file", "local_pieces", "leaf_shape_dtype", "new_key_path", "ReaderOptions",
            "ObjectStoreOptions", "configure_object_store", "STORE_SCHEMES", "redact", "credentials_refused", "Location", "fsspec_package", "is_local",
            "locate", "location_refused", "resolve_location", "join_location", "location_dirname", "remove_checkpoint", "FORMATS", "detect_format", "apply_retention",

@@ -189,12 +189,14 @@ class JobContext:
 
     # -- engine calls with the configured knobs ----------------------------------------------
     def save(self, state: Any, path: str, phase: str = "save", overwrite: bool | None = None,
-             series: tuple[str, int | None] | None = None, key: str = "checkpoint.dir") -> dcp.Metadata:
+             series: tuple[str, int | None] | None = None, key: str = "checkpoint.dir",
+             writer: dcp.StorageWriter | None = None) -> dcp.Metadata:
         """``dcp.save`` with the configured knobs; ``series`` = (pattern, step) records the
         checkpoint as a member of that series (for retention and resume=latest). The model's
-        config.json, when one is known, is recorded too, so later layouts sized by it find it."""
+        config.json, when one is known, is recorded too, so later layouts sized by it find it.
+        ``writer``: where the bytes go when ``path`` only names the checkpoint (a node-local tier)."""
         e = self.engine
-        writer = open_writer(path, fsync=e.fsync, store_options=e.store)
+        writer = writer or open_writer(path, fsync=e.fsync, store_options=e.store)
         c = writer.counters
         with self.metrics.phase(phase), self.user_errors(key), \
                 self.byte_progress(phase, lambda: (c.bytes_written, c.files_written), c):
@@ -209,11 +211,11 @@ class JobContext:
     def async_save(self, state: Any, path: str, phase: str = "async_save", callback: Any = None,
                    overwrite: bool | None = None,
                    series: tuple[str, int | None] | None = None,
-                   key: str = "checkpoint.dir") -> dcp.AsyncSaveResponse:
+                   key: str = "checkpoint.dir", writer: dcp.StorageWriter | None = None) -> dcp.AsyncSaveResponse:
         """``dcp.async_save`` with the configured knobs; ``phase`` times only the blocking part.
         ``callback(metadata)`` runs in the background after the commit (never after a failure)."""
         e = self.engine
-        writer = open_writer(path, fsync=e.fsync, store_options=e.store)
+        writer = writer or open_writer(path, fsync=e.fsync, store_options=e.store)
 
         def done(md: dcp.Metadata) -> None:
             self.metrics.add(writer.counters.as_dict(), f"{phase}.")
@@ -384,11 +386,12 @@ class JobContext:
         return out
 
     def load(self, state: Any, path: str, phase: str = "load", strict: bool = True,
-             key: str = "checkpoint.path", foreign: bool = False) -> dcp.LoadResult:
+             key: str = "checkpoint.path", foreign: bool = False,
+             reader: dcp.StorageReader | None = None) -> dcp.LoadResult:
         """``dcp.load`` with the configured knobs; ``foreign``: ``path`` is a user's checkpoint read
-        in ``job.source.format`` with ``job.source.rename``."""
+        in ``job.source.format`` with ``job.source.rename``; ``reader``: one of the caller's own."""
         e = self.engine
-        reader = self.reader(path, foreign)
+        reader = reader or self.reader(path, foreign)
         c = reader.counters
         with self.metrics.phase(phase), self.user_errors(key), \
                 self.byte_progress(phase, lambda: (reader.bytes_moved() + c.extra.get("bytes_received", 0),

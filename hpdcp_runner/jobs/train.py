@@ -102,7 +102,7 @@ def _resume(ctx: JobContext, tr: Trainer, losses: dict[int, float],
     latest = ctx.cfg.checkpoint.resume == "latest"
     for path in _resume_candidates(ctx, tiers):
         try:
-            return path, _restore(ctx, tr, path, losses), skipped
+            return path, _restore(ctx, tr, path, losses, tiers), skipped
         except _TRY_NEXT as e:
             if not latest:
                 raise
@@ -116,7 +116,7 @@ def _resume(ctx: JobContext, tr: Trainer, losses: dict[int, float],
     return None, None, skipped
 
 
-def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float]) -> str:
+def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float], tiers: Tiers | None = None) -> str:
     """Load ``path`` into the trainer; returns what happened to the per-rank state."""
     rank, ws = ctx.info.rank, ctx.info.world_size
     saved_ws = dcp.read_metadata(path).world_size
@@ -127,7 +127,8 @@ def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float]) 
                          f"checkpoint.rank_state=reseed")
     target = _state(tr, rank, {}, with_rank_state=same)
     try:
-        res = ctx.load(target, path, phase="train.resume", strict=same, key="checkpoint.resume")
+        res = ctx.load(target, path, phase="train.resume", strict=same, key="checkpoint.resume",
+                       reader=tiers.reader_for(path) if tiers is not None else None)
     except KeyMismatchError as e:
         raise KeyMismatchError(f"{path} does not fit this job's state (model, optimizer and training state of "
                                f"layout={ctx.cfg.layout.name}, model={ctx.cfg.model.name}): {e}", e.missing,
@@ -193,7 +194,7 @@ def run(ctx: JobContext) -> dict:
         drains = tiers.finish() if tiers is not None else None
     except BaseException:
         if tiers is not None:
-            tiers.drainer.close(timeout=ctx.engine.timeout_s)
+            tiers.close(timeout=ctx.engine.timeout_s)
         raise
     result: dict[str, Any] = {"start_step": start, "final_step": tr.step, "resumed_from": resumed_from,
                               "rank_state": rank_state, "resume_skipped": skipped, "save_mode": f"async ({ctx.engine.async_mode})" if job.async_save else "sync",
@@ -218,6 +219,10 @@ def run(ctx: JobContext) -> dict:
         result["timeline_file"] = path
     if tiers is not None:
         result.update(tiers=tiers.listing(), drains=drains)
+        if tiers.node_local:
+            result.update(node_tier={"nodes": list(tiers.nodes.names), "replicas": tiers.replicas,
+                                     "replication": tiers.replication, "restored": tiers.restored,
+                                     "set_aside": tiers.set_aside})
         failed = [n for n, d in (drains or {}).items() if "error" in d]
         if failed:
             exists = "CheckpointExistsError" in drains[failed[0]]["error"]
@@ -236,7 +241,8 @@ def run(ctx: JobContext) -> dict:
 
 def _busy(tiers: Tiers | None) -> bool:
     """A checkpoint is being written or drained in the background now."""
-    return save_in_flight() or (tiers is not None and bool(tiers.drainer.busy()))
+    return save_in_flight() or (tiers is not None and (bool(tiers.drainer.busy()) or
+                                                       (tiers.worker is not None and tiers.worker.busy())))
 
 
 def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, tiers: Tiers | None,
@@ -294,22 +300,21 @@ def _save(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, pe
             pending.result()
     series = ctx.series[1]
     name = checkpoint_series(series, tr.step)[0]
-    directory = tiers.fast if tiers is not None else ckdir
-    path = join_location(directory, name)
+    path, writer = tiers.target(name) if tiers is not None else (join_location(ckdir, name), None)
     state = _state(tr, ctx.info.rank, losses)
     step, index = tr.step, tr.step // ctx.cfg.job.save_every
 
     def committed(md: Any = None) -> None:
         timeline["committed"].append([step, round(time.perf_counter() - started, 6)])
         if tiers is not None:
-            tiers.committed(name, step, index, started)
+            tiers.committed(name, step, index, started, token=writer.staging_token if writer is not None else None)
         else:
             ctx.apply_retention(ckdir, series, name)
 
     key = "checkpoint.fast_tier.dir" if tiers is not None else "checkpoint.dir"
     if ctx.cfg.job.async_save:
         return ctx.async_save(state, path, phase="train.save_staging", series=(series, tr.step), callback=committed,
-                              key=key)
-    ctx.save(state, path, phase="train.save", series=(series, tr.step), key=key)
+                              key=key, writer=writer)
+    ctx.save(state, path, phase="train.save", series=(series, tr.step), key=key, writer=writer)
     committed()
     return None

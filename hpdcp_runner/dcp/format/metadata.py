@@ -658,6 +658,27 @@ _V2_TENSOR_FIELDS = {"dtype", "shape", "path"}
 _INDEX_FIELDS = {"file", "size", "checksum", "rows", "ndim", "blocks", "block_bytes"}
 
 
+def file_table(text: str | bytes, source: str = METADATA_FILE) -> tuple[dict[str, "FileMeta"], dict | None]:
+    """The files a checkpoint names and, format v2, its chunk index's record, validated as a
+    load validates them but without opening the index: what copying a checkpoint's files from
+    node to node needs, where the index may not be there yet."""
+    doc = jsondoc.parse(text, source)
+    v2 = isinstance(doc, dict) and doc.get("format_version") == 2 and doc.get("format") == FORMAT_NAME
+    _check_header(doc, source, _V2_FIELDS if v2 else _TOP_FIELDS)
+    files = _parse_files(doc, source)
+    if not v2:
+        return files, None
+    ix = doc.get("index")
+    _need(isinstance(ix, dict) and set(ix) == _INDEX_FIELDS and type(ix.get("size")) is int and ix["size"] >= 0
+          and isinstance(ix.get("checksum"), str), source, f"'index' is malformed: {ix!r:.160}")
+    try:
+        check_file_name(ix["file"])
+    except MetadataError as e:
+        raise MetadataError(f"{source}: index: {e}") from None
+    _need(ix["file"] not in files, source, f"index file {ix['file']!r} is also listed as a data file")
+    return files, ix
+
+
 def _parse_v2(doc: dict, source: str, open_file: Callable[[str], int] | None) -> Metadata:
     """Format v2: ``metadata.json`` validated whole (it is small: O(tensors + files)), the chunk
     index opened and checked in structure (O(tensors)); its rows are read and checked when used

@@ -106,8 +106,13 @@ class FileSystemWriter(StorageWriter):
     def checkpoint_id(self) -> str:  # type: ignore[override]
         return self.path
 
-    def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True, node_local: bool = False) -> None:
         self.overwrite = False
+        #: the path is each node's own disk (``node_tier``): a rank whose node lacks the
+        #: coordinator's staging directory makes one of the same name there, and only node 0's
+        #: part is committed by ``commit`` (``node_tier.publish_parts`` commits the others)
+        self.node_local = node_local
+        self.staging_token: str | None = None
         self.path = os.path.abspath(os.fspath(path))
         self.fsync = fsync
         self.staging: str | None = None
@@ -125,6 +130,10 @@ class FileSystemWriter(StorageWriter):
         if self._commit is None or self._commit.token != token:  # (the coordinator keeps its own, lock held)
             self._commit = RenameCommit.adopt(self.path, token, self.overwrite)
         self.staging = self._commit.staging
+        self.staging_token = token
+        if self.node_local and not os.path.isdir(self.staging):
+            with self._user_fixes("staging"):
+                os.makedirs(self.staging, exist_ok=True)
         self.rank = rank
 
     def write(self, tensors: Sequence[tuple[str, torch.Tensor]], objects: Mapping[str, Any]) -> WriteResult:

@@ -1,0 +1,630 @@
+"""Checkpoints in node-local directories: each node holds its own ranks' files, replicated to
+peer nodes over the job's process group, and restored from whatever copy survives.
+
+A node-local directory is the same path on every node, seen by that node only (a local NVMe or
+RAM disk). A checkpoint there is every node's *part*: the node's ranks' files plus the
+checkpoint's ``metadata.json`` and chunk index. The save itself is the engine's save with a
+``FileSystemWriter(node_local=True)``: each rank writes into its own node's staging directory of
+the same name, and the coordinator commits node 0's part. :func:`publish_parts` then gives every
+other node the metadata and renames its part into place. A part alone is never a checkpoint:
+:func:`survey` tells a checkpoint whole only when every file it names is on some node.
+
+:func:`replicate` sends each node's own files to its ``k`` partner nodes (the next ``k`` nodes,
+so a replica never sits on its own node); they land in the partner's committed directory of the
+same checkpoint, each verified against its recorded checksum before it takes its name.
+:func:`fetch` makes every node's directory whole again before a load: a missing file comes from
+the lowest node that holds it, or from the durable tier's copy of the same checkpoint when no
+node does.
+
+Everything here is collective over a ``Comm`` (every rank calls it in the same order); files
+move between the nodes' leaders (their lowest rank) by point-to-point sends of 8 MiB blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .comm.broadcast import node_id
+from .comm.collectives import Comm, gloo_group
+from .core.errors import ConfigError, CorruptCheckpointError, HpdcpError, MetadataError
+from .core.utils import get_logger
+from .format.metadata import METADATA_FILE, FileMeta, check_file_name, file_table
+from .storage.commit import clear_abandoned, fsync_dir, publish_dir
+from .storage.filesystem import FileSystemReader
+from .storage.retention import list_checkpoints
+
+log = get_logger(__name__)
+BLOCK = 8 << 20
+PROBE = ".hpdcp-node-probe-"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Which node each rank is on (nodes numbered in the order of their lowest rank)."""
+
+    node_of: tuple[int, ...]
+    names: tuple[str, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def ranks(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def leader(self, node: int) -> int:
+        return self.node_of.index(node)
+
+    def partners(self, node: int, k: int) -> list[int]:
+        """The nodes that hold ``node``'s replicas: the next ``k`` in a ring."""
+        return [(node + i) % self.count for i in range(1, k + 1)]
+
+    @classmethod
+    def discover(cls, comm: Comm) -> "Nodes":
+        keys = comm.all_gather_json(node_id(), "node tier: node names")
+        order: list[str] = []
+        for k in keys:
+            if k not in order:
+                order.append(k)
+        return cls(tuple(order.index(k) for k in keys), tuple(order))
+
+
+def check_sharing(comm: Comm, nodes: Nodes, directory: str, node_local: bool, key: str,
+                  shown: str | None = None) -> None:
+    """Refuse a directory declared node-local that every node in fact sees (a shared file system),
+    or declared shared that some node does not see: each node's leader leaves a file there and
+    looks for the others'. Raises the same ``ConfigError`` on every rank (``shown``: the
+    directory as the user named it, the same on every node)."""
+    if nodes.count < 2:
+        return
+    node = nodes.node_of[comm.rank]
+    leader = nodes.leader(node) == comm.rank
+    name = f"{PROBE}{uuid.uuid4().hex}" if leader else ""
+
+    def leave() -> str:
+        if leader:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, name), "w") as f:
+                f.write(nodes.names[node])
+        return name
+
+    names = comm.agree(f"node tier: a file left in {directory}", leave)
+    try:
+        seen = [n for r, n in enumerate(names) if n and nodes.node_of[r] != node and
+                os.path.exists(os.path.join(directory, n))] if leader else []
+        views = comm.all_gather_json([leader, len(seen)], "node tier: sharing probe")
+    finally:
+        if leader:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+    others = nodes.count - 1
+    shared = [nodes.names[nodes.node_of[r]] for r, (lead, n) in enumerate(views) if lead and n == others]
+    apart = [nodes.names[nodes.node_of[r]] for r, (lead, n) in enumerate(views) if lead and n < others]
+    shown = shown or directory
+    if node_local and shared:
+        raise ConfigError(f"{key}=true, but {shown} is shared: {shared[0]} sees the other nodes' files there; "
+                          f"a node-local tier must be each node's own disk (set {key}=false for a shared one)")
+    if not node_local and apart:
+        raise ConfigError(f"{shown} is not shared between the nodes: {apart[0]} does not see the other nodes' "
+                          f"files there; declare it node-local ({key}=true) or give a directory every node sees")
+
+
+# -- moving files between node leaders ------------------------------------------------------
+def _send_file(path: str, size: int, dst: int, group: Any) -> None:
+    """Send ``size`` bytes of ``path`` in blocks. A file that cannot be read to its end still
+    sends every block (zeros for what is missing: the receiver's checksum refuses them) and then
+    raises, so the two sides never fall out of step and leave the peer waiting for a timeout."""
+    err: BaseException | None = None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        fd, err = None, e
+    try:
+        pos = 0
+        while pos < size:
+            n = min(BLOCK, size - pos)
+            block = b""
+            if err is None:
+                try:
+                    block = os.pread(fd, n, pos)
+                    if len(block) < n:
+                        err = CorruptCheckpointError(f"{path}: ended at {pos + len(block)} of {size} bytes while "
+                                                     f"being sent")
+                except OSError as e:
+                    err = e
+            dist.send(torch.frombuffer(bytearray(block.ljust(n, b"\0")), dtype=torch.uint8), dst=dst, group=group)
+            pos += n
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if err is not None:
+        raise err
+
+
+def _recv_file(path: str | None, size: int, src: int, group: Any, fsync: bool) -> None:
+    """Receive ``size`` bytes into the new file ``path`` (None: discard them). Every block is
+    received even when writing fails (the error is raised at the end), for the same reason."""
+    err: BaseException | None = None
+    f = None
+    if path is not None:
+        try:
+            f = open(path, "xb")
+        except OSError as e:
+            err = e
+    try:
+        pos = 0
+        while pos < size:
+            buf = torch.empty(min(BLOCK, size - pos), dtype=torch.uint8)
+            dist.recv(buf, src=src, group=group)
+            if f is not None and err is None:
+                try:
+                    f.write(memoryview(buf.numpy()))
+                except OSError as e:
+                    err = e
+            pos += buf.numel()
+        if f is not None and err is None:
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    finally:
+        if f is not None:
+            f.close()
+    if err is not None:
+        raise err
+
+
+class _NullSink:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Table:
+    """A checkpoint's files as its ``metadata.json`` names them (``format.metadata.file_table``)."""
+
+    text: str
+    files: Mapping[str, FileMeta]
+    index: Mapping[str, Any] | None
+
+    @classmethod
+    def parse(cls, text: str, path: str) -> "Table":
+        files, index = file_table(text, os.path.join(path, METADATA_FILE))
+        return cls(text, files, index)
+
+    @property
+    def index_name(self) -> str | None:
+        return self.index["file"] if self.index is not None else None
+
+
+def _expected(table: "Table") -> dict[str, tuple[int, str]]:
+    """Every file of the checkpoint: name -> (size, checksum); ``metadata.json`` by its digest."""
+    text = table.text
+    out = {n: (f.size, f.checksum) for n, f in table.files.items()}
+    if table.index is not None:
+        out[table.index["file"]] = (table.index["size"], table.index["checksum"])
+    out[METADATA_FILE] = (len(text.encode()), "sha256:" + hashlib.sha256(text.encode()).hexdigest())
+    return out
+
+
+def _verify(path: str, name: str, size: int, checksum: str) -> None:
+    """``path`` (a file received as ``name``) holds what the checkpoint records, or it is refused."""
+    from .drain import copy_verified
+
+    if name == METADATA_FILE:
+        with open(path, "rb") as f:
+            body = f.read()
+        if len(body) != size or "sha256:" + hashlib.sha256(body).hexdigest() != checksum:
+            raise CorruptCheckpointError(f"{path}: the metadata.json received differs from the one agreed")
+        return
+    copy_verified(os.path.dirname(path), os.path.basename(path), size, checksum, _NullSink(), as_name=name)
+
+
+def _land(directory: str, name: str, size: int, checksum: str, receive: Any, fsync: bool) -> None:
+    """Receive one file into ``directory`` under a hidden name, verify it, then give it its name."""
+    part = os.path.join(directory, f".{name}.part-{uuid.uuid4().hex[:8]}")
+    try:
+        receive(part)
+        _verify(part, name, size, checksum)
+        os.rename(part, os.path.join(directory, check_file_name(name)))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
+    if fsync:
+        fsync_dir(directory)
+
+
+# -- the save's second half -----------------------------------------------------------------
+def _broadcast_bytes(comm: Comm, data: bytes | None, phase: str) -> bytes:
+    if comm.world_size == 1:
+        return data or b""
+
+    def go() -> bytes:
+        size = torch.tensor([len(data) if comm.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=comm.control)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        if comm.rank == 0 and data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dist.broadcast(buf, src=0, group=comm.control)
+        return buf.numpy().tobytes()
+
+    return comm._run(phase, go)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def publish_parts(comm: Comm, nodes: Nodes, path: str, token: str, *, overwrite: bool = False,
+                  fsync: bool = True) -> Table:
+    """After the engine's save of ``path`` committed node 0's part: every other node's leader
+    checks its ranks' files in its staging directory ``token`` (a name beside ``path``), writes
+    the coordinator's chunk index and ``metadata.json`` there, and renames it to ``path``. The
+    same outcome (or error) on every rank; returns the checkpoint's file table."""
+
+    def read() -> dict:
+        text = _read(os.path.join(path, METADATA_FILE)).decode()
+        table = Table.parse(text, path)
+        size = os.stat(os.path.join(path, table.index_name)).st_size if table.index_name else 0
+        return {"text": text, "index_size": size}
+
+    got = comm.agree_root("node tier: metadata", read)
+    table = Table.parse(got["text"], path)
+    index = _broadcast_bytes(comm, _read(os.path.join(path, table.index_name))
+                             if comm.rank == 0 and table.index_name else None, "node tier: chunk index")
+    node = nodes.node_of[comm.rank]
+
+    def publish() -> None:
+        if node == 0 or nodes.leader(node) != comm.rank:
+            return
+        parent = os.path.dirname(path)
+        staging = os.path.join(parent, token)
+        if len(index) != got["index_size"]:
+            raise CorruptCheckpointError(f"{path}: the chunk index arrived with {len(index)} bytes, not "
+                                         f"{got['index_size']}")
+        mine = set(nodes.ranks(node))
+        for name, f in sorted(table.files.items()):
+            if f.rank in mine:
+                got_size = os.stat(os.path.join(staging, name)).st_size
+                if got_size != f.size:
+                    raise CorruptCheckpointError(f"{staging}/{name}: {got_size} bytes, the save recorded {f.size}")
+        for name, body in ((table.index_name, index), (METADATA_FILE, table.text.encode())):
+            if name is None:
+                continue
+            with open(os.path.join(staging, name), "xb") as fh:
+                fh.write(body)
+                fh.flush()
+                if fsync:
+                    os.fsync(fh.fileno())
+        if fsync:
+            fsync_dir(staging)
+        publish_dir(staging, path, overwrite=overwrite, fsync=fsync)
+        with contextlib.suppress(OSError):
+            clear_abandoned(parent)
+
+    comm.agree(f"node tier: publish the parts of {os.path.basename(path)}", publish)
+    return table
+
+
+def replicate(comm: Comm, nodes: Nodes, path: str, table: Table, k: int, group: Any, *,
+              fsync: bool = True) -> dict[str, int]:
+    """Send each node's own ranks' files of the committed checkpoint ``path`` to its ``k``
+    partner nodes (``Nodes.partners``), leader to leader, one transfer at a time; each lands in
+    the partner's ``path`` verified. Returns what this rank sent and received (files, bytes)."""
+    stats = {"files_sent": 0, "bytes_sent": 0, "files_received": 0, "bytes_received": 0}
+    expected = _expected(table)
+    order = sorted(table.files.items())
+    for i in range(1, k + 1):
+        for src_node in range(nodes.count):
+            dst_node = (src_node + i) % nodes.count
+            files = [(n, f.size, f.checksum) for n, f in order if nodes.node_of[f.rank % len(nodes.node_of)] == src_node]
+            src, dst = nodes.leader(src_node), nodes.leader(dst_node)
+
+            def move() -> None:
+                failed: BaseException | None = None  # the first; the rest of the files still move
+                for name, size, checksum in files:
+                    try:
+                        if comm.rank == src:
+                            _send_file(os.path.join(path, name), size, dst, group)
+                            stats["files_sent"] += 1
+                            stats["bytes_sent"] += size
+                        elif comm.rank == dst:
+                            if failed is not None or os.path.exists(os.path.join(path, name)):
+                                _recv_file(None, size, src, group, fsync)
+                                if failed is None:
+                                    failed = MetadataError(f"{path}/{name} already exists on {nodes.names[dst_node]}")
+                                continue
+                            _land(path, name, *expected[name], lambda p: _recv_file(p, size, src, group, fsync),
+                                  fsync)
+                            stats["files_received"] += 1
+                            stats["bytes_received"] += size
+                    except (HpdcpError, OSError) as e:
+                        failed = failed or e
+                if failed is not None:
+                    raise failed
+
+            comm.agree(f"node tier: replicate {nodes.names[src_node]} -> {nodes.names[dst_node]}", move)
+    return stats
+
+
+# -- restore ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Holding:
+    """What one node holds of one checkpoint."""
+
+    name: str
+    step: int
+    digest: str  # of its metadata.json: one save on every node
+    files: Mapping[str, int]  # every file the checkpoint names -> its recorded size
+    present: tuple[str, ...]  # those here, whole (at their recorded size)
+
+
+def _holdings(directory: str, series: str) -> list[dict]:
+    out = []
+    for e in list_checkpoints(directory, series):
+        path = os.path.join(directory, e.name)
+        try:
+            text = _read(os.path.join(path, METADATA_FILE)).decode()
+            table = Table.parse(text, path)
+        except (OSError, HpdcpError, UnicodeDecodeError) as err:
+            log.warning("node tier: %s is unreadable here (%s); not counted", path, err)
+            continue
+        files = {n: s for n, (s, _) in _expected(table).items()}
+        present = []
+        for n, size in files.items():
+            try:
+                if os.stat(os.path.join(path, n)).st_size == size:
+                    present.append(n)
+            except OSError:
+                pass
+        out.append({"name": e.name, "step": e.step if e.step is not None else -1,
+                    "digest": hashlib.sha256(text.encode()).hexdigest(), "files": files, "present": sorted(present)})
+    return out
+
+
+def survey(comm: Comm, nodes: Nodes, directory: str, series: str) -> dict[str, dict[int, Holding]]:
+    """Every checkpoint of ``series`` on any node's ``directory``: name -> node -> what it holds
+    (the same answer on every rank; each node's leader looks at its own disk)."""
+    node = nodes.node_of[comm.rank]
+    gathered = comm.agree("node tier: survey",
+                          lambda: _holdings(directory, series) if nodes.leader(node) == comm.rank else None)
+    out: dict[str, dict[int, Holding]] = {}
+    for r, held in enumerate(gathered):
+        for h in held or []:
+            out.setdefault(h["name"], {})[nodes.node_of[r]] = Holding(h["name"], h["step"], h["digest"], h["files"],
+                                                                      tuple(h["present"]))
+    return out
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """How every node's directory becomes whole: (file, from) per node, ``from`` a node index or
+    -1 for the durable tier's copy."""
+
+    name: str
+    step: int
+    digest: str
+    files: Mapping[str, int]
+    moves: Mapping[int, tuple[tuple[str, int], ...]]
+
+    def summary(self, nodes: Nodes) -> dict[str, dict[str, int]]:
+        """Per node: how many files it had, and how many came from each peer or the durable tier."""
+        out = {}
+        for n in range(nodes.count):
+            got: dict[str, int] = {"local": len(self.files) - len(self.moves.get(n, ()))}
+            for _, src in self.moves.get(n, ()):
+                where = "durable" if src < 0 else f"from {nodes.names[src]}"
+                got[where] = got.get(where, 0) + 1
+            out[nodes.names[n]] = got
+        return out
+
+
+def plan_restore(holdings: Mapping[int, Holding], nodes: Nodes, durable_has: bool) -> RestorePlan | None:
+    """The plan for one checkpoint, or None when some file is on no node and the durable tier has
+    no copy of it. Nodes whose metadata differs from the majority's do not count (another save
+    of the same name)."""
+    digests = [h.digest for h in holdings.values()]
+    digest = max(set(digests), key=digests.count)
+    held = {n: h for n, h in holdings.items() if h.digest == digest}
+    ref = next(iter(held.values()))
+    moves: dict[int, list[tuple[str, int]]] = {}
+    for n in range(nodes.count):
+        have = set(held[n].present) if n in held else set()
+        for f in sorted(ref.files):
+            if f in have:
+                continue
+            srcs = [m for m in sorted(held) if f in held[m].present]
+            if not srcs and not durable_has:
+                return None
+            moves.setdefault(n, []).append((f, srcs[0] if srcs else -1))
+    return RestorePlan(ref.name, ref.step, digest, dict(ref.files), {n: tuple(m) for n, m in moves.items()})
+
+
+def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: Any, *,
+          durable: Any = None, fsync: bool = True) -> None:
+    """Carry out ``plan``: each node's leader receives what its directory lacks of the checkpoint
+    (from the peer the plan names, or read from ``durable``, a reader of the durable tier's copy),
+    each file verified before it takes its name; a node that held nothing of it builds the
+    directory under a staging name and renames it when complete. Agreed on every rank."""
+    path = os.path.join(directory, plan.name)
+    node = nodes.node_of[comm.rank]
+    leader = nodes.leader(node) == comm.rank
+    # the checksums: the metadata of the lowest node that holds it (one digest, agreed by the plan)
+    holder = min(n for n in range(nodes.count) if all(f != METADATA_FILE for f, _ in plan.moves.get(n, ())))
+    expected = _expected(Table.parse(_metadata_from(comm, nodes, holder, path), path))
+    target = {"dir": path}
+
+    def prepare() -> None:
+        if leader and plan.moves.get(node) and not os.path.isdir(path):
+            staging = os.path.join(directory, f".{plan.name}.tmp-{uuid.uuid4().hex[:12]}")
+            os.makedirs(staging)
+            target["dir"] = staging
+
+    comm.agree("node tier: restore prepare", prepare)
+    for dst_node in range(nodes.count):
+        for name, src_node in nodes_moves(plan, dst_node):
+            size, checksum = expected[name]
+            dst = nodes.leader(dst_node)
+            src = nodes.leader(src_node) if src_node >= 0 else None
+
+            def move() -> None:
+                if src is not None and comm.rank == src:
+                    _send_file(os.path.join(path, name), size, dst, group)
+                elif comm.rank == dst:
+                    if src is None:
+                        _land(target["dir"], name, size, checksum, lambda p: _copy_from(durable, name, size, p, fsync),
+                              fsync)
+                    else:
+                        _land(target["dir"], name, size, checksum, lambda p: _recv_file(p, size, src, group, fsync),
+                              fsync)
+
+            comm.agree(f"node tier: restore {name} to {nodes.names[dst_node]}", move)
+
+    def finish() -> None:
+        if leader and target["dir"] != path:
+            publish_dir(target["dir"], path, overwrite=False, fsync=fsync)
+
+    comm.agree("node tier: restore commit", finish)
+
+
+def nodes_moves(plan: RestorePlan, node: int) -> Iterable[tuple[str, int]]:
+    return plan.moves.get(node, ())
+
+
+def _metadata_from(comm: Comm, nodes: Nodes, holder: int, path: str) -> str:
+    """``metadata.json`` of ``path`` as ``holder``'s leader has it, on every rank."""
+    src = nodes.leader(holder)
+    return comm.agree("node tier: restore metadata",
+                      lambda: _read(os.path.join(path, METADATA_FILE)).decode() if comm.rank == src else None)[src]
+
+
+def _copy_from(durable: Any, name: str, size: int, dest: str, fsync: bool) -> None:
+    if durable is None:
+        raise MetadataError(f"{name}: no node holds it and there is no durable copy to read it from")
+    fh = durable.open_file(name)
+    from .core.rafile import as_random_access
+
+    raf = as_random_access(fh)
+    try:
+        with open(dest, "xb") as f:
+            pos = 0
+            while pos < size:
+                block = raf.pread(min(BLOCK, size - pos), pos)
+                if not block:
+                    raise CorruptCheckpointError(f"{durable.checkpoint_id}/{name}: ended at {pos} of {size} bytes")
+                f.write(block)
+                pos += len(block)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    finally:
+        raf.close()
+
+
+def set_aside(comm: Comm, nodes: Nodes, directory: str, names: Iterable[str]) -> list[str]:
+    """Rename this node's parts of checkpoints that cannot be restored (a file on no node, no
+    durable copy) to ``.NAME.partial-<id>``: never a checkpoint again, never in the way of the
+    next save of that step, and nothing deleted (a node that was only away still has its part).
+    Every node's leader; returns the names set aside here."""
+    node = nodes.node_of[comm.rank]
+
+    def move() -> list[str]:
+        out = []
+        if nodes.leader(node) != comm.rank:
+            return out
+        for name in names:
+            path = os.path.join(directory, check_file_name(name))
+            if os.path.isdir(path):
+                aside = os.path.join(directory, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+                os.rename(path, aside)
+                log.warning("node tier: %s is not whole on the nodes and has no durable copy: set aside as %s",
+                            path, aside)
+                out.append(name)
+        if out:
+            fsync_dir(directory)
+        return out
+
+    return comm.agree("node tier: set aside", move)[comm.rank]
+
+
+class NodeLocalReader(FileSystemReader):
+    """The reader of a node-local checkpoint: every node reads its own copy, so the coordinator's
+    pin (its directory's inode) names nothing here; the copies were agreed by their metadata's
+    digest (``plan_restore``) and every chunk is checked against its checksum as it is read."""
+
+    def pin(self) -> Any:
+        return None
+
+
+class Background:
+    """Runs submitted collective jobs (``fn(comm)``) one at a time, in order, in a thread of its
+    own on a gloo group of its own (every rank submits the same jobs in the same order): the
+    node-local tier's publish and replication, beside training and the async saves. Create it in
+    the thread that runs the training collectives (the group is made there). A job that fails is
+    remembered (``close`` returns the failures) and the next ones still run."""
+
+    def __init__(self, timeout: Any = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            group = gloo_group(dist.group.WORLD, timeout, "node tier")
+            self.comm = Comm(group, dist.get_rank(), dist.get_world_size(), group, timeout)
+        else:
+            self.comm = Comm.create(None, None)
+        self.failures: list[str] = []
+        self._queue: list[Any] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="hpdcp-node-tier", daemon=False)
+        self._thread.start()
+
+    def submit(self, fn: Any) -> None:
+        with self._cond:
+            self._queue.append(fn)
+            self._cond.notify_all()
+
+    def busy(self) -> bool:
+        with self._cond:
+            return bool(self._queue) or self._running
+
+    _running = False
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                fn = self._queue.pop(0)
+                self._running = True
+            try:
+                fn(self.comm)
+            except BaseException as e:
+                self.failures.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                log.error("node tier: %s", self.failures[-1])
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def close(self, timeout: float | None = None) -> list[str]:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return list(self.failures)

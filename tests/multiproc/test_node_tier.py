@@ -1,0 +1,162 @@
+"""The node-local tier's engine steps on 4 real gloo ranks standing for 2 nodes of 2 (torchrun's
+node rank set per rank, each node with a directory of its own): the save writes each node's part
+to its own disk, ``publish_parts`` commits the other nodes' parts, ``replicate`` gives each node
+the other's files verified, and after a node's disk is lost ``survey``/``plan_restore``/``fetch``
+make it whole again from the peer, so a load on every node is bitwise, also at another layout.
+A replica corrupted on its way (a flipped byte in the source) is refused on arrival."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.multiproc.harness import run_ranks
+
+
+def _node_dir(base, rank):
+    node = rank // 2
+    os.environ["GROUP_RANK"] = str(node)  # (what torchrun sets: node_id tells the nodes apart by it)
+    return os.path.join(base, f"node{node}", "fast")
+
+
+def _state(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(7)
+    w = torch.randn(64, 24)
+    b = torch.arange(10, dtype=torch.bfloat16)
+    return {"w": distribute_tensor(w, mesh, [Shard(0)]), "b": b, "step": 3}, w, b
+
+
+def _body(rank, world, base):
+    from hpdcp_runner import dcp
+    from hpdcp_runner.dcp.tools import Comm, node_tier, series_extra
+
+    fast = _node_dir(base, rank)
+    comm = Comm.create()
+    nodes = node_tier.Nodes.discover(comm)
+    assert nodes.count == 2 and nodes.node_of == (0, 0, 1, 1) and nodes.partners(1, 1) == [0]
+    node_tier.check_sharing(comm, nodes, fast, True, "k")  # each node's own directory: accepted
+    state, w, b = _state(rank, world)
+    path = os.path.join(fast, "step_3")
+    writer = dcp.FileSystemWriter(path, node_local=True)
+    dcp.save(state, checkpoint_id="fast/step_3", storage_writer=writer, extra=series_extra("step_{step}", 3))
+    worker = node_tier.Background(30)
+    out = {}
+
+    def spread(c):
+        table = node_tier.publish_parts(c, nodes, path, writer.staging_token)
+        out["moved"] = node_tier.replicate(c, nodes, path, table, 1, c.group)
+
+    worker.submit(spread)
+    assert worker.close() == []
+    names = sorted(os.listdir(path))
+    # each node: its own files, the other node's replicas, the index and metadata.json
+    assert names == ["chunk_index.safetensors", "metadata.json", "rank00000.safetensors", "rank00001.safetensors",
+                     "rank00002.safetensors", "rank00003.safetensors"] or "objects" in "".join(names), names
+    comm.agree("barrier", lambda: None)
+
+    # node 1's disk is lost
+    if rank == 2:
+        shutil.rmtree(os.path.dirname(fast))
+    comm.agree("lost", lambda: None)
+    found = node_tier.survey(comm, nodes, fast, "step_{step}")
+    assert set(found) == {"step_3"} and set(found["step_3"]) == {0}
+    plan = node_tier.plan_restore(found["step_3"], nodes, durable_has=False)
+    assert plan is not None and 0 not in plan.moves and all(src == 0 for _, src in plan.moves[1])
+    summary = plan.summary(nodes)
+    fetcher = node_tier.Background(30)
+    fetcher.submit(lambda c: node_tier.fetch(c, nodes, fast, plan, c.group))
+    assert fetcher.close() == []
+    # every node reads its own copy: the model sharded, then another layout (all replicated)
+    target = {"w": torch.distributed.tensor.zeros(64, 24, device_mesh=state["w"].device_mesh,
+                                                  placements=state["w"].placements),
+              "b": torch.zeros(10, dtype=torch.bfloat16), "step": 0}
+    dcp.load(target, checkpoint_id="fast/step_3", storage_reader=node_tier.NodeLocalReader(path))
+    full = {"w": torch.zeros(64, 24), "b": torch.zeros(10, dtype=torch.bfloat16), "step": 0}
+    dcp.load(full, checkpoint_id="fast/step_3", storage_reader=node_tier.NodeLocalReader(path))
+    return {"local_equal": torch.equal(target["w"].to_local(), state["w"].to_local()),
+            "full_equal": torch.equal(full["w"], w) and torch.equal(full["b"], b) and full["step"] == 3,
+            "summary": summary, "moved": out["moved"]}
+
+
+def test_parts_published_replicated_and_restored_bitwise(tmp_path):
+    results = run_ranks(4, _body, str(tmp_path))
+    assert all(r["local_equal"] and r["full_equal"] for r in results)
+    n0, n1 = list(results[0]["summary"])
+    assert results[0]["summary"][n0] == {"local": len(results[0]["summary"][n0]) and results[0]["summary"][n0]["local"]}
+    assert results[0]["summary"][n1]["local"] == 0 and results[0]["summary"][n1][f"from {n0}"] > 0
+    # the leaders moved the files (rank 0 sent node 0's part and received node 1's; rank 1 moved nothing)
+    assert results[0]["moved"]["files_sent"] > 0 and results[0]["moved"]["files_received"] > 0
+    assert results[1]["moved"] == {"files_sent": 0, "bytes_sent": 0, "files_received": 0, "bytes_received": 0}
+
+
+def _corrupt_body(rank, world, base):
+    from hpdcp_runner import dcp
+    from hpdcp_runner.dcp.tools import Comm, node_tier
+
+    fast = _node_dir(base, rank)
+    comm = Comm.create()
+    nodes = node_tier.Nodes.discover(comm)
+    state, _, _ = _state(rank, world)
+    path = os.path.join(fast, "step_3")
+    writer = dcp.FileSystemWriter(path, node_local=True)
+    dcp.save(state, checkpoint_id="fast/step_3", storage_writer=writer)
+    worker = node_tier.Background(30)
+    worker.submit(lambda c: node_tier.publish_parts(c, nodes, path, writer.staging_token))
+    assert worker.close() == []
+    if rank == 2:  # a byte of node 1's file flips on its disk after the commit
+        name = os.path.join(path, "rank00002.safetensors")
+        with open(name, "r+b") as f:
+            f.seek(os.path.getsize(name) - 3)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    comm.agree("flipped", lambda: None)
+    table = node_tier.Table.parse(open(os.path.join(path, "metadata.json")).read(), path)
+    worker = node_tier.Background(30)
+    worker.submit(lambda c: node_tier.replicate(c, nodes, path, table, 1, c.group))
+    failures = worker.close()
+    leftovers = sorted(n for n in os.listdir(path) if n.startswith("."))
+    return {"failures": failures, "has_replica": os.path.exists(os.path.join(path, "rank00002.safetensors")),
+            "leftovers": leftovers}
+
+
+def test_a_replica_that_differs_from_its_checksum_is_refused_on_arrival(tmp_path):
+    results = run_ranks(4, _corrupt_body, str(tmp_path))
+    assert all(r["failures"] and "checksum" in r["failures"][0] and "rank00002.safetensors" in r["failures"][0]
+               for r in results), [r["failures"] for r in results]
+    assert results[0]["has_replica"] is False  # node 0 never gave it the name
+    assert results[0]["leftovers"] == []  # nor kept the part received
+
+
+@pytest.mark.parametrize("have, durable, expect", [
+    ({0: ["a", "b"], 1: ["a", "b"]}, False, {}),
+    ({0: ["a", "b"]}, False, {1: (("a", 0), ("b", 0))}),
+    ({0: ["a"], 1: ["b"]}, False, {0: (("b", 1),), 1: (("a", 0),)}),
+    ({0: ["a"]}, True, {0: (("b", -1),), 1: (("a", 0), ("b", -1))}),
+    ({0: ["a"]}, False, None),
+])
+def test_plan_restore_takes_the_lowest_holder_then_the_durable_copy(have, durable, expect):
+    from hpdcp_runner.dcp.tools import node_tier
+
+    nodes = node_tier.Nodes((0, 0, 1, 1), ("h#0", "h#1"))
+    held = {n: node_tier.Holding("step_3", 3, "d", {"a": 1, "b": 2}, tuple(files)) for n, files in have.items()}
+    plan = node_tier.plan_restore(held, nodes, durable)
+    assert (plan.moves if plan is not None else None) == expect
+
+
+def test_plan_restore_ignores_a_node_whose_metadata_is_of_another_save():
+    from hpdcp_runner.dcp.tools import node_tier
+
+    nodes = node_tier.Nodes((0, 1, 2), ("h#0", "h#1", "h#2"))
+    held = {0: node_tier.Holding("s", 3, "old", {"a": 1}, ("a",)),
+            1: node_tier.Holding("s", 3, "new", {"a": 1}, ("a",)),
+            2: node_tier.Holding("s", 3, "new", {"a": 1}, ())}
+    plan = node_tier.plan_restore(held, nodes, False)
+    assert plan.digest == "new" and plan.moves == {0: (("a", 1),), 2: (("a", 1),)}
