@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
@@ -107,6 +107,8 @@ class Tiers:
         self._retention_lock = threading.Lock()  # commits (a save's thread) and drains land concurrently
         self.restored: dict[str, Any] | None = None
         self.set_aside: list[str] = []
+        #: node-local resume: path -> the files this rank's load reads (None: cannot tell), set by the job
+        self.probe: Any = None
         self.replication: dict[str, dict[str, Any]] = {}
         self.worker = node_tier.Background(e.timeout_s) if self.node_local else None
 
@@ -155,8 +157,7 @@ class Tiers:
                 reader = self.ctx.reader(durable[name].path)
                 reader.read_metadata_text()
             try:
-                node_tier.fetch(comm, self.nodes, self.fast, plan, self.drainer.group, durable=reader,
-                                fsync=self.ctx.engine.fsync)
+                plan = self._fetch(comm, plan, reader)
             finally:
                 if reader is not None:
                     reader.close()
@@ -169,6 +170,29 @@ class Tiers:
             yield Candidate("fast", name, plan.step, os.path.join(self.fast, name))
             if name in durable:
                 yield durable[name]
+
+    def _fetch(self, comm: Comm, plan: Any, reader: Any) -> Any:
+        """Make every node's copy of ``plan``'s checkpoint readable: first what every copy needs
+        (metadata.json, the chunk index), then, when ``probe`` can tell, only the files each
+        node's ranks will read (else every file it lacks). Returns the plan carried out."""
+        fsync, group = self.ctx.engine.fsync, self.drainer.group
+        first = plan.restrict({n: () for n in range(self.nodes.count)}, always=plan.essential)
+        node_tier.fetch(comm, self.nodes, self.fast, first, group, durable=reader, fsync=fsync)
+        wanted: dict[int, Any] = {}
+        if self.probe is not None:
+            names = self.probe(os.path.join(self.fast, plan.name))
+            for r, got in enumerate(comm.all_gather_json(names, "node tier: files wanted")):
+                node = self.nodes.node_of[r]
+                if got is None or (node in wanted and wanted[node] is None):
+                    wanted[node] = None
+                else:
+                    wanted.setdefault(node, set()).update(got)
+        rest = replace(plan, moves={n: tuple(m for m in mv if m[0] not in plan.essential)
+                                    for n, mv in plan.moves.items()})
+        second = rest.restrict(wanted)
+        node_tier.fetch(comm, self.nodes, self.fast, second, group, durable=reader, fsync=fsync)
+        merged = {n: first.moves.get(n, ()) + second.moves.get(n, ()) for n in range(self.nodes.count)}
+        return replace(plan, moves={n: m for n, m in merged.items() if m}, skipped=second.skipped)
 
     def _set_aside(self, comm: Comm, broken: list[str]) -> None:
         """Parts of newer checkpoints no copy completes would block the next save of their step."""

@@ -27,7 +27,7 @@ import hashlib
 import os
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -373,6 +373,7 @@ class Holding:
     digest: str  # of its metadata.json: one save on every node
     files: Mapping[str, int]  # every file the checkpoint names -> its recorded size
     present: tuple[str, ...]  # those here, whole (at their recorded size)
+    essential: tuple[str, ...] = (METADATA_FILE,)  # what every copy needs: metadata.json, the chunk index
 
 
 def _holdings(directory: str, series: str) -> list[dict]:
@@ -394,7 +395,8 @@ def _holdings(directory: str, series: str) -> list[dict]:
             except OSError:
                 pass
         out.append({"name": e.name, "step": e.step if e.step is not None else -1,
-                    "digest": hashlib.sha256(text.encode()).hexdigest(), "files": files, "present": sorted(present)})
+                    "digest": hashlib.sha256(text.encode()).hexdigest(), "files": files, "present": sorted(present),
+                    "essential": [METADATA_FILE] + ([table.index_name] if table.index_name else [])})
     return out
 
 
@@ -408,7 +410,7 @@ def survey(comm: Comm, nodes: Nodes, directory: str, series: str) -> dict[str, d
     for r, held in enumerate(gathered):
         for h in held or []:
             out.setdefault(h["name"], {})[nodes.node_of[r]] = Holding(h["name"], h["step"], h["digest"], h["files"],
-                                                                      tuple(h["present"]))
+                                                                      tuple(h["present"]), tuple(h["essential"]))
     return out
 
 
@@ -422,12 +424,32 @@ class RestorePlan:
     digest: str
     files: Mapping[str, int]
     moves: Mapping[int, tuple[tuple[str, int], ...]]
+    essential: tuple[str, ...] = (METADATA_FILE,)
+    #: per node, the files it lacks and does not fetch (its ranks read none of them)
+    skipped: Mapping[int, int] = field(default_factory=dict)
+
+    def restrict(self, wanted: Mapping[int, Iterable[str] | None], *, always: Iterable[str] = ()) -> "RestorePlan":
+        """The moves of the files each node wants (None: all), plus ``always``; the rest skipped."""
+        keep = set(always)
+        moves, skipped = {}, {}
+        for n, mv in self.moves.items():
+            want = wanted.get(n)
+            kept = tuple(m for m in mv if want is None or m[0] in keep or m[0] in set(want))
+            if kept:
+                moves[n] = kept
+            if len(mv) > len(kept):
+                skipped[n] = len(mv) - len(kept)
+        return replace(self, moves=moves, skipped=skipped)
 
     def summary(self, nodes: Nodes) -> dict[str, dict[str, int]]:
-        """Per node: how many files it had, and how many came from each peer or the durable tier."""
+        """Per node: how many files it had, how many came from each peer or the durable tier, and
+        how many it lacked and did not need."""
         out = {}
         for n in range(nodes.count):
-            got: dict[str, int] = {"local": len(self.files) - len(self.moves.get(n, ()))}
+            skipped = self.skipped.get(n, 0)
+            got: dict[str, int] = {"local": len(self.files) - len(self.moves.get(n, ())) - skipped}
+            if skipped:
+                got["not needed"] = skipped
             for _, src in self.moves.get(n, ()):
                 where = "durable" if src < 0 else f"from {nodes.names[src]}"
                 got[where] = got.get(where, 0) + 1
@@ -453,7 +475,8 @@ def plan_restore(holdings: Mapping[int, Holding], nodes: Nodes, durable_has: boo
             if not srcs and not durable_has:
                 return None
             moves.setdefault(n, []).append((f, srcs[0] if srcs else -1))
-    return RestorePlan(ref.name, ref.step, digest, dict(ref.files), {n: tuple(m) for n, m in moves.items()})
+    return RestorePlan(ref.name, ref.step, digest, dict(ref.files), {n: tuple(m) for n, m in moves.items()},
+                       ref.essential)
 
 
 def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: Any, *,
@@ -563,13 +586,50 @@ def set_aside(comm: Comm, nodes: Nodes, directory: str, names: Iterable[str]) ->
     return comm.agree("node tier: set aside", move)[comm.rank]
 
 
+class FilesWanted(Exception):
+    """Raised by a probing ``NodeLocalReader`` where the load checks its files: the names."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        super().__init__("node tier probe: the files this rank reads")
+        self.names = sorted(names)
+
+
 class NodeLocalReader(FileSystemReader):
     """The reader of a node-local checkpoint: every node reads its own copy, so the coordinator's
     pin (its directory's inode) names nothing here; the copies were agreed by their metadata's
-    digest (``plan_restore``) and every chunk is checked against its checksum as it is read."""
+    digest (``plan_restore``) and every chunk is checked against its checksum as it is read.
+    ``probe``: stop the load where it checks the files its plan reads, before any byte moves,
+    raising ``FilesWanted`` (``wanted_files``)."""
+
+    def __init__(self, path: str | os.PathLike, probe: bool = False, **options: Any) -> None:
+        super().__init__(path, **options)
+        self.probe = probe
 
     def pin(self) -> Any:
         return None
+
+    def check_files(self, names: Iterable[str]) -> None:
+        if self.probe:
+            raise FilesWanted(names)
+        super().check_files(names)
+
+
+def wanted_files(load: Any) -> list[str] | None:
+    """The files this rank's load would read: ``load()`` runs a load through a probing
+    ``NodeLocalReader`` (every rank, collectively), which stops where the files are checked.
+    None when it stopped anywhere else (the caller then fetches every file)."""
+    try:
+        load()
+    except BaseException as e:
+        seen, cur = set(), e
+        while cur is not None and id(cur) not in seen:
+            if isinstance(cur, FilesWanted):
+                return cur.names
+            seen.add(id(cur))
+            cur = cur.__cause__ or cur.__context__
+        log.warning("node tier: the probe of what this rank reads stopped elsewhere (%s: %s); fetching every file",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    return None
 
 
 class Background:

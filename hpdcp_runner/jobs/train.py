@@ -29,7 +29,7 @@ import torch
 from .. import dcp
 from ..dcp import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, HpdcpError, KeyMismatchError,
                    MetadataError)
-from ..dcp.tools import (save_in_flight, get_logger, join_location, list_checkpoints, series_outsiders,
+from ..dcp.tools import (save_in_flight, get_logger, join_location, list_checkpoints, node_tier, series_outsiders,
                          unrecorded_checkpoints)
 from ..config import checkpoint_series
 from ..tiers import Tiers
@@ -152,6 +152,16 @@ def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float], 
     return f"reseeded (saved by {saved_ws} ranks, resumed on {ws})"
 
 
+def _files_read(ctx: JobContext, tr: Trainer, path: str) -> list[str] | None:
+    """The files of ``path`` this rank's resume would read (a node-local tier fetches only those):
+    the same load, stopped where it checks its files, before any byte moves."""
+    same = dcp.read_metadata(path).world_size == ctx.info.world_size
+    target = _state(tr, ctx.info.rank, {}, with_rank_state=same)
+    return node_tier.wanted_files(lambda: ctx.load(target, path, phase="train.restore_probe", strict=False,
+                                                   key="checkpoint.resume",
+                                                   reader=node_tier.NodeLocalReader(path, probe=True)))
+
+
 def _compare(reference: str, losses: dict[int, float], rtol: float) -> dict[str, Any]:
     """Compare the losses this run computed with a reference run's, step by step."""
     try:
@@ -184,8 +194,11 @@ def run(ctx: JobContext) -> dict:
     ckdir = ctx.checkpoint_dir
     losses: dict[int, float] = {}
     tiers = Tiers(ctx) if c.checkpoint.fast_tier.dir else None
+    if tiers is not None and tiers.node_local:
+        tiers.probe = lambda path: _files_read(ctx, tr, path)
     try:
-        resumed_from, rank_state, skipped = _resume(ctx, tr, losses, tiers)
+        with ctx.metrics.phase("train.restore"):  # finding, fetching (node-local tier) and loading
+            resumed_from, rank_state, skipped = _resume(ctx, tr, losses, tiers)
         start = tr.step
         if job.async_save and job.save_every:
             dcp.start_async_persist(ctx.engine.async_mode, ctx.engine.persist_start_wait_s, ctx.engine.persist_nice)
