@@ -109,6 +109,7 @@ class Tiers:
         self.set_aside: list[str] = []
         #: node-local resume: path -> the files this rank's load reads (None: cannot tell), set by the job
         self.probe: Any = None
+        self.restore_phases: dict[str, float] = {}
         self.replication: dict[str, dict[str, Any]] = {}
         self.worker = node_tier.Background(e.timeout_s) if self.node_local else None
 
@@ -163,7 +164,7 @@ class Tiers:
                     reader.close()
             summary = plan.summary(self.nodes)
             self.restored = {"checkpoint": name, "step": plan.step, "fetch_s": round(time.perf_counter() - t0, 4),
-                             "parts": summary}
+                             **self.restore_phases, "parts": summary}
             log.info("checkpoint.resume=latest: %s from the node-local tier: %s", name,
                      "; ".join(f"{node}: " + ", ".join(f"{v} {k}" for k, v in got.items())
                                for node, got in summary.items()))
@@ -176,8 +177,10 @@ class Tiers:
         (metadata.json, the chunk index), then, when ``probe`` can tell, only the files each
         node's ranks will read (else every file it lacks). Returns the plan carried out."""
         fsync, group = self.ctx.engine.fsync, self.drainer.group
+        t0 = time.perf_counter()
         first = plan.restrict({n: () for n in range(self.nodes.count)}, always=plan.essential)
         node_tier.fetch(comm, self.nodes, self.fast, first, group, durable=reader, fsync=fsync)
+        t1 = time.perf_counter()
         wanted: dict[int, Any] = {}
         if self.probe is not None:
             names = self.probe(os.path.join(self.fast, plan.name))
@@ -190,7 +193,10 @@ class Tiers:
         rest = replace(plan, moves={n: tuple(m for m in mv if m[0] not in plan.essential)
                                     for n, mv in plan.moves.items()})
         second = rest.restrict(wanted)
+        t2 = time.perf_counter()
         node_tier.fetch(comm, self.nodes, self.fast, second, group, durable=reader, fsync=fsync)
+        self.restore_phases = {"metadata_s": round(t1 - t0, 4), "plan_s": round(t2 - t1, 4),
+                               "files_s": round(time.perf_counter() - t2, 4)}
         merged = {n: first.moves.get(n, ()) + second.moves.get(n, ()) for n in range(self.nodes.count)}
         return replace(plan, moves={n: m for n, m in merged.items() if m}, skipped=second.skipped)
 

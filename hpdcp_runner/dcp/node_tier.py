@@ -128,20 +128,23 @@ def _send_file(path: str, size: int, dst: int, group: Any) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         fd, err = None, e
+    buf = torch.empty(min(BLOCK, size), dtype=torch.uint8)  # read into, sent from: no copy between
     try:
         pos = 0
         while pos < size:
             n = min(BLOCK, size - pos)
-            block = b""
+            view = buf[:n]
+            got = 0
             if err is None:
                 try:
-                    block = os.pread(fd, n, pos)
-                    if len(block) < n:
-                        err = CorruptCheckpointError(f"{path}: ended at {pos + len(block)} of {size} bytes while "
-                                                     f"being sent")
+                    got = os.preadv(fd, [memoryview(view.numpy())], pos)
+                    if got < n:
+                        err = CorruptCheckpointError(f"{path}: ended at {pos + got} of {size} bytes while being sent")
                 except OSError as e:
                     err = e
-            dist.send(torch.frombuffer(bytearray(block.ljust(n, b"\0")), dtype=torch.uint8), dst=dst, group=group)
+            if got < n:
+                view[got:].zero_()
+            dist.send(view, dst=dst, group=group)
             pos += n
     finally:
         if fd is not None:
@@ -484,7 +487,10 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
     """Carry out ``plan``: each node's leader receives what its directory lacks of the checkpoint
     (from the peer the plan names, or read from ``durable``, a reader of the durable tier's copy),
     each file verified before it takes its name; a node that held nothing of it builds the
-    directory under a staging name and renames it when complete. Agreed on every rank."""
+    directory under a staging name and renames it when complete. Agreed on every rank. The
+    files are not fsynced one by one (the load that follows reads them from the page cache;
+    ``fsync`` syncs the directory once at the end): a file a crash then leaves short or torn
+    fails its size or checksum check, and the next restore fetches it again."""
     path = os.path.join(directory, plan.name)
     node = nodes.node_of[comm.rank]
     leader = nodes.leader(node) == comm.rank
@@ -501,7 +507,7 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
 
     comm.agree("node tier: restore prepare", prepare)
     for dst_node in range(nodes.count):
-        for name, src_node in nodes_moves(plan, dst_node):
+        for name, src_node in plan.moves.get(dst_node, ()):
             size, checksum = expected[name]
             dst = nodes.leader(dst_node)
             src = nodes.leader(src_node) if src_node >= 0 else None
@@ -511,23 +517,21 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
                     _send_file(os.path.join(path, name), size, dst, group)
                 elif comm.rank == dst:
                     if src is None:
-                        _land(target["dir"], name, size, checksum, lambda p: _copy_from(durable, name, size, p, fsync),
-                              fsync)
+                        _land(target["dir"], name, size, checksum, lambda p: _copy_from(durable, name, size, p, False),
+                              False)
                     else:
-                        _land(target["dir"], name, size, checksum, lambda p: _recv_file(p, size, src, group, fsync),
-                              fsync)
+                        _land(target["dir"], name, size, checksum, lambda p: _recv_file(p, size, src, group, False),
+                              False)
 
             comm.agree(f"node tier: restore {name} to {nodes.names[dst_node]}", move)
 
     def finish() -> None:
         if leader and target["dir"] != path:
             publish_dir(target["dir"], path, overwrite=False, fsync=fsync)
+        elif leader and fsync and plan.moves.get(node):
+            fsync_dir(path)
 
     comm.agree("node tier: restore commit", finish)
-
-
-def nodes_moves(plan: RestorePlan, node: int) -> Iterable[tuple[str, int]]:
-    return plan.moves.get(node, ())
 
 
 def _metadata_from(comm: Comm, nodes: Nodes, holder: int, path: str) -> str:

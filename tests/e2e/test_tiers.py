@@ -5,6 +5,7 @@ file, and a lost fast tier, each resumed by ``checkpoint.resume=latest`` bitwise
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -59,6 +60,16 @@ def test_tier_config_errors(cli, tmp_path, s3_bucket):
     assert r.returncode == 2
     assert "checkpoint.fast_tier.dir" in r.stderr and "not a local directory" in r.stderr, _tail(r)
     assert "checkpoint.fast_tier.drain_every" in r.stderr, _tail(r)
+    r = cli(["+job=train", "checkpoint.fast_tier.dir=fast", "checkpoint.fast_tier.replicas=-1",
+             f"hydra.run.dir={tmp_path}/y"])
+    assert r.returncode == 2 and "checkpoint.fast_tier.replicas: must be >= 0, got -1" in r.stderr, _tail(r)
+    # node-local on one node: nowhere to put a replica (replicas=0 would run)
+    r = cli(["+job=train", "checkpoint.fast_tier.dir=fast", "checkpoint.fast_tier.node_local=true",
+             "job.steps=1", f"hydra.run.dir={tmp_path}/z"])
+    assert r.returncode == 2, _tail(r)
+    assert "checkpoint.fast_tier.replicas=1: each node's part goes to that many other nodes, and this job has 1 " \
+           "node(s)" in r.stderr, _tail(r)
+    assert not (tmp_path / "fast").exists() or not os.listdir(tmp_path / "fast")
 
 
 @pytest.mark.slow  # the slow tier (CI runs it too): four 2-rank training runs
