@@ -154,7 +154,63 @@ def copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = No
     return md
 
 
-class Drainer:
+class SerialWorker:
+    """A thread of its own that runs queued items one at a time, in the order they were queued
+    (when they are collectives, every rank queues the same items in the same order). ``_put``
+    blocks while ``max_waiting`` items already wait; ``close`` runs what is queued, then stops."""
+
+    def __init__(self, name: str, max_waiting: int | None = None) -> None:
+        self.max_waiting = max_waiting
+        self._queue: list[Any] = []
+        self._current: Any = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._name = name
+        self._thread = threading.Thread(target=self._work, name=name, daemon=False)
+        self._thread.start()
+
+    def _put(self, item: Any) -> None:
+        with self._cond:
+            while self.max_waiting is not None and len(self._queue) >= self.max_waiting and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise MetadataError(f"{self._name} is closed")
+            self._queue.append(item)
+            self._cond.notify_all()
+
+    def _pending(self) -> list[Any]:
+        """What is queued or running now."""
+        with self._cond:
+            return list(self._queue) + ([self._current] if self._current is not None else [])
+
+    def _run(self, item: Any) -> None:
+        raise NotImplementedError
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                self._current = self._queue.pop(0)
+                self._cond.notify_all()
+            try:
+                self._run(self._current)
+            finally:
+                with self._cond:
+                    self._current = None
+                    self._cond.notify_all()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish every queued item, stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+
+class Drainer(SerialWorker):
     """Copies committed checkpoints (``copy_checkpoint``) in a background thread, in the order they
     were submitted, on a gloo group of its own: a fast tier drained to a durable one while training
     and its async saves go on. Every rank submits the same copies in the same order (they are
@@ -170,14 +226,8 @@ class Drainer:
             self.group = gloo_group(process_group or dist.group.WORLD, timeout, "drain")
         self.timeout = None if self.group is not None else timeout
         self.copy_kwargs = copy_kwargs
-        self.max_waiting = max_waiting
         self.responses: list[AsyncSaveResponse] = []
-        self._queue: list[tuple] = []
-        self._cond = threading.Condition()
-        self._running: str | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="hpdcp-drain", daemon=False)
-        self._thread.start()
+        super().__init__("hpdcp-drain", max_waiting)
 
     def submit(self, src: str, dst: str, callback: Callable[[Metadata], None] | None = None) -> AsyncSaveResponse:
         """Queue the copy of ``src`` to ``dst``; blocks while ``max_waiting`` copies already wait
@@ -185,52 +235,33 @@ class Drainer:
         response = AsyncSaveResponse(str(dst), 0.0)
         response.source = os.fspath(src)  # type: ignore[attr-defined]
         response._thread = None
-        with self._cond:
-            while len(self._queue) >= self.max_waiting and not self._closed:
-                self._cond.wait()
-            if self._closed:
-                raise MetadataError("the drainer is closed")
-            self._queue.append((os.fspath(src), dst, callback, response, time.perf_counter()))
-            self.responses.append(response)
-            self._cond.notify_all()
+        try:
+            self._put((os.fspath(src), dst, callback, response, time.perf_counter()))
+        except MetadataError:
+            raise MetadataError("the drainer is closed") from None
+        self.responses.append(response)
         return response
 
     def busy(self) -> set[str]:
         """Sources queued or being copied (a fast tier's retention must not delete them)."""
-        with self._cond:
-            return {q[0] for q in self._queue} | ({self._running} if self._running else set())
+        return {item[0] for item in self._pending()}
 
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                src, dst, callback, response, queued = self._queue.pop(0)
-                self._running = src
-                self._cond.notify_all()
-            t0 = time.perf_counter()
-            response.staging_seconds = t0 - queued  # (time it waited behind earlier copies)
-            try:
-                md = copy_checkpoint(src, dst, process_group=self.group, timeout=self.timeout, **self.copy_kwargs)
-                response.persist_seconds = time.perf_counter() - t0
-                if callback is not None:
-                    callback(md)
-                response._future.set_result(md)
-            except BaseException as e:
-                response.persist_seconds = time.perf_counter() - t0
-                response._future.set_exception(e)
-                log.error("copy of %s to %s failed: %s: %s", src, dst, type(e).__name__, e)
-            finally:
-                with self._cond:
-                    self._running = None
-                    self._cond.notify_all()
+    def _run(self, item: tuple) -> None:
+        src, dst, callback, response, queued = item
+        t0 = time.perf_counter()
+        response.staging_seconds = t0 - queued  # (time it waited behind earlier copies)
+        try:
+            md = copy_checkpoint(src, dst, process_group=self.group, timeout=self.timeout, **self.copy_kwargs)
+            response.persist_seconds = time.perf_counter() - t0
+            if callback is not None:
+                callback(md)
+            response._future.set_result(md)
+        except BaseException as e:
+            response.persist_seconds = time.perf_counter() - t0
+            response._future.set_exception(e)
+            log.error("copy of %s to %s failed: %s: %s", src, dst, type(e).__name__, e)
 
-    def close(self, timeout: float | None = None) -> list[AsyncSaveResponse]:
+    def close(self, timeout: float | None = None) -> list[AsyncSaveResponse]:  # type: ignore[override]
         """Finish every submitted copy (or fail it), stop the thread; returns every copy's handle."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
+        super().close(timeout)
         return list(self.responses)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
@@ -37,6 +36,7 @@ from .comm.broadcast import node_id
 from .comm.collectives import Comm, gloo_group
 from .core.errors import ConfigError, CorruptCheckpointError, HpdcpError, MetadataError
 from .core.utils import get_logger
+from .drain import SerialWorker, copy_verified
 from .format.metadata import METADATA_FILE, FileMeta, check_file_name, file_table
 from .storage.commit import clear_abandoned, fsync_dir, publish_dir
 from .storage.filesystem import FileSystemReader
@@ -226,8 +226,6 @@ def _expected(table: "Table") -> dict[str, tuple[int, str]]:
 
 def _verify(path: str, name: str, size: int, checksum: str) -> None:
     """``path`` (a file received as ``name``) holds what the checkpoint records, or it is refused."""
-    from .drain import copy_verified
-
     if name == METADATA_FILE:
         with open(path, "rb") as f:
             body = f.read()
@@ -636,7 +634,7 @@ def wanted_files(load: Any) -> list[str] | None:
     return None
 
 
-class Background:
+class Background(SerialWorker):
     """Runs submitted collective jobs (``fn(comm)``) one at a time, in order, in a thread of its
     own on a gloo group of its own (every rank submits the same jobs in the same order): the
     node-local tier's publish and replication, beside training and the async saves. Create it in
@@ -650,45 +648,22 @@ class Background:
         else:
             self.comm = Comm.create(None, None)
         self.failures: list[str] = []
-        self._queue: list[Any] = []
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="hpdcp-node-tier", daemon=False)
-        self._thread.start()
+        super().__init__("hpdcp-node-tier")
 
     def submit(self, fn: Any) -> None:
-        with self._cond:
-            self._queue.append(fn)
-            self._cond.notify_all()
+        self._put(fn)
 
     def busy(self) -> bool:
-        with self._cond:
-            return bool(self._queue) or self._running
+        return bool(self._pending())
 
-    _running = False
+    def _run(self, fn: Any) -> None:
+        try:
+            fn(self.comm)
+        except BaseException as e:
+            self.failures.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            log.error("node tier: %s", self.failures[-1])
 
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                fn = self._queue.pop(0)
-                self._running = True
-            try:
-                fn(self.comm)
-            except BaseException as e:
-                self.failures.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                log.error("node tier: %s", self.failures[-1])
-            finally:
-                with self._cond:
-                    self._running = False
-                    self._cond.notify_all()
-
-    def close(self, timeout: float | None = None) -> list[str]:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
+    def close(self, timeout: float | None = None) -> list[str]:  # type: ignore[override]
+        """Run what is queued, stop the thread; the failures, in order."""
+        super().close(timeout)
         return list(self.failures)
