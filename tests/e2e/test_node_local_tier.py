@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow  # the slow tier: bash .ci/run runs it after the d
 FILES = 9  # of a 4-rank train checkpoint: 4 tensor files, 3 object files, the chunk index, metadata.json
 
 
-def _agents(tmp_path, nproc, args, *, wait=True, timeout=240):
-    """Start the two agents (node 0 in tmp/a, node 1 in tmp/b, each in a session of its own)."""
+def _agents(tmp_path, nproc, args, *, wait=True, timeout=240, durable=None):
+    """Start the two agents (node 0 in tmp/a, node 1 in tmp/b, each in a session of its own);
+    ``durable``: checkpoint.dir (default tmp/durable)."""
     port = free_port()
     procs = []
     for node, d in enumerate(("a", "b")):
@@ -34,7 +35,7 @@ def _agents(tmp_path, nproc, args, *, wait=True, timeout=240):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
                f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "hpdcp_runner",
                "+job=train", "checkpoint.fast_tier.dir=fast", "checkpoint.fast_tier.node_local=true",
-               f"checkpoint.dir={tmp_path}/durable", "dcp.timeout_s=30", *args]
+               f"checkpoint.dir={durable or tmp_path / 'durable'}", "dcp.timeout_s=30", *args]
         log = open(tmp_path / f"{d}.log", "w")  # (a file, not a pipe: a long run never blocks on it)
         procs.append(subprocess.Popen(cmd, cwd=str(cwd), env=_env(), stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
@@ -148,10 +149,14 @@ def test_node_killed_resumes_from_the_peers_replica_bitwise(tmp_path):
     assert got["local"] == 0 and got[f"from {n0}"] + got.get("not needed", 0) == FILES
 
 
-def test_both_copies_of_a_part_gone_fall_back_to_the_durable_tier(tmp_path):
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_both_copies_of_a_part_gone_fall_back_to_the_durable_tier(tmp_path, store, request):
+    from hpdcp_runner.dcp.tools import remove_checkpoint
+
+    durable = f"{request.getfixturevalue('s3_bucket')}/run" if store == "s3" else str(tmp_path / "durable")
     ref = _reference(tmp_path, 12)
     _ok(_agents(tmp_path, 2, ["job.steps=9", "job.save_every=3", "checkpoint.fast_tier.drain_every=1",
-                              "hydra.run.dir=run"]))
+                              "hydra.run.dir=run"], durable=durable))
     m = metrics(tmp_path / "a" / "run")["result"]
     assert m["node_tier"]["replication"]["step_9"]["moved"]["files_received"] == 3  # node 1's files, on node 0
     assert sorted(m["tiers"]["durable"]) == ["step_3", "step_6", "step_9"]
@@ -160,7 +165,8 @@ def test_both_copies_of_a_part_gone_fall_back_to_the_durable_tier(tmp_path):
     for name in ("rank00002.safetensors", "rank00002.objects.json", "rank00003.safetensors"):
         os.unlink(tmp_path / "a" / "fast" / "step_9" / name)
     results = _agents(tmp_path, 2, ["job.steps=12", "job.save_every=3", "checkpoint.fast_tier.drain_every=1",
-                                    "checkpoint.resume=latest", f"job.compare_losses={ref}", "hydra.run.dir=resumed"])
+                                    "checkpoint.resume=latest", f"job.compare_losses={ref}", "hydra.run.dir=resumed"],
+                      durable=durable)
     _ok(results)
     r = metrics(tmp_path / "a" / "resumed")["result"]
     n0, n1 = r["node_tier"]["nodes"]
@@ -176,13 +182,13 @@ def test_both_copies_of_a_part_gone_fall_back_to_the_durable_tier(tmp_path):
     # no durable copy of the newest step and a part on no node: the next newest whole one, and the
     # broken step set aside (renamed, not deleted) so its next save is not in the way
     shutil.rmtree(tmp_path / "b" / "fast")
-    shutil.rmtree(tmp_path / "durable" / "step_12")
+    remove_checkpoint(f"{durable}/step_12")
     for name in ("rank00002.safetensors", "rank00002.objects.json", "rank00003.safetensors"):
         os.unlink(tmp_path / "a" / "fast" / "step_12" / name)
     ref15 = _reference(tmp_path, 15)
     results = _agents(tmp_path, 2, ["job.steps=15", "job.save_every=3", "checkpoint.fast_tier.drain_every=1",
                                     "checkpoint.resume=latest", f"job.compare_losses={ref15}", "checkpoint.overwrite=true",
-                                    "hydra.run.dir=resumed2"])
+                                    "hydra.run.dir=resumed2"], durable=durable)
     _ok(results)
     r = metrics(tmp_path / "a" / "resumed2")["result"]
     assert r["start_step"] == 9 and r["bitwise"] is True and r["node_tier"]["set_aside"] == ["step_12"]
