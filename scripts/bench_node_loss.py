@@ -3,6 +3,7 @@ copy, the lost node's part from its replica, sent over the process group) agains
 restore from the durable tier alone (the bucket), side by side in one run, through the CLI.
 
     python scripts/bench_node_loss.py --reps 3
+    python scripts/bench_node_loss.py --steps-bench --reps 2   # what the saves cost the loop
 
 Two torchrun agents on loopback (``--nnodes=2``, 2 ranks each, each agent in a directory of its
 own) train the ``+job=train`` model (``--hidden``/``--layers``/``--vocab``: by default ~68M
@@ -47,6 +48,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--latency-ms", type=float, default=10.0)
     ap.add_argument("--conn-bandwidth", default="50MB", help="per connection, as bench_s3.py")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--steps-bench", action="store_true",
+                    help="instead: what saves into a replicated node-local tier cost the training loop")
     return ap.parse_args()
 
 
@@ -61,14 +64,14 @@ def _free_port() -> int:
     return free_port()
 
 
-def _agents(work: str, args: list[str], env: dict) -> None:
+def _agents(work: str, args: list[str], env: dict, nproc: int = 2) -> None:
     port = _free_port()
     procs = []
     for node in (0, 1):
         cwd = os.path.join(work, f"node{node}")
         os.makedirs(cwd, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-               "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "hpdcp_runner",
+               f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "hpdcp_runner",
                "+job=train", *args]
         log = open(os.path.join(work, f"node{node}.log"), "w")
         procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -85,8 +88,68 @@ def _resume_seconds(run_dir: str) -> tuple[float, dict]:
     return m["summary"]["train.restore"]["seconds_max"], m["result"]
 
 
+STEP_MODEL = ["model.vocab=8192", "model.hidden=512", "model.layers=4", "model.ffn=2048", "model.heads=8",
+              "model.seq_len=16", "job.units=2", "job.micro_batch=1"]  # (scripts/bench_train_saves.py's)
+STEP_CASES = {
+    "no saves": ["job.save_every=0"],
+    "sync, node-local + replica": ["job.async_save=false"],
+    "process async, node-local + replica": ["dcp.async_mode=process", "dcp.persist_start_wait_s=60"],
+}
+
+
+def _steps_bench(a: argparse.Namespace, env: dict) -> None:
+    """Two agents x 1 rank (a core left for the background work, as bench_train_saves.py's
+    default), 25 steps, a save every 4 into a node-local tier replicated to the other node: the
+    median step time beside a save or its replication against the no-save run's, and the loop's
+    blocking per save against a sync save's. Medians over repetitions, min-max."""
+    import statistics as st
+
+    work = a.workdir or tempfile.mkdtemp(prefix="hpdcp-node-steps-")
+    rows: dict[str, dict[str, list[float]]] = {c: {"steps": [], "beside": [], "blocking": []} for c in STEP_CASES}
+    for rep in range(a.reps):
+        for case in (list(STEP_CASES) if rep % 2 == 0 else list(reversed(STEP_CASES))):
+            for node in (0, 1):
+                shutil.rmtree(os.path.join(work, f"node{node}"), ignore_errors=True)
+            run = "run"
+            _agents(work, [*STEP_MODEL, *STEP_CASES[case], "job.steps=25", "checkpoint.fast_tier.dir=fast",
+                           "checkpoint.fast_tier.node_local=true", "checkpoint.fast_tier.drain_every=1000",
+                           f"checkpoint.dir={work}/durable", "runtime.progress=false", f"hydra.run.dir={run}"]
+                    + ([] if "save_every=0" in STEP_CASES[case][0] else ["job.save_every=4"]), env, nproc=1)
+            with open(os.path.join(work, "node0", run, "timeline.json")) as f:
+                t = json.load(f)
+            steps = [x for x in t["steps"] if x[0] > 1]
+            rows[case]["steps"].append(st.median(x[1] for x in steps))
+            beside = [x[1] for x in steps if x[2]]
+            if beside:
+                rows[case]["beside"].append(st.median(beside))
+            saves = [x[1] for x in t["saves"][1:]]
+            if saves:
+                rows[case]["blocking"].append(st.median(saves))
+
+    def fmt(xs: list[float]) -> str:
+        return f"{st.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
+
+    base = st.median(rows["no saves"]["steps"])
+    sync = st.median(rows["sync, node-local + replica"]["blocking"])
+    print(f"# steps beside saves into a node-local tier with one replica: 2 agents x 1 rank, {' '.join(STEP_MODEL)}, "
+          f"25 steps, a save every 4, {a.reps} repetitions")
+    print("| case | step s (all) | step s beside a save/replication | vs no saves | blocking per save s | vs sync |")
+    print("|---|---|---|---|---|---|")
+    for case, r in rows.items():
+        vs = f"{st.median(r['beside']) / base - 1:+.1%}" if r["beside"] else "-"
+        blk = f"{st.median(r['blocking']) / sync:.0%}" if r["blocking"] else "-"
+        print(f"| {case} | {fmt(r['steps'])} | {fmt(r['beside'])} | {vs} | {fmt(r['blocking'])} | {blk} |")
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     a = _args()
+    if a.steps_bench:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env.pop("HPDCP_LAUNCH_DIR", None)
+        _steps_bench(a, env)
+        return
     from tests import s3_server
     from tests.s3_proxy import Proxy
 
