@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
@@ -656,7 +657,14 @@ class Background(SerialWorker):
     def busy(self) -> bool:
         return bool(self._pending())
 
+    nice = 10  # added to this thread's niceness: the steps beside it come first (as dcp.persist_nice)
+
     def _run(self, fn: Any) -> None:
+        if self.nice and not getattr(self, "_niced", False):
+            self._niced = True
+            with contextlib.suppress(OSError, AttributeError):  # (a thread's own priority: Linux)
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
         try:
             fn(self.comm)
         except BaseException as e:
