@@ -91,7 +91,7 @@ class Tiers:
         self.node_local = bool(t.node_local)
         self.replicas = int(t.replicas) if self.node_local else 0
         self.fast_id = t.dir  # as configured: the same on every node (its directory may differ)
-        comm = Comm.create(None, e.timeout_s)
+        self.comm = comm = Comm.create(None, e.timeout_s)
         self.nodes = node_tier.Nodes.discover(comm)
         node = self.nodes.node_of[self.rank]
         self.leader = self.nodes.leader(node) == self.rank
@@ -133,7 +133,7 @@ class Tiers:
         """Node-local: the newest checkpoint every file of which some node holds (or the durable
         tier's copy of it does), made whole on every node before it is yielded; durable-only
         checkpoints in their order. Says in one line where each node's files came from."""
-        comm = Comm.create(None, self.ctx.engine.timeout_s)
+        comm = self.comm
         found = node_tier.survey(comm, self.nodes, self.fast, self.series)
         durable = self._durable_listing()
         steps = {n: next(iter(h.values())).step for n, h in found.items()}

@@ -252,22 +252,6 @@ def _land(directory: str, name: str, size: int, checksum: str, receive: Any, fsy
 
 
 # -- the save's second half -----------------------------------------------------------------
-def _broadcast_bytes(comm: Comm, data: bytes | None, phase: str) -> bytes:
-    if comm.world_size == 1:
-        return data or b""
-
-    def go() -> bytes:
-        size = torch.tensor([len(data) if comm.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=comm.control)
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
-        if comm.rank == 0 and data:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        dist.broadcast(buf, src=0, group=comm.control)
-        return buf.numpy().tobytes()
-
-    return comm._run(phase, go)
-
-
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -288,8 +272,8 @@ def publish_parts(comm: Comm, nodes: Nodes, path: str, token: str, *, overwrite:
 
     got = comm.agree_root("node tier: metadata", read)
     table = Table.parse(got["text"], path)
-    index = _broadcast_bytes(comm, _read(os.path.join(path, table.index_name))
-                             if comm.rank == 0 and table.index_name else None, "node tier: chunk index")
+    index = comm.broadcast_bytes(_read(os.path.join(path, table.index_name))
+                                 if comm.rank == 0 and table.index_name else None, "node tier: chunk index")
     node = nodes.node_of[comm.rank]
 
     def publish() -> None:
@@ -436,7 +420,8 @@ class RestorePlan:
         moves, skipped = {}, {}
         for n, mv in self.moves.items():
             want = wanted.get(n)
-            kept = tuple(m for m in mv if want is None or m[0] in keep or m[0] in set(want))
+            allowed = None if want is None else keep | set(want)
+            kept = tuple(m for m in mv if allowed is None or m[0] in allowed)
             if kept:
                 moves[n] = kept
             if len(mv) > len(kept):
@@ -659,12 +644,14 @@ class Background(SerialWorker):
 
     nice = 10  # added to this thread's niceness: the steps beside it come first (as dcp.persist_nice)
 
-    def _run(self, fn: Any) -> None:
-        if self.nice and not getattr(self, "_niced", False):
-            self._niced = True
+    def _work(self) -> None:
+        if self.nice:
             with contextlib.suppress(OSError, AttributeError):  # (a thread's own priority: Linux)
                 tid = threading.get_native_id()
                 os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
+        super()._work()
+
+    def _run(self, fn: Any) -> None:
         try:
             fn(self.comm)
         except BaseException as e:

@@ -139,23 +139,30 @@ class Comm:
 
         return self._run(phase, go)
 
-    def broadcast_json(self, obj: Any, phase: str = "broadcast") -> Any:
-        """Rank 0's ``obj`` on every rank."""
+    def broadcast_bytes(self, data: bytes | None, phase: str = "broadcast") -> bytes:
+        """Rank 0's ``data`` on every rank (the others pass None)."""
         if self.world_size == 1:
-            return obj
+            return data or b""
         src = self._root()
 
-        def go() -> Any:
-            payload = json.dumps(obj, separators=(",", ":")).encode() if self.rank == 0 else b""
+        def go() -> bytes:
+            payload = (data or b"") if self.rank == 0 else b""
             size = torch.tensor([len(payload)], dtype=torch.int64)
             dist.broadcast(size, src=src, group=self.control)
             buf = torch.empty(int(size.item()), dtype=torch.uint8)
             if self.rank == 0 and payload:
                 buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             dist.broadcast(buf, src=src, group=self.control)
-            return json.loads(_tensor_bytes(buf, buf.numel()))
+            return _tensor_bytes(buf, buf.numel())
 
         return self._run(phase, go)
+
+    def broadcast_json(self, obj: Any, phase: str = "broadcast") -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        payload = json.dumps(obj, separators=(",", ":")).encode() if self.rank == 0 else None
+        return json.loads(self.broadcast_bytes(payload, phase))
 
     def _root(self) -> int:
         return dist.get_global_rank(self.control, 0) if self.control is not dist.group.WORLD else 0

@@ -112,7 +112,6 @@ class FileSystemWriter(StorageWriter):
         #: coordinator's staging directory makes one of the same name there, and only node 0's
         #: part is committed by ``commit`` (``node_tier.publish_parts`` commits the others)
         self.node_local = node_local
-        self.staging_token: str | None = None
         self.path = os.path.abspath(os.fspath(path))
         self.fsync = fsync
         self.staging: str | None = None
@@ -126,11 +125,15 @@ class FileSystemWriter(StorageWriter):
         self.staging = self._commit.staging
         return self._commit.token
 
+    @property
+    def staging_token(self) -> str | None:
+        """The staging directory's name this save used (kept after the commit: node_tier's publish)."""
+        return self._commit.token if self._commit is not None else None
+
     def attach(self, token: str, *, rank: int, world_size: int) -> None:
         if self._commit is None or self._commit.token != token:  # (the coordinator keeps its own, lock held)
             self._commit = RenameCommit.adopt(self.path, token, self.overwrite)
         self.staging = self._commit.staging
-        self.staging_token = token
         if self.node_local and not os.path.isdir(self.staging):
             with self._user_fixes("staging"):
                 os.makedirs(self.staging, exist_ok=True)
