@@ -125,6 +125,7 @@ class BroadcastConf:
     mode: str = "auto"  # always | never | auto (across nodes, or shared/slow storage)
     batch_bytes: Size = "8MiB"  # shards below this are packed; 0 disables packing
     max_in_flight: int = 4
+    share_reads: bool = True  # a chunk several ranks need parts of is read once, its parts sent (under mode)
 
 
 @dataclass
@@ -698,6 +699,7 @@ class EngineOptions:
         b, r = self.broadcast, self.reader
         return {"dcp.planner.name": self.planner, "dcp.broadcast.mode": b.mode,
                 "dcp.broadcast.batch_bytes": b.batch_bytes, "dcp.broadcast.max_in_flight": b.max_in_flight,
+                "dcp.broadcast.share_reads": b.share_reads,
                 "dcp.storage.files_kept": r.files_kept, "dcp.storage.shared": r.shared_storage,
                 "dcp.storage.read_gap_bytes": "auto" if r.read_gap_bytes is None else r.read_gap_bytes,
                 "dcp.storage.max_request_bytes": r.max_request_bytes,
@@ -761,7 +763,8 @@ def engine_options(c: Config) -> EngineOptions:
         raise ConfigError("\n".join(problems))
     reader = build("dcp.storage", lambda: ReaderOptions(s.files_kept, sizes[0], s.verify_checksums, s.shared,
                                                         sizes[1], sizes[2], sizes[4]))
-    broadcast = build("dcp.broadcast", lambda: BroadcastOptions(d.broadcast.mode, sizes[3], d.broadcast.max_in_flight))
+    broadcast = build("dcp.broadcast", lambda: BroadcastOptions(d.broadcast.mode, sizes[3], d.broadcast.max_in_flight,
+                                                                         share_reads=bool(d.broadcast.share_reads)))
     store = build("dcp.storage", lambda: ObjectStoreOptions(
         s.endpoint, s.region, s.allow_http, size("dcp.storage.part_size", s.part_size, True), s.concurrency,
         s.max_retries,

@@ -13,7 +13,7 @@ wire forms and turns a failure anywhere into the same error everywhere. Call seq
            SaveSteps.commit (coordinator: build_metadata, write)  --metadata text-->  every rank
     load:  LoadSteps.read_metadata (coordinator)  --MetadataMsg-->  every rank parses + checks
            LoadSteps.local_plan  --LoadPlanMsg-->  LoadSteps.global_plan  --LoadReply-->  every rank
-           LoadSteps.transfer (reads + replica broadcasts, agreed)
+           LoadSteps.transfer (reads + replica broadcasts, then shared reads' parts, agreed)
 """
 
 from __future__ import annotations
@@ -28,20 +28,23 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .storage.uri import join
 from .comm.broadcast import BroadcastOptions, group_sets, node_id, run_load_transfers, sendable_devices
-from .comm.collectives import Comm
+from .comm.collectives import Comm, gloo_group
+from .comm.shared_reads import run_shared_reads
 from .core import faults
 from .core.errors import ConfigError, KeyMismatchError, MetadataError
 from .core.geometry import Box, relative
 from .format.chunk_index import INDEX_FILE
-from .format.metadata import METADATA_FILE, Metadata, ReportedRows, WrittenRows, chunk_key
+from .format.metadata import METADATA_FILE, Metadata, ReportedRows, WrittenRows, chunk_key, element_size
 from .format.safetensors_io import IndexStream
 from .format.renames import rename_keys
 from .planning.interfaces import TENSOR, LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .planning.load_replicas import Batch, CompactShards, batch_ops
 from .planning.plans import CompactPlan, GlobalSavePlan, parse_table
+from .planning.shared_reads import AMPLIFIED, CompactParts, Part, SharedRead, for_rank, plan_shared_reads
 from .planning.save_dedup import SaveLayouts
 from .planning.standard import build_metadata
 from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
@@ -165,44 +168,51 @@ class MetadataMsg:
 @dataclass(frozen=True)
 class LoadPlanMsg:
     """Rank -> coordinator: keys it lacks, keys it asked for (a bitmap over the checkpoint's
-    sorted keys), its destination shards (columnar; empty when broadcasts are off), its node
-    and whether its storage is slow."""
+    sorted keys), its destination shards (columnar; empty when broadcasts are off), its node,
+    whether its storage is slow, and the parts of chunks it would read at a cost well above
+    their bytes (columnar; empty when reads are not shared)."""
 
     missing: tuple[str, ...]
     requested: str
     shards: CompactShards
     node: str
     slow: bool
+    parts: CompactParts
 
     def to_wire(self) -> dict:
         return {"missing": list(self.missing), "requested": self.requested, "shards": self.shards.to_wire(),
-                "node": self.node, "slow": self.slow}
+                "node": self.node, "slow": self.slow, "parts": self.parts.to_wire()}
 
     @classmethod
     def from_wire(cls, w: Mapping, tables: dict | None = None) -> "LoadPlanMsg":
         return cls(tuple(w["missing"]), w["requested"], CompactShards.from_wire(w["shards"], tables), w["node"],
-                   bool(w["slow"]))
+                   bool(w["slow"]), CompactParts.from_wire(w["parts"]))
 
 
 @dataclass(frozen=True)
 class LoadReply:
     """Coordinator -> one rank: the key verdict (missing per rank, unrequested keys), the broadcast
-    batches this rank takes part in and the rank sets whose groups the load needs."""
+    batches this rank takes part in, the rank sets whose groups the load needs, the shared
+    reads this rank takes part in (in the order it runs them) and whether the load has any
+    (every rank then joins the group they travel on)."""
 
     missing_by_rank: Mapping[int, tuple[str, ...]]
     unexpected: tuple[str, ...]
     batches: tuple[Batch, ...]
     groups: Any
+    shared: tuple[SharedRead, ...] = ()
+    any_shared: bool = False
 
     def to_wire(self) -> dict:
         return {"missing": sorted([r, list(ks)] for r, ks in self.missing_by_rank.items()),
                 "unexpected": list(self.unexpected), "batches": [b.to_wire() for b in self.batches],
-                "groups": self.groups}
+                "groups": self.groups, "shared": [o.to_wire() for o in self.shared], "any_shared": self.any_shared}
 
     @classmethod
     def from_wire(cls, w: Mapping) -> "LoadReply":
         return cls({int(r): tuple(ks) for r, ks in w["missing"]}, tuple(w["unexpected"]),
-                   tuple(Batch.from_wire(b) for b in w["batches"]), w["groups"])
+                   tuple(Batch.from_wire(b) for b in w["batches"]), w["groups"],
+                   tuple(SharedRead.from_wire(o) for o in w["shared"]), bool(w["any_shared"]))
 
 
 def key_bitmap(keys: Sequence[str], requested: frozenset[str]) -> str:
@@ -519,9 +529,24 @@ class LoadSteps:
         self.reader.check_files(sorted({md.tensors[it.fqn].chunks[it.chunk].file for it in own.items}
                                        | {md.objects[f].file for f in own.objects}))
         # no broadcasts without replicas to share: the coordinator need not see shards
-        shards = CompactShards.from_summaries(() if self.options.mode == "never" else own.shards)
+        sharing = self.options.mode != "never"
+        shards = CompactShards.from_summaries(own.shards if sharing else ())
+        parts = CompactParts.from_parts(self._amplified_parts() if sharing and self.options.share_reads else ())
         return LoadPlanMsg(own.missing, key_bitmap(md.keys(), own.requested), shards, node_id(),
-                           bool(self.reader.slow_storage)).to_wire()
+                           bool(self.reader.slow_storage), parts).to_wire()
+
+    def _amplified_parts(self) -> list[Part]:
+        """This rank's reads that would fetch ``AMPLIFIED`` times their bytes or more (a part of
+        each row of a chunk, say): the candidates for a shared read."""
+        out = []
+        for it in self.own.items:
+            tm = self.md.tensors[it.fqn]
+            chunk = tm.chunks[it.chunk]
+            need = it.overlap.numel * element_size(tm.dtype)
+            cost = self.reader.read_bytes(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes))
+            if need and cost >= AMPLIFIED * need:
+                out.append(Part(it.fqn, tm.dtype, it.chunk, it.dest_box, it.overlap, cost, need))
+        return out
 
     def global_plan(self, gathered: list) -> list:
         """Coordinator: key checks, and who reads/broadcasts each replicated shard; every rank
@@ -538,7 +563,12 @@ class LoadSteps:
             for r in b.ranks:
                 per_rank[r].append(b)
         needed = group_sets(batches)
-        return [LoadReply(missing, unexpected, tuple(mine), needed).to_wire() for mine in per_rank]
+        not_read = frozenset((r, op.key[0], op.key[1]) for op in ops for r in op.ranks if r != op.src)
+        shared = plan_shared_reads([m.parts for m in msgs], enabled=self.options.share_reads,
+                                   mode=self.options.mode, nodes=[m.node for m in msgs], slow_storage=msgs[0].slow,
+                                   not_read=not_read)
+        return [LoadReply(missing, unexpected, tuple(mine), needed, tuple(for_rank(shared, r)), bool(shared)).to_wire()
+                for r, mine in enumerate(per_rank)]
 
     def accept(self, wire: dict, strict: bool) -> None:
         reply = self.reply = LoadReply.from_wire(wire)
@@ -548,28 +578,85 @@ class LoadSteps:
         self.own = dataclasses.replace(self.own, sources=sources)
 
     def transfer(self) -> None:
-        """Storage reads of this rank's own shares, overlapped with the replica broadcasts."""
+        """The shared reads first (their parts may be shards this rank broadcasts), then storage
+        reads of this rank's own shares, overlapped with the replica broadcasts. A shared read's
+        failure is raised after the broadcasts, so no rank waits for this one."""
         comm, md, own, batches = self.comm, self.md, self.own, self.reply.batches
         batch_of = {op.key: i for i, b in enumerate(batches) for op in b.ops if b.src == comm.rank}
+        shared = self._shared_parts()
         reads: list[tuple[int | None, ReadRequest]] = []  # (batch this rank sources, request)
         for it in own.items:
             src = own.sources.get((it.fqn, it.dest_box.offsets))
             if src is not None and src != comm.rank:
                 continue  # another holder reads it and broadcasts it here
+            if (it.fqn, it.chunk, it.dest_box.offsets, it.overlap) in shared:
+                continue  # a shared read's part: read once by its source, sent here
             tm = md.tensors[it.fqn]
             chunk = tm.chunks[it.chunk]
             req = ReadRequest(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes),
                               self.planner.acquire_tensor(it))
             reads.append((batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes)), req))
         received = sum(b.nbytes for b in batches if comm.rank in b.ranks and b.src != comm.rank)
-        self.reader.counters.expected_bytes += received + sum(r.dest.numel() * r.dest.element_size() for _, r in reads)
+        self.reader.counters.expected_bytes += received + sum(r.dest.numel() * r.dest.element_size() for _, r in reads) \
+            + sum(d.numel() * d.element_size() for its in shared.values() for d in map(self.planner.acquire_tensor, its))
+        delivered: set[tuple] = set()
+        failure: BaseException | None = None
+        if self.reply.any_shared:
+            try:
+                self._run_shared(shared, delivered)
+            except BaseException as e:  # noqa: BLE001 - raised below, once the broadcasts ran
+                failure = e
+        filled: dict[int, bool] = {}  # batches this rank sources with parts that came by shared reads
+        for key, its in shared.items():
+            for it in its:
+                i = batch_of.get((it.fqn, it.dest_box.offsets, it.dest_box.sizes))
+                if i is not None:
+                    filled[i] = filled.get(i, True) and key in delivered
         run_load_transfers(list(batches), rank=comm.rank, group=comm.group, control=comm.control,
                            timeout=comm.timeout, options=self.options, destination=self.planner.destination,
                            counters=self.reader.counters, reads=reads, read=self.reader.read_tensors,
-                           needed=self.reply.groups)
+                           needed=self.reply.groups, filled=filled)
+        if failure is not None:
+            raise failure
         values = self.reader.read_objects({f: md.objects[f] for f in own.objects}, allow_pickle=self.allow_pickle)
         for fqn, value in values.items():
             self.planner.apply_object(fqn, value)
+
+    def _shared_parts(self) -> dict[tuple, list]:
+        """(fqn, chunk, destination offsets, overlap) of each part this rank gets from a shared
+        read -> its read items (one, unless two destination pieces overlap)."""
+        mine = {(op.fqn, op.chunk, d.offsets, o) for op in self.reply.shared for r, d, o in op.parts
+                if r == self.comm.rank}
+        out: dict[tuple, list] = {}
+        for it in self.own.items:
+            key = (it.fqn, it.chunk, it.dest_box.offsets, it.overlap)
+            if key in mine:
+                out.setdefault(key, []).append(it)
+        return out
+
+    def _run_shared(self, shared: Mapping[tuple, list], delivered: set) -> None:
+        comm, md = self.comm, self.md
+        pg = gloo_group(comm.group, comm.timeout, "shared reads")
+        everyone = pg is dist.group.WORLD
+
+        def read(ops: list[SharedRead], buffers: list[torch.Tensor], on_done) -> None:
+            requests = []
+            for op, buf in zip(ops, buffers):
+                tm = md.tensors[op.fqn]
+                chunk = tm.chunks[op.chunk]
+                requests.append(ReadRequest(chunk, tm.dtype, Box(relative(op.union, chunk.box), op.union.sizes), buf))
+            self.reader.read_tensors(requests, on_done=on_done)
+
+        def deliver(op: SharedRead, dest: Box, overlap: Box, part: torch.Tensor) -> None:
+            key = (op.fqn, op.chunk, dest.offsets, overlap)
+            for it in shared.get(key, ()):
+                self.planner.acquire_tensor(it).copy_(part)
+            delivered.add(key)
+
+        run_shared_reads(self.reply.shared, rank=comm.rank, group=pg,
+                         to_global=(lambda r: r) if everyone else (lambda r: dist.get_global_rank(pg, r)),
+                         read=read, deliver=deliver, counters=self.reader.counters,
+                         max_in_flight=self.options.max_in_flight, world_size=comm.world_size)
 
 
 def key_error(missing_by_rank: Mapping[int, Sequence[str]], unexpected: list[str]) -> KeyMismatchError:

@@ -41,12 +41,15 @@ DEFAULT_MAX_IN_FLIGHT = 4
 @dataclass(frozen=True)
 class BroadcastOptions:
     """``mode``: always | never | auto. ``groups`` maps a tuple of group ranks to a caller-owned
-    process group to use for that replica set (never destroyed by us)."""
+    process group to use for that replica set (never destroyed by us). ``share_reads``: a chunk
+    that several ranks each need a part of is read once and the parts sent (under the same
+    ``mode``: see ``planning.shared_reads``)."""
 
     mode: str = "auto"
     batch_bytes: int = DEFAULT_BATCH_BYTES
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     groups: Mapping[tuple[int, ...], Any] | None = None
+    share_reads: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,9 +130,11 @@ def _synchronize(device: str) -> None:
 class _Reads:
     """Reads this rank's storage work in a background thread (one pass: in broadcast order where the
     reader allows, else by file and offset), so reading overlaps broadcasting; ``ready[i]`` is set
-    once batch i's shards are in."""
+    once batch i's shards are in. ``filled``: batches whose shards came in before (shared reads),
+    wholly (no reads here) or in part: False when some of it failed to come."""
 
-    def __init__(self, reads: Sequence[tuple[int | None, Any]], read: Callable[..., None]) -> None:
+    def __init__(self, reads: Sequence[tuple[int | None, Any]], read: Callable[..., None],
+                 filled: Mapping[int, bool]) -> None:
         ordered = sorted(reads, key=lambda br: (br[0] is None, br[0] or 0))  # broadcast order, local last
         self.requests = [r for _, r in ordered]
         self.batch_of = [b for b, _ in ordered]
@@ -137,11 +142,17 @@ class _Reads:
         self.read = read
         self.ready = {i: threading.Event() for i in self.left}
         self.done: set[int] = set()
+        self.failed = {i for i, ok in filled.items() if not ok}
+        for i in filled:
+            if i not in self.left:
+                self.ready[i] = threading.Event()
+                self._complete(i)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="hpdcp-load-reads", daemon=True)
 
     def _complete(self, i: int) -> None:
-        self.done.add(i)
+        if i not in self.failed:
+            self.done.add(i)
         self.ready[i].set()
 
     def _one_done(self, k: int) -> None:
@@ -172,7 +183,7 @@ def group_sets(batches: Sequence[Batch]) -> list[list]:
 def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, control: Any, timeout: Any,
                        options: BroadcastOptions, destination: Callable[[tuple], torch.Tensor], counters: Any,
                        reads: Sequence[tuple[int | None, Any]], read: Callable[..., None],
-                       needed: Sequence[Sequence] = ()) -> None:
+                       needed: Sequence[Sequence] = (), filled: Mapping[int, bool] | None = None) -> None:
     """Read this rank's shards (in a thread) and run its part of the replica broadcasts.
 
     ``batches`` are (at least) those this rank takes part in, in the global order; ``needed``
@@ -180,13 +191,15 @@ def run_load_transfers(batches: Sequence[Batch], *, rank: int, group: Any, contr
     Before each batch the source broadcasts a one-element status: receivers post the data
     broadcast only for a batch that was read successfully, so a failed read never fills a
     destination and never leaves a rank waiting. A read failure is re-raised after all batches.
+    ``filled``: batches this rank sources whose shards (some or all) came in before, by shared
+    reads: True when they all came, False when some failed (the batch is then not sent).
     """
     mine = [(i, b) for i, b in enumerate(batches) if rank in b.ranks]
     size = dist.get_world_size(group) if group is not None else 1
     everyone = group is dist.group.WORLD
     to_global = (lambda r: r) if group is None or everyone else (lambda r: dist.get_global_rank(group, r))
     data_pgs, status_pgs = _groups(mine, needed, everyone, to_global, size, control, options, timeout)
-    reads = _Reads(reads, read)
+    reads = _Reads(reads, read, filled or {})
     reads.thread.start()
     inflight: deque = deque()
     statuses: list = []

@@ -17,7 +17,7 @@ import torch
 from ..core.errors import MetadataError
 from ..core.geometry import Box
 from ..core.rafile import RandomAccessFile
-from ..format.metadata import ChunkMeta, Metadata, ObjectMeta, WriteResult
+from ..format.metadata import ChunkMeta, Metadata, ObjectMeta, WriteResult, element_size
 
 __all__ = ["StorageWriter", "StorageReader", "ReadRequest", "IOCounters", "WriteResult"]
 
@@ -192,6 +192,12 @@ class StorageReader(ABC):
 
     @abstractmethod
     def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]: ...
+
+    def read_bytes(self, chunk: ChunkMeta, dtype: str, sub: Box) -> int:
+        """The bytes reading the part ``sub`` (relative to the chunk) of ``chunk`` would fetch: a
+        load shares a chunk's read among the ranks that need parts of it when this is well above
+        the part's own bytes. A reader that fetches exactly what is asked says so."""
+        return sub.numel * element_size(dtype)
 
     def bytes_moved(self) -> int:
         """Bytes this reader has brought in so far, for progress: what it read, or (a store

@@ -20,8 +20,8 @@ from ..core.rafile import RandomAccessFile
 from ..core.utils import byte_view, rank_of_env
 from ..format import jsondoc
 from ..format import objects as objcodec
-from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, Metadata, ObjectMeta, dtype_from_name,
-                               element_size)
+from ..format.metadata import (DEFAULT_MAX_METADATA_BYTES, METADATA_FILE, ChunkMeta, Metadata, ObjectMeta,
+                               dtype_from_name, element_size)
 from ..format.safetensors_io import digest
 from .checkpoint_files import CheckpointFiles
 from .interfaces import IOCounters, ReadRequest, StorageReader
@@ -214,14 +214,23 @@ class CheckpointReader(StorageReader):
 
     def _span(self, r: ReadRequest) -> tuple[int, int]:
         """The bytes of its file a request will read (the blocks it touches when verified)."""
-        esize = element_size(r.dtype)
-        chunk_bytes = r.chunk.box.numel * esize
-        start, stop = flat_span(r.sub.offsets, r.sub.sizes, r.chunk.sizes)
+        return self._file_span(r.chunk, r.dtype, r.sub)
+
+    def _file_span(self, chunk: ChunkMeta, dtype: str, sub: Box) -> tuple[int, int]:
+        esize = element_size(dtype)
+        chunk_bytes = chunk.box.numel * esize
+        start, stop = flat_span(sub.offsets, sub.sizes, chunk.sizes)
         lo, hi = start * esize, stop * esize
-        if self.verify_checksums and r.sub.sizes != r.chunk.sizes:
-            block = self.metadata.block_bytes if r.chunk.blocks else 0
+        if self.verify_checksums and sub.sizes != chunk.sizes:
+            block = self.metadata.block_bytes if chunk.blocks else 0
             lo, hi = (lo // block * block, min(-(-hi // block) * block, chunk_bytes)) if block else (0, chunk_bytes)
-        return r.chunk.byte_offset + lo, r.chunk.byte_offset + hi
+        return chunk.byte_offset + lo, chunk.byte_offset + hi
+
+    def read_bytes(self, chunk: ChunkMeta, dtype: str, sub: Box) -> int:
+        """The span that covers the part (whole blocks when verified): what a partial read
+        fetches, short gaps read through; at least the part's own bytes."""
+        lo, hi = self._file_span(chunk, dtype, sub)
+        return max(hi - lo, sub.numel * element_size(dtype))
 
     def _read_round(self, requests: Sequence[ReadRequest], on_done: Callable[[int], None] | None,
                     keep_order: bool) -> None:

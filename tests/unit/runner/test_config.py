@@ -76,7 +76,7 @@ def test_experiments_compose_and_open_with_their_launch_command(name):
 GOLDEN_KEYS = sorted("""
 checkpoint.dir checkpoint.fast_tier.dir checkpoint.fast_tier.keep_last checkpoint.fast_tier.drain_every checkpoint.fast_tier.node_local checkpoint.fast_tier.replicas checkpoint.keep_last checkpoint.name checkpoint.overwrite checkpoint.path
 checkpoint.rank_state checkpoint.resume checkpoint.step
-dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode
+dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode dcp.broadcast.share_reads
 dcp.storage.max_read_bytes_per_s dcp.storage.read_gap_bytes dcp.storage.max_request_bytes dcp.storage.shared
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
 dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas

@@ -1,0 +1,179 @@
+"""Shared reads: a stored chunk that several ranks each need a part of, read once. Pure.
+
+When a rank's part of a chunk is not one contiguous byte range of it (a column split of a
+row-sharded tensor: each rank keeps half of every row), its reader fetches the span that covers
+the part: with checksums, the whole chunk (its blocks are verified whole). N ranks that each keep
+a part of one chunk then fetch it N times. On slow storage (an object store, a shared file system)
+or across nodes, one of them reads the union of the parts once and sends each other rank its part
+over the process group: the store serves each byte once, the network carries each rank only what
+it keeps. On one node over a local disk the page cache serves the repeats cheaper than a send, so
+``auto`` shares only where the replica broadcasts would (``load_replicas.plan_replica_reads``).
+
+The coordinator plans it from what each rank reports: only the parts whose read costs at least
+``AMPLIFIED`` times their bytes, so a load whose layout matches the checkpoint sends nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from ..core.columns import pack_ints, unpack_ints
+from ..core.geometry import Box
+from ..format.metadata import element_size
+
+#: a part is worth sharing when its read fetches at least this many times its own bytes
+AMPLIFIED = 1.5
+#: per source rank, the union bytes read before the parts are sent (bounds the held copies)
+ROUND_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    """A rank's part of a stored chunk: its destination piece and the overlap (global
+    coordinates), the bytes its own read would fetch and the bytes it keeps."""
+
+    fqn: str
+    dtype: str
+    chunk: int
+    dest: Box
+    overlap: Box
+    read_bytes: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class CompactParts:
+    """One rank's parts in columnar form: a key table (fqn, dtype, ndim) and per part the int64
+    row ``[key, chunk, read bytes, bytes, dest offsets, dest sizes, overlap offsets, overlap
+    sizes]`` (each box padded to the widest rank of this rank's parts)."""
+
+    keys: tuple[tuple[str, str, int], ...]
+    rows: torch.Tensor  # [n, 4 + 4d]
+
+    @classmethod
+    def from_parts(cls, parts: Sequence[Part]) -> "CompactParts":
+        index: dict[tuple, int] = {}
+        d = max([len(p.overlap.offsets) for p in parts] or [0])
+        rows = []
+        for p in parts:
+            nd = len(p.overlap.offsets)
+            k = index.setdefault((p.fqn, p.dtype, nd), len(index))
+            pad0, pad1 = (0,) * (d - nd), (1,) * (d - nd)
+            rows.append([k, p.chunk, p.read_bytes, p.nbytes, *p.dest.offsets, *pad0, *p.dest.sizes, *pad1,
+                         *p.overlap.offsets, *pad0, *p.overlap.sizes, *pad1])
+        t = torch.tensor(rows, dtype=torch.int64).view(-1, 4 + 4 * d)
+        return cls(tuple(index), t)
+
+    def parts(self) -> list[Part]:
+        d = (self.rows.shape[1] - 4) // 4 if self.rows.numel() else 0
+        out = []
+        for row in self.rows.tolist():
+            fqn, dtype, nd = self.keys[row[0]]
+            box = lambda i: tuple(row[4 + i * d:4 + i * d + nd])  # noqa: E731
+            out.append(Part(fqn, dtype, row[1], Box(box(0), box(1)), Box(box(2), box(3)), row[2], row[3]))
+        return out
+
+    def to_wire(self) -> dict:
+        table = json.dumps([list(k) for k in self.keys], separators=(",", ":"))
+        return {"keys": table, "w": int(self.rows.shape[1]), "r": pack_ints(self.rows.flatten())}
+
+    @classmethod
+    def from_wire(cls, w: Mapping) -> "CompactParts":
+        keys = tuple(tuple(k) for k in json.loads(w["keys"]))
+        return cls(keys, unpack_ints(w["r"]).view(-1, int(w["w"])))
+
+
+@dataclass(frozen=True)
+class SharedRead:
+    """Chunk ``chunk`` of ``fqn``: ``src`` reads the box ``union`` (global coordinates) once and
+    sends each member its parts; ``parts`` are (rank, destination box, overlap), in rank order,
+    the source's own included. ``round``: the source's reads are done in rounds of at most
+    ``ROUND_BYTES`` (one read at least), each round's parts sent before the next is read.
+    ``seq``: the op's place in the global order (message tags derive from it)."""
+
+    fqn: str
+    dtype: str
+    chunk: int
+    src: int
+    union: Box
+    parts: tuple[tuple[int, Box, Box], ...]
+    round: int
+    seq: int
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(r for r, _, _ in self.parts))
+
+    def to_wire(self) -> list:
+        return [self.fqn, self.dtype, self.chunk, self.src, list(self.union.offsets), list(self.union.sizes),
+                [[r, list(d.offsets), list(d.sizes), list(o.offsets), list(o.sizes)] for r, d, o in self.parts],
+                self.round, self.seq]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "SharedRead":
+        fqn, dtype, chunk, src, uo, us, parts, rnd, seq = w
+        return cls(fqn, dtype, chunk, src, Box(tuple(uo), tuple(us)),
+                   tuple((r, Box(tuple(do), tuple(ds)), Box(tuple(oo), tuple(os_))) for r, do, ds, oo, os_ in parts),
+                   rnd, seq)
+
+
+def union_box(boxes: Sequence[Box]) -> Box:
+    """The smallest box holding every box of ``boxes`` (all of one rank of dimensions)."""
+    lo = [min(b.offsets[i] for b in boxes) for i in range(len(boxes[0].offsets))]
+    hi = [max(b.offsets[i] + b.sizes[i] for b in boxes) for i in range(len(boxes[0].offsets))]
+    return Box(tuple(lo), tuple(h - o for o, h in zip(lo, hi)))
+
+
+def plan_shared_reads(per_rank: Sequence[CompactParts | Sequence[Part]], *, enabled: bool, mode: str,
+                      nodes: Sequence[str], slow_storage: bool, not_read: frozenset = frozenset(),
+                      round_bytes: int = ROUND_BYTES) -> list[SharedRead]:
+    """The shared reads of one load, in one global order (the coordinator computes it once).
+
+    ``per_rank[r]``: the amplified parts rank r reported. ``not_read``: (rank, fqn, dest
+    offsets) of destination pieces another replica holder reads and broadcasts: those parts are
+    not this rank's to read. A chunk is shared when at least two ranks need parts of it, and (in
+    ``auto``) the storage is slow or the ranks span nodes. The source is the member that was
+    assigned the fewest bytes so far (largest unions first), the lowest rank on ties.
+    """
+    if not enabled or mode == "never" or len(per_rank) < 2:
+        return []
+    groups: dict[tuple, list[tuple[int, Part]]] = {}
+    for rank, parts in enumerate(per_rank):
+        for p in parts.parts() if isinstance(parts, CompactParts) else parts:
+            if (rank, p.fqn, p.dest.offsets) in not_read:
+                continue
+            groups.setdefault((p.fqn, p.chunk), []).append((rank, p))
+    node_of = list(nodes)
+    cands = []
+    for (fqn, chunk), members in sorted(groups.items()):
+        ranks = {r for r, _ in members}
+        if len(ranks) < 2 or len({p.dtype for _, p in members}) != 1:
+            continue
+        if len({len(p.overlap.offsets) for _, p in members}) != 1:
+            continue
+        if mode == "auto" and not slow_storage and len({node_of[r] for r in ranks}) < 2:
+            continue
+        union = union_box([p.overlap for _, p in members])
+        esize = element_size(members[0][1].dtype)
+        cands.append((union.numel * esize, fqn, chunk, union, sorted(members, key=lambda m: m[0])))
+    cands.sort(key=lambda c: -c[0])  # stable: equal sizes stay in key order
+    assigned: dict[int, int] = {}
+    ops = []
+    for nbytes, fqn, chunk, union, members in cands:
+        src = min(sorted({r for r, _ in members}), key=lambda r: assigned.get(r, 0))
+        rnd = assigned.get(src, 0) // round_bytes if round_bytes > 0 else 0
+        assigned[src] = assigned.get(src, 0) + nbytes
+        ops.append(SharedRead(fqn, members[0][1].dtype, chunk, src, union,
+                              tuple((r, p.dest, p.overlap) for r, p in members), rnd, len(ops)))
+    return ops
+
+
+def for_rank(ops: Sequence[SharedRead], rank: int) -> list[SharedRead]:
+    """The ops ``rank`` takes part in, in the order every member runs them: by round, then
+    by the global order."""
+    return sorted((o for o in ops if rank in o.ranks), key=lambda o: (o.round, o.seq))
+
