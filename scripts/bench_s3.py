@@ -49,6 +49,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PEERS = ("fsspec", "s3torchconnector")
+#: ours with one engine feature off, as a side of its own (before/after in one run); not a default
+VARIANTS = {"ours-unshared": "dcp.broadcast.share_reads=false: every rank reads the chunks it needs parts of"}
 COLD = "load, server restarted"
 
 
@@ -186,14 +188,16 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--direct", action="store_true", help="no proxy (moto only: no request counts)")
     ap.add_argument("--part-size", default="16MiB", help="dcp.storage.part_size for ours")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help=f"comma-separated, of {', '.join(PEERS + tuple(VARIANTS))} ({'; '.join(f'{k}: {v}' for k, v in VARIANTS.items())})")
     ap.add_argument("--s3tc-threads", type=int, default=4, help="s3torchconnector's writer thread_count")
     ap.add_argument("--verify-tensors", type=int, default=200, help="tensors of the verify case's checkpoint")
     a = ap.parse_args()
     a.peers = [p for p in a.peers.split(",") if p]
-    if set(a.peers) - set(PEERS) or (a.direct and a.server == "rclone") \
+    if set(a.peers) - set(PEERS) - set(VARIANTS) or (a.direct and a.server == "rclone") \
             or (a.cold and (a.server != "rclone" or a.endpoint)):
-        ap.error(f"--peers takes {', '.join(PEERS)}; --direct works with moto only, --cold with rclone only")
+        ap.error(f"--peers takes {', '.join(PEERS + tuple(VARIANTS))}; --direct works with moto only, "
+                 "--cold with rclone only")
     return a
 
 
@@ -275,6 +279,10 @@ def main() -> None:
             if side == "ours":
                 save_fn = lambda: dcp.save(src, checkpoint_id=base)  # noqa: E731
                 load_fn = lambda sd: last.__setitem__(0, dcp.load(sd, checkpoint_id=base).counters)  # noqa: E731
+            elif side == "ours-unshared":
+                save_fn = lambda: dcp.save(src, checkpoint_id=base)  # noqa: E731
+                load_fn = lambda sd: dcp.load(sd, checkpoint_id=base,  # noqa: E731
+                                              broadcast=dcp.BroadcastOptions(share_reads=False))
             else:
                 writer, reader = _peer_io(side, base, a.s3tc_threads)
                 save_fn = lambda: tsave(src, storage_writer=writer())  # noqa: E731

@@ -49,6 +49,17 @@ def test_save_load_verify_inspect_reshard_on_s3(cli, tmp_path, s3_endpoint, s3_b
     assert r.returncode == 0, _tail(r)
     m = metrics(tmp_path / "load")
     assert m["result"]["verified"] is True
+    # tp's column-split weights loaded row-split: each of those chunks read once, its parts sent
+    shared = [rk["counters"].get("load.shared_reads", 0) for rk in m["ranks"]]
+    assert all(shared), m["ranks"]
+    r = cli(["+job=load", f"checkpoint.dir={s3_bucket}/run1", "layout=fsdp", "dcp.broadcast.share_reads=false",
+             f"hydra.run.dir={tmp_path}/load2"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    m2 = metrics(tmp_path / "load2")
+    assert m2["result"]["verified"] is True and m2["engine"]["dcp.broadcast.share_reads"] is False
+    assert not any(rk["counters"].get("load.shared_reads", 0) for rk in m2["ranks"])
+    read = lambda m: sum(rk["counters"]["load.bytes_read"] for rk in m["ranks"])  # noqa: E731
+    assert read(m) < read(m2), (read(m), read(m2))
     r = cli(["+job=verify", f"checkpoint.path={s3_bucket}/run1/step_0", f"hydra.run.dir={tmp_path}/verify"])
     assert r.returncode == 0 and "OK:" in r.stdout, _tail(r)
     r = cli(["+job=inspect", f"checkpoint.path={s3_bucket}/run1/step_0", f"hydra.run.dir={tmp_path}/inspect"])
