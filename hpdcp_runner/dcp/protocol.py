@@ -44,7 +44,7 @@ from .format.renames import rename_keys
 from .planning.interfaces import TENSOR, LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .planning.load_replicas import Batch, CompactShards, batch_ops
 from .planning.plans import CompactPlan, GlobalSavePlan, parse_table
-from .planning.shared_reads import AMPLIFIED, CompactParts, Part, SharedRead, for_rank, plan_shared_reads
+from .planning.shared_reads import AMPLIFIED, CompactParts, Part, SharedRead, by_rank, plan_shared_reads
 from .planning.save_dedup import SaveLayouts
 from .planning.standard import build_metadata
 from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
@@ -567,7 +567,8 @@ class LoadSteps:
         shared = plan_shared_reads([m.parts for m in msgs], enabled=self.options.share_reads,
                                    mode=self.options.mode, nodes=[m.node for m in msgs], slow_storage=msgs[0].slow,
                                    not_read=not_read)
-        return [LoadReply(missing, unexpected, tuple(mine), needed, tuple(for_rank(shared, r)), bool(shared)).to_wire()
+        shared_of = by_rank(shared, len(msgs))
+        return [LoadReply(missing, unexpected, tuple(mine), needed, tuple(shared_of[r]), bool(shared)).to_wire()
                 for r, mine in enumerate(per_rank)]
 
     def accept(self, wire: dict, strict: bool) -> None:
@@ -589,7 +590,7 @@ class LoadSteps:
             src = own.sources.get((it.fqn, it.dest_box.offsets))
             if src is not None and src != comm.rank:
                 continue  # another holder reads it and broadcasts it here
-            if (it.fqn, it.chunk, it.dest_box.offsets, it.overlap) in shared:
+            if (it.fqn, it.chunk, it.dest_box.offsets, it.overlap.offsets, it.overlap.sizes) in shared:
                 continue  # a shared read's part: read once by its source, sent here
             tm = md.tensors[it.fqn]
             chunk = tm.chunks[it.chunk]
@@ -625,11 +626,10 @@ class LoadSteps:
     def _shared_parts(self) -> dict[tuple, list]:
         """(fqn, chunk, destination offsets, overlap) of each part this rank gets from a shared
         read -> its read items (one, unless two destination pieces overlap)."""
-        mine = {(op.fqn, op.chunk, d.offsets, o) for op in self.reply.shared for r, d, o in op.parts
-                if r == self.comm.rank}
+        mine = {(op.fqn, op.chunk, *p[1:]) for op in self.reply.shared for p in op.parts if p[0] == self.comm.rank}
         out: dict[tuple, list] = {}
         for it in self.own.items:
-            key = (it.fqn, it.chunk, it.dest_box.offsets, it.overlap)
+            key = (it.fqn, it.chunk, it.dest_box.offsets, it.overlap.offsets, it.overlap.sizes)
             if key in mine:
                 out.setdefault(key, []).append(it)
         return out
@@ -647,10 +647,10 @@ class LoadSteps:
                 requests.append(ReadRequest(chunk, tm.dtype, Box(relative(op.union, chunk.box), op.union.sizes), buf))
             self.reader.read_tensors(requests, on_done=on_done)
 
-        def deliver(op: SharedRead, dest: Box, overlap: Box, part: torch.Tensor) -> None:
-            key = (op.fqn, op.chunk, dest.offsets, overlap)
+        def deliver(op: SharedRead, part: tuple, data: torch.Tensor) -> None:
+            key = (op.fqn, op.chunk, *part[1:])
             for it in shared.get(key, ()):
-                self.planner.acquire_tensor(it).copy_(part)
+                self.planner.acquire_tensor(it).copy_(data)
             delivered.add(key)
 
         run_shared_reads(self.reply.shared, rank=comm.rank, group=pg,

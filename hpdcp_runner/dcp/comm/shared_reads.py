@@ -26,29 +26,30 @@ from .failures import collective_error
 _TAG_SPACE = 1 << 30
 
 
-def _tag(op: SharedRead, part: int, kind: int) -> int:
-    """A message tag (gloo matches by source and tag): op, part and status/data, folded into
-    gloo's range (a repeat only ever meets a message long delivered: one pair's messages are
-    sent and received in the same order)."""
-    return ((op.seq * 4096 + part % 4096) * 2 + kind) % _TAG_SPACE
+def _tag(op: SharedRead, k: int, kind: int) -> int:
+    """A message tag (gloo matches by source and tag): the op, the receiver's k-th part of it
+    and status/data, folded into gloo's range (a repeat only ever meets a message long
+    delivered: one pair's messages are sent and received in the same order)."""
+    return ((op.seq * 256 + k % 256) * 2 + kind) % _TAG_SPACE
 
 
-def piece(union: torch.Tensor, ubox: Box, part: Box) -> torch.Tensor:
-    """The part ``part`` (global coordinates) of the union tensor covering ``ubox``: a view."""
+def piece(union: torch.Tensor, ubox: Box, offsets: tuple, sizes: tuple) -> torch.Tensor:
+    """The part at ``offsets``/``sizes`` (global coordinates) of the union tensor covering
+    ``ubox``: a view."""
     if not ubox.sizes:
         return union
-    return union[tuple(slice(o - u, o - u + s) for o, u, s in zip(part.offsets, ubox.offsets, part.sizes))]
+    return union[tuple(slice(o - u, o - u + s) for o, u, s in zip(offsets, ubox.offsets, sizes))]
 
 
 def run_shared_reads(ops: Sequence[SharedRead], *, rank: int, group: Any, to_global: Callable[[int], int],
                      read: Callable[[list[SharedRead], list[torch.Tensor], Callable[[int], None]], None],
-                     deliver: Callable[[SharedRead, Box, Box, torch.Tensor], None], counters: Any,
+                     deliver: Callable[[SharedRead, tuple, torch.Tensor], None], counters: Any,
                      max_in_flight: int, world_size: int) -> None:
     """Run this rank's shared reads (``planning.shared_reads.for_rank`` order).
 
     ``read(ops, buffers, on_done)`` reads each op's union into its buffer (``on_done(k)`` once
-    buffer k is filled); ``deliver(op, dest, overlap, part)`` copies a part into this rank's
-    destination. ``group``: a gloo group of the load's ranks; ``to_global`` maps a load rank
+    buffer k is filled); ``deliver(op, part, data)`` copies a part (an entry of ``op.parts``)
+    into this rank's destination. ``group``: a gloo group of the load's ranks; ``to_global`` maps a load rank
     to the global rank the point-to-point calls take.
     """
     error: BaseException | None = None
@@ -77,32 +78,32 @@ def run_shared_reads(ops: Sequence[SharedRead], *, rank: int, group: Any, to_glo
         for op in batch:
             if op.src == rank:
                 buf, ok = held[id(op)]
-                for i, (r, dest, overlap) in enumerate(op.parts):
-                    part = piece(buf, op.union, overlap)
+                nth: dict[int, int] = {}
+                for p in op.parts:
+                    r = p[0]
+                    k = nth[r] = nth.get(r, -1) + 1
+                    part = piece(buf, op.union, p[2], p[3])
                     if r == rank:
                         if ok:
-                            deliver(op, dest, overlap, part)
+                            deliver(op, p, part)
                         continue
                     status = torch.tensor([1 if ok else 0], dtype=torch.int64)
-                    sends.append((dist.isend(status, dst=to_global(r), group=group, tag=_tag(op, i, 0)), status))
+                    sends.append((dist.isend(status, dst=to_global(r), group=group, tag=_tag(op, k, 0)), status))
                     if ok:
                         data = part.contiguous()
-                        sends.append((dist.isend(data, dst=to_global(r), group=group, tag=_tag(op, i, 1)), data))
+                        sends.append((dist.isend(data, dst=to_global(r), group=group, tag=_tag(op, k, 1)), data))
                         counters.bump("shared_bytes_sent", data.numel() * data.element_size())
                 counters.bump("shared_reads")
                 continue
-            for i, (r, dest, overlap) in enumerate(op.parts):
-                if r != rank:
-                    continue
+            for k, p in enumerate(op.parts):  # (this rank's own parts only)
                 status = torch.zeros(1, dtype=torch.int64)
-                wait(dist.irecv(status, src=to_global(op.src), group=group, tag=_tag(op, i, 0)))
+                wait(dist.irecv(status, src=to_global(op.src), group=group, tag=_tag(op, k, 0)))
                 if not status.item():
                     continue
                 while len(inflight) >= max_in_flight:
                     _finish(inflight.popleft(), wait, deliver)
-                data = torch.empty(overlap.sizes, dtype=dtype_from_name(op.dtype))
-                inflight.append((dist.irecv(data, src=to_global(op.src), group=group, tag=_tag(op, i, 1)),
-                                 op, dest, overlap, data))
+                data = torch.empty(p[3], dtype=dtype_from_name(op.dtype))
+                inflight.append((dist.irecv(data, src=to_global(op.src), group=group, tag=_tag(op, k, 1)), op, p, data))
                 counters.bump("bytes_received", data.numel() * data.element_size())
         while inflight:
             _finish(inflight.popleft(), wait, deliver)
@@ -113,6 +114,6 @@ def run_shared_reads(ops: Sequence[SharedRead], *, rank: int, group: Any, to_glo
 
 
 def _finish(entry: tuple, wait: Callable[[Any], None], deliver: Callable) -> None:
-    work, op, dest, overlap, data = entry
+    work, op, part, data = entry
     wait(work)
-    deliver(op, dest, overlap, data)
+    deliver(op, part, data)

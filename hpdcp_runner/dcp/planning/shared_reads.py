@@ -23,12 +23,19 @@ import torch
 
 from ..core.columns import pack_ints, unpack_ints
 from ..core.geometry import Box
+from ..core.utils import get_logger
 from ..format.metadata import element_size
+
+log = get_logger(__name__)
 
 #: a part is worth sharing when its read fetches at least this many times its own bytes
 AMPLIFIED = 1.5
 #: per source rank, the union bytes read before the parts are sent (bounds the held copies)
 ROUND_BYTES = 256 << 20
+#: the most parts the coordinator plans (Python per part: grouping, replies and their encoding
+#: took 4.0 s at 250k parts here, so ~1.6 s at this cap): a load past it (a column reshard at
+#: thousands of ranks) reads as before, every rank its own, and says so
+MAX_PARTS = 100_000
 
 
 @dataclass(frozen=True)
@@ -69,12 +76,19 @@ class CompactParts:
         return cls(tuple(index), t)
 
     def parts(self) -> list[Part]:
+        return [Part(fqn, dtype, c, Box(do, ds), Box(oo, os_), rb, nb)
+                for fqn, dtype, c, do, ds, oo, os_, rb, nb in self.raw()]
+
+    def raw(self) -> list[tuple]:
+        """The parts as plain tuples ``(fqn, dtype, chunk, dest offsets, dest sizes, overlap
+        offsets, overlap sizes, read bytes, bytes)``: what the coordinator groups (a dataclass
+        per part cost it seconds at 250k parts)."""
         d = (self.rows.shape[1] - 4) // 4 if self.rows.numel() else 0
         out = []
         for row in self.rows.tolist():
             fqn, dtype, nd = self.keys[row[0]]
-            box = lambda i: tuple(row[4 + i * d:4 + i * d + nd])  # noqa: E731
-            out.append(Part(fqn, dtype, row[1], Box(box(0), box(1)), Box(box(2), box(3)), row[2], row[3]))
+            out.append((fqn, dtype, row[1], tuple(row[4:4 + nd]), tuple(row[4 + d:4 + d + nd]),
+                        tuple(row[4 + 2 * d:4 + 2 * d + nd]), tuple(row[4 + 3 * d:4 + 3 * d + nd]), row[2], row[3]))
         return out
 
     def to_wire(self) -> dict:
@@ -90,8 +104,9 @@ class CompactParts:
 @dataclass(frozen=True)
 class SharedRead:
     """Chunk ``chunk`` of ``fqn``: ``src`` reads the box ``union`` (global coordinates) once and
-    sends each member its parts; ``parts`` are (rank, destination box, overlap), in rank order,
-    the source's own included. ``round``: the source's reads are done in rounds of at most
+    sends each member its parts; ``parts`` are (rank, destination offsets, overlap offsets,
+    overlap sizes), in rank order, the source's own included (a member other than the source is
+    told its own parts only). ``round``: the source's reads are done in rounds of at most
     ``ROUND_BYTES`` (one read at least), each round's parts sent before the next is read.
     ``seq``: the op's place in the global order (message tags derive from it)."""
 
@@ -100,32 +115,24 @@ class SharedRead:
     chunk: int
     src: int
     union: Box
-    parts: tuple[tuple[int, Box, Box], ...]
+    parts: tuple[tuple[int, tuple, tuple, tuple], ...]
     round: int
     seq: int
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(r for r, _, _ in self.parts))
+        return tuple(dict.fromkeys(p[0] for p in self.parts))
 
     def to_wire(self) -> list:
-        return [self.fqn, self.dtype, self.chunk, self.src, list(self.union.offsets), list(self.union.sizes),
-                [[r, list(d.offsets), list(d.sizes), list(o.offsets), list(o.sizes)] for r, d, o in self.parts],
+        # (tuples are JSON arrays as they are: no copy per part)
+        return [self.fqn, self.dtype, self.chunk, self.src, self.union.offsets, self.union.sizes, self.parts,
                 self.round, self.seq]
 
     @classmethod
     def from_wire(cls, w: list) -> "SharedRead":
         fqn, dtype, chunk, src, uo, us, parts, rnd, seq = w
         return cls(fqn, dtype, chunk, src, Box(tuple(uo), tuple(us)),
-                   tuple((r, Box(tuple(do), tuple(ds)), Box(tuple(oo), tuple(os_))) for r, do, ds, oo, os_ in parts),
-                   rnd, seq)
-
-
-def union_box(boxes: Sequence[Box]) -> Box:
-    """The smallest box holding every box of ``boxes`` (all of one rank of dimensions)."""
-    lo = [min(b.offsets[i] for b in boxes) for i in range(len(boxes[0].offsets))]
-    hi = [max(b.offsets[i] + b.sizes[i] for b in boxes) for i in range(len(boxes[0].offsets))]
-    return Box(tuple(lo), tuple(h - o for o, h in zip(lo, hi)))
+                   tuple((r, tuple(do), tuple(oo), tuple(os_)) for r, do, oo, os_ in parts), rnd, seq)
 
 
 def plan_shared_reads(per_rank: Sequence[CompactParts | Sequence[Part]], *, enabled: bool, mode: str,
@@ -141,39 +148,54 @@ def plan_shared_reads(per_rank: Sequence[CompactParts | Sequence[Part]], *, enab
     """
     if not enabled or mode == "never" or len(per_rank) < 2:
         return []
-    groups: dict[tuple, list[tuple[int, Part]]] = {}
+    total = sum(len(p.rows) if isinstance(p, CompactParts) else len(p) for p in per_rank)
+    if total > MAX_PARTS:
+        log.warning("shared reads: %d parts of chunks to plan (more than %d); every rank reads the chunks it "
+                    "needs parts of itself", total, MAX_PARTS)
+        return []
+    groups: dict[tuple, list[tuple]] = {}
     for rank, parts in enumerate(per_rank):
-        for p in parts.parts() if isinstance(parts, CompactParts) else parts:
-            if (rank, p.fqn, p.dest.offsets) in not_read:
+        raw = parts.raw() if isinstance(parts, CompactParts) else \
+            [(p.fqn, p.dtype, p.chunk, p.dest.offsets, p.dest.sizes, p.overlap.offsets, p.overlap.sizes,
+              p.read_bytes, p.nbytes) for p in parts]
+        for fqn, dtype, chunk, do, _, oo, os_, _, _ in raw:
+            if not_read and (rank, fqn, do) in not_read:
                 continue
-            groups.setdefault((p.fqn, p.chunk), []).append((rank, p))
+            groups.setdefault((fqn, chunk), []).append((rank, do, oo, os_, dtype))
     node_of = list(nodes)
     cands = []
     for (fqn, chunk), members in sorted(groups.items()):
-        ranks = {r for r, _ in members}
-        if len(ranks) < 2 or len({p.dtype for _, p in members}) != 1:
-            continue
-        if len({len(p.overlap.offsets) for _, p in members}) != 1:
+        ranks = {m[0] for m in members}
+        if len(ranks) < 2 or len({m[4] for m in members}) != 1 or len({len(m[2]) for m in members}) != 1:
             continue
         if mode == "auto" and not slow_storage and len({node_of[r] for r in ranks}) < 2:
             continue
-        union = union_box([p.overlap for _, p in members])
-        esize = element_size(members[0][1].dtype)
-        cands.append((union.numel * esize, fqn, chunk, union, sorted(members, key=lambda m: m[0])))
+        nd = len(members[0][2])
+        lo = [min(m[2][i] for m in members) for i in range(nd)]
+        hi = [max(m[2][i] + m[3][i] for m in members) for i in range(nd)]
+        union = Box(tuple(lo), tuple(h - o for o, h in zip(lo, hi)))
+        members.sort(key=lambda m: m[0])  # stable: a rank's parts stay in its own order
+        cands.append((union.numel * element_size(members[0][4]), fqn, chunk, union, members, sorted(ranks)))
     cands.sort(key=lambda c: -c[0])  # stable: equal sizes stay in key order
     assigned: dict[int, int] = {}
     ops = []
-    for nbytes, fqn, chunk, union, members in cands:
-        src = min(sorted({r for r, _ in members}), key=lambda r: assigned.get(r, 0))
+    for nbytes, fqn, chunk, union, members, ranks in cands:
+        src = min(ranks, key=lambda r: assigned.get(r, 0))
         rnd = assigned.get(src, 0) // round_bytes if round_bytes > 0 else 0
         assigned[src] = assigned.get(src, 0) + nbytes
-        ops.append(SharedRead(fqn, members[0][1].dtype, chunk, src, union,
-                              tuple((r, p.dest, p.overlap) for r, p in members), rnd, len(ops)))
+        ops.append(SharedRead(fqn, members[0][4], chunk, src, union, tuple(m[:4] for m in members), rnd, len(ops)))
     return ops
 
 
-def for_rank(ops: Sequence[SharedRead], rank: int) -> list[SharedRead]:
-    """The ops ``rank`` takes part in, in the order every member runs them: by round, then
-    by the global order."""
-    return sorted((o for o in ops if rank in o.ranks), key=lambda o: (o.round, o.seq))
-
+def by_rank(ops: Sequence[SharedRead], world_size: int) -> list[list[SharedRead]]:
+    """Each rank's ops, in the order every member runs them (by round, then by the global order);
+    a member that is not the source gets its own parts only. One pass over the parts."""
+    out: list[list[SharedRead]] = [[] for _ in range(world_size)]
+    for o in sorted(ops, key=lambda o: (o.round, o.seq)):
+        own: dict[int, list] = {}
+        for p in o.parts:
+            own.setdefault(p[0], []).append(p)
+        for r, parts in own.items():
+            out[r].append(o if r == o.src else
+                          SharedRead(o.fqn, o.dtype, o.chunk, o.src, o.union, tuple(parts), o.round, o.seq))
+    return out

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpdcp_runner.dcp.core.geometry import Box
-from hpdcp_runner.dcp.planning.shared_reads import (CompactParts, Part, SharedRead, for_rank, plan_shared_reads,
-                                                     union_box)
+from hpdcp_runner.dcp.planning.shared_reads import CompactParts, Part, SharedRead, by_rank, plan_shared_reads
 
 
 def _col_parts(ranks: int, chunks: int, rows: int = 8, cols: int = 16, fqn: str = "w", dtype: str = "float32"):
@@ -45,6 +44,7 @@ def test_parts_another_replica_reads_are_left_out():
                             not_read=frozenset({(2, "w", (0, 10))}))
     assert len(ops) == 1 and ops[0].ranks == (0, 1)
     assert ops[0].union == Box((0, 0), (8, 10))  # the union of what the members keep, not the chunk
+    assert ops[0].parts == ((0, (0, 0), (0, 0), (8, 5)), (1, (0, 5), (0, 5), (8, 5)))
     # a chunk one rank alone needs is not shared
     assert plan_shared_reads(per[:1] + [[], []], enabled=True, mode="always", nodes=["n"] * 3,
                              slow_storage=False) == []
@@ -60,8 +60,18 @@ def test_rounds_bound_what_a_source_holds():
     ops = plan_shared_reads(_col_parts(2, 8), enabled=True, mode="always", nodes=["n"] * 2, slow_storage=False,
                             round_bytes=2 * 8 * 16 * 4)  # two unions per source per round
     assert [o.round for o in ops if o.src == 0] == [0, 0, 1, 1]
-    mine = for_rank(ops, 1)
+    mine = by_rank(ops, 2)[1]
     assert [(o.round, o.seq) for o in mine] == sorted((o.round, o.seq) for o in ops)
+
+
+def test_each_rank_is_told_its_own_parts_and_a_source_all():
+    ops = plan_shared_reads(_col_parts(4, 2), enabled=True, mode="always", nodes=["n"] * 4, slow_storage=False)
+    per = by_rank(ops, 4)
+    for r in range(4):
+        assert len(per[r]) == 2
+        for o in per[r]:
+            assert [p[0] for p in o.parts] == ([0, 1, 2, 3] if o.src == r else [r])
+    assert by_rank(ops, 5)[4] == []
 
 
 @pytest.mark.parametrize("nd", [0, 1, 3])
@@ -71,10 +81,17 @@ def test_wire_forms_round_trip(nd):
     compact = CompactParts.from_wire(CompactParts.from_parts(parts).to_wire())
     assert compact.parts() == parts
     assert CompactParts.from_wire(CompactParts.from_parts([]).to_wire()).parts() == []
-    op = SharedRead("a.b", "bfloat16", 3, 1, box, ((0, box, box), (1, box, box)), 2, 7)
+    op = SharedRead("a.b", "bfloat16", 3, 1, box, ((0, box.offsets, box.offsets, box.sizes),
+                                                  (1, box.offsets, box.offsets, box.sizes)), 2, 7)
     assert SharedRead.from_wire(op.to_wire()) == op
 
 
-def test_union_box():
-    assert union_box([Box((0, 4), (2, 2)), Box((3, 0), (1, 2))]) == Box((0, 0), (4, 6))
-    assert union_box([Box((), ())]) == Box((), ())
+def test_past_the_part_cap_every_rank_reads_its_own(monkeypatch, caplog):
+    import hpdcp_runner.dcp.planning.shared_reads as sr
+
+    monkeypatch.setattr(sr, "MAX_PARTS", 7)
+    per = _col_parts(2, 4)  # 8 parts
+    assert plan_shared_reads(per, enabled=True, mode="always", nodes=["n"] * 2, slow_storage=False) == []
+    assert "8 parts" in caplog.text
+    monkeypatch.setattr(sr, "MAX_PARTS", 8)
+    assert len(plan_shared_reads(per, enabled=True, mode="always", nodes=["n"] * 2, slow_storage=False)) == 4
