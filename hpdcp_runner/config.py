@@ -153,6 +153,10 @@ class DcpConf:
     # process mode: the persisting process runs this much nicer than training (0-19), so its
     # writes and checksums yield the cores to the steps; 0: the same priority
     persist_nice: int = 10
+    # async saves: now = the host copy is made before async_save returns; background = in the
+    # background, while the next step's forward and backward run (the train job waits for it
+    # just before its optimizer step, the first point where the state changes)
+    async_staging: str = "now"
 
 
 @dataclass
@@ -693,6 +697,7 @@ class EngineOptions:
     async_mode: str = "thread"
     persist_start_wait_s: float = 0.0
     persist_nice: int = 10
+    async_staging: str = "now"
 
     def knobs(self) -> dict:
         """The knob values as the engine received them, for metrics.json."""
@@ -705,7 +710,7 @@ class EngineOptions:
                 "dcp.storage.max_request_bytes": r.max_request_bytes,
                 "dcp.storage.max_read_bytes_per_s": r.max_read_bytes_per_s, "dcp.format_version": self.format_version,
                 "dcp.async_mode": self.async_mode, "dcp.persist_start_wait_s": self.persist_start_wait_s,
-                "dcp.persist_nice": self.persist_nice,
+                "dcp.persist_nice": self.persist_nice, "dcp.async_staging": self.async_staging,
                 **{f"dcp.storage.{k}": v for k, v in self.store.kwargs().items()}}
 
 
@@ -755,6 +760,8 @@ def engine_options(c: Config) -> EngineOptions:
         problems.append(f"dcp.async_mode: {d.async_mode!r} is not thread or process")
     if not 0 <= d.persist_start_wait_s <= 3600:  # nan fails both
         problems.append(f"dcp.persist_start_wait_s: {d.persist_start_wait_s!r} is not seconds from 0 to 3600")
+    if d.async_staging not in ("now", "background"):
+        problems.append(f"dcp.async_staging: {d.async_staging!r} is not now or background")
     if not 0 <= d.persist_nice <= 19:
         problems.append(f"dcp.persist_nice: {d.persist_nice!r} is not a niceness from 0 to 19")
     if d.broadcast.mode not in ("always", "never", "auto"):
@@ -776,7 +783,7 @@ def engine_options(c: Config) -> EngineOptions:
         raise ConfigError("\n".join(problems))
     return EngineOptions(d.planner.name, broadcast, reader, store, s.fsync, d.timeout_s, d.allow_pickle, d.allow_cast,
                          d.verify_replicas, d.cache_plan, d.format_version, d.async_mode, d.persist_start_wait_s,
-                         d.persist_nice)
+                         d.persist_nice, d.async_staging)
 
 
 def layout_from_file(layout: LayoutConf) -> LayoutConf:

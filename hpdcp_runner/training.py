@@ -20,7 +20,7 @@ restores at any world size. The per-rank torch RNG is checkpointed per rank (see
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,9 @@ class Trainer:
         self.rng = torch.Generator().manual_seed(seed)  # global: identical on every rank
         self.step = 0
         self.data_position = 0  # samples consumed, globally
+        #: called once per step just before the optimizer changes the parameters and its state:
+        #: where a save staged in the background must have copied them
+        self.before_update: Callable[[], None] | None = None
 
     def train_step(self) -> float:
         P = full_params(self.model)
@@ -165,6 +168,8 @@ class Trainer:
             dist.all_reduce(losses)
         flat = G.sum(0) / self.units
         self._apply_grads(flat, names, P)
+        if self.before_update is not None:
+            self.before_update()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1

@@ -9,7 +9,10 @@ training loop's and deadlock.
 Rules a caller can rely on:
 
 * ``async_save`` returns once the state is copied: tensors mutated afterwards do not change the
-  checkpoint. Staging buffers are reused between saves (pinned host memory for CUDA sources), so
+  checkpoint. With ``staging="background"`` it returns at once and the copy runs in the
+  background thread: the caller must not change the state's tensors until
+  ``response.wait_staged()`` returned (a training loop calls it just before its optimizer step,
+  so the copy overlaps the forward and backward passes). Staging buffers are reused between saves (pinned host memory for CUDA sources), so
   steady-state extra memory is one copy of the rank's local shards (``release_staging_buffers``
   frees it).
 * At most one async save is in flight per process: a second ``async_save`` first waits for the
@@ -35,13 +38,15 @@ import torch
 import torch.distributed as dist
 
 from .comm.collectives import gloo_group
-from .core.errors import CollectiveTimeoutError, ConfigError
+from .core import faults
+from .core.errors import CollectiveTimeoutError, ConfigError, StateDictError
 from .format.metadata import Metadata
 from .core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
-from .planning.standard import local_pieces
-from .staging import StagingBuffers
+from .planning.interfaces import SavePlanner
+from .planning.standard import StandardSavePlanner, local_pieces
+from .staging import DeferredCopies, StagingBuffers
 from .state_dict import stateful_to_state_dict
-from .core.utils import TENSOR_LEAVES, gc_paused, get_logger, is_dtensor
+from .core.utils import TENSOR_LEAVES, gc_paused, get_logger, is_dtensor, rank_of_env
 
 log = get_logger(__name__)
 
@@ -100,7 +105,12 @@ class AsyncSaveResponse:
 
     def __init__(self, checkpoint_id: str | None, staging_seconds: float) -> None:
         self.checkpoint_id = checkpoint_id
+        #: what ``async_save`` held the caller for (with background staging: not the copy)
         self.staging_seconds = staging_seconds
+        #: background staging: the copy's own seconds, in the background thread (None: staged
+        #: before ``async_save`` returned)
+        self.copy_seconds: float | None = None
+        self._staged: Future = Future()
         self.persist_seconds: float | None = None
         #: what writes the files: "thread", or "process" (a process-mode save made while the
         #: persisting process was still starting is written by a thread instead)
@@ -110,6 +120,13 @@ class AsyncSaveResponse:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until the state is copied (at once unless ``staging="background"``): from then
+        on the caller may change its tensors. Never raises (a failed copy fails the save, which
+        ``result()`` raises); True when the copy is over."""
+        futures_wait([self._staged], timeout)
+        return self._staged.done()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until persisted (or failed) without raising; True when finished. Waits on the
@@ -131,6 +148,30 @@ class AsyncSaveResponse:
     def exception(self) -> BaseException | None:
         self.wait()
         return self._future.exception()
+
+
+class _FailedCopy(SavePlanner):
+    """The planner of a save whose background copy failed on this rank: it plans as the real one
+    (the other ranks are already in the save's collectives), and raises the copy's failure where
+    this rank's data would be written, an agreed step, so every rank fails the save and nothing
+    commits. (A rank that writes none of its chunks loses nothing: what it held is written by
+    the ranks that hold it too.)"""
+
+    def __init__(self, inner: SavePlanner, error: BaseException) -> None:
+        self.inner, self.error = inner, error
+
+    def configure(self, state_dict: Mapping[str, Any], **kwargs: Any) -> None:
+        self.inner.configure(state_dict, **kwargs)
+
+    def create_local_plan(self) -> Any:
+        return self.inner.create_local_plan()
+
+    def create_global_plan(self, layouts: Any) -> Any:
+        return self.inner.create_global_plan(layouts)
+
+    def resolve_data(self, item: Any) -> Any:
+        raise StateDictError(f"the background copy of the state (async_save staging='background') failed on "
+                          f"this rank: {type(self.error).__name__}: {self.error}") from self.error
 
 
 def _persist_group(process_group: Any, timeout: float | _dt.timedelta | None) -> Any:
@@ -189,10 +230,37 @@ def start_async_persist(mode: str, wait_s: float = 0.0, nice: int | None = None)
     return persister.persister().wait_ready(wait_s) if wait_s > 0 else persister.persister().ready()
 
 
+STAGING = ("now", "background")
+
+
+def _process_writer(mode: str, checkpoint_id: Any, timeout: Any, save_kwargs: dict) -> tuple[str, Any]:
+    """Process mode: the shared staging, with the save's writer wrapped to write from the
+    persisting process (in ``save_kwargs``); a process still starting turns the save into a
+    thread-mode one. Returns the mode that writes and its staging buffers (None: this process's)."""
+    if mode != "process":
+        return mode, None
+    from . import persister
+
+    bufs = persister.prepare()
+    if not persister.persister().ready():  # still starting: its start-up must not land on this loop
+        log.info("async save of %s: the persisting process is still starting; this save is written by a "
+                 "thread of this process", checkpoint_id)
+        return "thread", None
+    from .storage.checkpoint_io import open_writer
+
+    writer = save_kwargs.get("storage_writer")
+    if writer is None:
+        if checkpoint_id is None:
+            raise ConfigError("give checkpoint_id (a directory or URI) or a storage writer")
+        writer = open_writer(str(checkpoint_id))
+    save_kwargs["storage_writer"] = persister.ProcessWriter(writer, bufs, silence_s=_seconds(timeout))
+    return mode, bufs
+
+
 def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, process_group: Any = None,
                timeout: float | _dt.timedelta | None = None,
                callback: Callable[[Metadata], None] | None = None, mode: str = "thread",
-               **save_kwargs: Any) -> AsyncSaveResponse:
+               staging: str = "now", **save_kwargs: Any) -> AsyncSaveResponse:
     """Stage ``state_dict`` to host memory now, save it in the background; every rank calls it.
 
     Takes the same keyword arguments as ``save`` (storage_writer, planner, overwrite,
@@ -202,7 +270,11 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
     (``persister.py``), so serialising, hashing and uploads never hold this process's GIL; a
     rank whose persisting process is still starting writes that save by a thread instead (its
     start-up never lands on the caller; ``response.mode`` says which, and the ranks need not
-    agree). Returns an ``AsyncSaveResponse``.
+    agree). ``staging``: ``now`` copies the state before returning; ``background`` returns
+    once its host buffers are found (the structure and non-tensor values copied) and copies the
+    tensors in the background thread, before the save: the caller keeps its tensors unchanged
+    until ``response.wait_staged()`` (forward passes that update buffers, like BatchNorm's running
+    statistics, count as changes). Returns an ``AsyncSaveResponse``.
     """
     global _IN_FLIGHT
     from .api import _check_extra, save  # api imports this module's names lazily; avoid a cycle at import time
@@ -210,39 +282,38 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
     if "timer" in save_kwargs:
         raise ConfigError("async_save takes no timer (the save runs in another thread)")
     _check_mode(mode)
+    if staging not in STAGING:
+        raise ConfigError(f"async_save staging must be one of {', '.join(STAGING)}, got {staging!r}")
     _check_extra(save_kwargs.get("extra"))  # refused now, in the caller's thread, not in the background
     wait_for_async_saves()  # one in flight at a time: the staging buffers are reused
     t0 = time.perf_counter()
     group = _persist_group(process_group, timeout)
-    bufs = None
-    if mode == "process":
-        from . import persister
-
-        bufs = persister.prepare()
-        if not persister.persister().ready():  # still starting: its start-up must not land on this loop
-            log.info("async save of %s: the persisting process is still starting; this save is written by a "
-                     "thread of this process", checkpoint_id)
-            mode, bufs = "thread", None
-    if mode == "process":
-        from .storage.checkpoint_io import open_writer
-
-        writer = save_kwargs.get("storage_writer")
-        if writer is None:
-            if checkpoint_id is None:
-                raise ConfigError("give checkpoint_id (a directory or URI) or a storage writer")
-            writer = open_writer(str(checkpoint_id))
-        save_kwargs["storage_writer"] = persister.ProcessWriter(writer, bufs, silence_s=_seconds(timeout))
+    mode, bufs = _process_writer(mode, checkpoint_id, timeout, save_kwargs)
+    copies = DeferredCopies(_BUFFERS if bufs is None else bufs) if staging == "background" else None
     with gc_paused(threading.current_thread() is threading.main_thread()):  # see utils.gc_paused
-        staged = stage_state_dict(stateful_to_state_dict(state_dict)[0], bufs)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        staged = stage_state_dict(stateful_to_state_dict(state_dict)[0], bufs if copies is None else copies)
+    if copies is not None:
+        copies.mark()
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # non-blocking device-to-pinned copies done before we return
     path = None if checkpoint_id is None else str(checkpoint_id)
     response = AsyncSaveResponse(path, time.perf_counter() - t0)
     response.mode = mode
+    if copies is None:
+        response._staged.set_result(None)
 
     def persist() -> None:
         t1 = time.perf_counter()
         try:
+            if copies is not None:
+                try:
+                    faults.point("stage.copy", rank=rank_of_env())
+                    copies.run()
+                except BaseException as e:  # noqa: BLE001 - the save still runs, to fail on every rank
+                    save_kwargs["planner"] = _FailedCopy(save_kwargs.get("planner") or StandardSavePlanner(), e)
+                finally:
+                    response.copy_seconds = time.perf_counter() - t1
+                    response._staged.set_result(None)
             # The group carries the timeout; passing it again would make save create yet another
             # group from this thread, racing the training thread's group creation.
             md = save(staged, checkpoint_id=checkpoint_id, process_group=group,

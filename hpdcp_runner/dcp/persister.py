@@ -175,7 +175,7 @@ class SharedStaging(StagingBuffers):
         self._allocated += need
         return view
 
-    def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+    def buffer(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
         buf = self._bufs.get(key)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             if buf is not None:
@@ -184,6 +184,10 @@ class SharedStaging(StagingBuffers):
             buf = raw.view(src.dtype).view(src.shape) if src.dim() else raw.view(src.dtype).view(())
             self._bufs[key] = buf
             self.nbytes += buf.numel() * buf.element_size()
+        return buf
+
+    def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+        buf = self.buffer(key, src)
         buf.copy_(src.detach())
         return buf
 

@@ -3,6 +3,8 @@ the process mode's shared-memory staging in ``persister.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -13,7 +15,8 @@ class StagingBuffers:
         self._bufs: dict[tuple, torch.Tensor] = {}
         self.nbytes = 0
 
-    def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+    def buffer(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+        """The host buffer for ``src`` at ``key``: the last save's when shape and dtype match."""
         buf = self._bufs.get(key)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             if buf is not None:
@@ -22,9 +25,57 @@ class StagingBuffers:
             buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
             self._bufs[key] = buf
             self.nbytes += buf.numel() * buf.element_size()
+        return buf
+
+    def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+        buf = self.buffer(key, src)
         buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
         return buf
 
     def clear(self) -> None:
         self._bufs.clear()
         self.nbytes = 0
+
+
+class DeferredCopies:
+    """Stands in for ``StagingBuffers`` while a state is staged in the background: ``copy``
+    hands out the buffer now (so the staged structure exists at once) and only records the copy;
+    ``run`` makes them all later, in another thread. CUDA sources are copied on a stream of
+    their own, after an event recorded where ``async_save`` was called (every write the caller
+    queued before it is in the copy), and ``run`` returns once they landed."""
+
+    def __init__(self, bufs: StagingBuffers) -> None:
+        self.bufs = bufs
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.event = None
+
+    def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+        buf = self.bufs.buffer(key, src)
+        self.pending.append((buf, src.detach()))
+        return buf
+
+    def mark(self) -> None:
+        """In the caller's thread, once staged: where on its CUDA stream the copies start."""
+        if any(src.device.type == "cuda" for _, src in self.pending):
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def run(self) -> int:
+        """Make every recorded copy; the bytes copied."""
+        total = 0
+        stream = None
+        if self.event is not None:
+            stream = torch.cuda.Stream()
+            stream.wait_event(self.event)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for buf, src in self.pending:
+                cuda = src.device.type == "cuda"
+                if cuda:
+                    src.record_stream(stream)  # the caching allocator must not reuse it before the copy
+                buf.copy_(src, non_blocking=cuda)
+                total += buf.numel() * buf.element_size()
+        if stream is not None:
+            stream.synchronize()
+        self.pending.clear()
+        return total
+

@@ -228,7 +228,7 @@ class JobContext:
                                   overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
                                   allow_pickle=e.allow_pickle, verify_replicas=e.verify_replicas, timeout=e.timeout_s,
                                   cache_plan=e.cache_plan, format_version=e.format_version, callback=done,
-                                  extra=self._extra(series), mode=e.async_mode)
+                                  extra=self._extra(series), mode=e.async_mode, staging=e.async_staging)
 
     def _extra(self, series: tuple[str, int | None] | None) -> dict | None:
         extra = dict(series_extra(*series)) if series else {}

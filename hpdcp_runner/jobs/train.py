@@ -268,10 +268,13 @@ def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, ti
     start = tr.step
     for _ in ctx.progress(range(start, job.steps), "train", total=job.steps - start):
         busy = _busy(tiers)
+        hook = tr.before_update
         t0 = time.perf_counter()
         with ctx.metrics.phase("train.step"):
             loss = tr.train_step()
-        timeline["steps"].append([tr.step, round(time.perf_counter() - t0, 6), int(busy or _busy(tiers))])
+        # a step's seconds leave out its wait for a background staging copy (that save's blocking)
+        took = time.perf_counter() - t0 - getattr(hook, "seconds", 0.0)
+        timeline["steps"].append([tr.step, round(took, 6), int(busy or _busy(tiers))])
         losses[tr.step] = loss
         log.info("step %d loss %.6f", tr.step, loss)
         if job.save_every and tr.step % job.save_every == 0:
@@ -281,6 +284,7 @@ def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, ti
             timeline["saves"].append([tr.step, round(time.perf_counter() - t0, 6), staged])
             if pending is not None:  # what wrote it (a process-mode save made while its process started: a thread)
                 timeline.setdefault("writers", []).append([tr.step, pending.mode])
+                tr.before_update = _staging_wait(ctx, tr, pending, timeline["saves"][-1])
         # the drill kills once: a restarted attempt (torchrun --max-restarts, a requeue) runs on
         if job.kill_after_step == tr.step and rank == kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                                                    "0") == "0":
@@ -289,6 +293,25 @@ def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, ti
     if pending is not None:  # after the last step: the job waits, training does not
         with ctx.metrics.phase("train.final_commit_wait"):
             pending.result()
+
+
+def _staging_wait(ctx: JobContext, tr: Trainer, pending: dcp.AsyncSaveResponse, entry: list) -> Any:
+    """The next step's wait, just before its optimizer step, for a save staged in the background
+    (``dcp.async_staging=background``): part of that save's blocking, in its timeline entry and
+    in ``train.save_blocking``. Nothing to wait for when staged before ``async_save`` returned."""
+    if ctx.engine.async_staging != "background":
+        return None
+
+    def wait() -> None:
+        tr.before_update = None
+        t0 = time.perf_counter()
+        with ctx.metrics.phase("train.save_blocking"), ctx.metrics.phase("train.staging_wait"):
+            pending.wait_staged()
+        wait.seconds = time.perf_counter() - t0
+        entry[1] = round(entry[1] + wait.seconds, 6)
+
+    wait.seconds = 0.0
+    return wait
 
 
 def _checkpoint(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str,

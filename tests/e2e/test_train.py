@@ -69,3 +69,28 @@ def test_train_config_errors(cli, tmp_path):
     assert r.returncode == 2
     for key in ("layout.kind", "model.kind", "checkpoint.rank_state"):
         assert key in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_background_staging_resumes_bitwise(cli, tmp_path, mode, monkeypatch):
+    """dcp.async_staging=background: the copy runs beside the next step's forward and backward,
+    the step waits for it before its optimizer update. Each copy is held back 0.5 s (the
+    ``stage.copy`` fault point), longer than a step here: a copy that raced the update would
+    save a state the losses after a resume cannot reproduce."""
+    ck = tmp_path / "ck"
+    run = ["+job=train", "job.steps=8", "job.save_every=2", "dcp.async_staging=background", f"dcp.async_mode={mode}",
+           "dcp.persist_start_wait_s=60"]
+    monkeypatch.setenv("HPDCP_FAULTS", "stage.copy:sleep=0.5")
+    r = cli(run + [f"hydra.run.dir={tmp_path}/a", f"checkpoint.dir={ck}", "checkpoint.keep_last=0"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    monkeypatch.delenv("HPDCP_FAULTS")
+    m = metrics(tmp_path / "a")
+    assert m["engine"]["dcp.async_staging"] == "background"
+    waits = [rk["phases_s"].get("train.staging_wait") for rk in m["ranks"]]
+    assert all(w is not None and w > 0.3 for w in waits), m["ranks"]  # each step after a save waited there
+    r = cli(run + [f"hydra.run.dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/ck2", f"checkpoint.resume={ck}/step_4",
+                   f"job.compare_losses={tmp_path}/a/losses.json"], nproc=2)
+    assert r.returncode == 0, _tail(r)
+    res = metrics(tmp_path / "b")["result"]
+    assert res["start_step"] == 4 and res["reproduced"] and res["bitwise"], res

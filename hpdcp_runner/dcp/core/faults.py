@@ -17,6 +17,7 @@ with ``rank`` and ``path`` (the checkpoint's final path): ``save.plan`` as a ran
 before a file is synced, ``commit.rename`` just before the renames that publish a checkpoint,
 ``copy.file`` (also ``rank``) before a drain copies a file (``drain.copy_checkpoint``),
 ``persist.write`` (``rank``) in a persisting process before it writes (``async_save(mode="process")``),
+``stage.copy`` (``rank``) in ``async_save``'s background thread before a background staging copy,
 ``retention.delete`` between renaming a checkpoint to trash and deleting it, ``load.read`` (also
 ``file``, ``rank``) before each read of a checkpoint file.
 

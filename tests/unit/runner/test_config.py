@@ -80,7 +80,7 @@ dcp.broadcast.batch_bytes dcp.broadcast.max_in_flight dcp.broadcast.mode dcp.bro
 dcp.storage.max_read_bytes_per_s dcp.storage.read_gap_bytes dcp.storage.max_request_bytes dcp.storage.shared
 dcp.allow_cast dcp.allow_pickle dcp.planner.name dcp.storage.files_kept dcp.storage.fsync
 dcp.storage.max_metadata_bytes dcp.storage.name dcp.storage.verify_checksums dcp.timeout_s dcp.verify_replicas
-dcp.cache_plan dcp.format_version dcp.async_mode dcp.persist_start_wait_s dcp.persist_nice
+dcp.cache_plan dcp.format_version dcp.async_mode dcp.persist_start_wait_s dcp.persist_nice dcp.async_staging
 dcp.storage.endpoint dcp.storage.region dcp.storage.allow_http dcp.storage.part_size dcp.storage.concurrency
 dcp.storage.max_retries dcp.storage.coalesce_bytes dcp.storage.read_buffer_bytes dcp.storage.orphan_grace_s
 dcp.storage.request_timeout_s dcp.storage.retry_timeout_s dcp.storage.unconditional_ok dcp.storage.store_digests
