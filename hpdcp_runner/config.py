@@ -153,10 +153,10 @@ class DcpConf:
     # process mode: the persisting process runs this much nicer than training (0-19), so its
     # writes and checksums yield the cores to the steps; 0: the same priority
     persist_nice: int = 10
-    # async saves: now = the host copy is made before async_save returns; background = in the
-    # background, while the next step's forward and backward run (the train job waits for it
-    # just before its optimizer step, the first point where the state changes)
-    async_staging: str = "now"
+    # async saves: background = the host copy runs while the next step's forward and backward
+    # run (the train job waits for it just before its optimizer step, the first point where the
+    # state changes); now = the copy is made before async_save returns
+    async_staging: str = "background"
 
 
 @dataclass
@@ -697,7 +697,7 @@ class EngineOptions:
     async_mode: str = "thread"
     persist_start_wait_s: float = 0.0
     persist_nice: int = 10
-    async_staging: str = "now"
+    async_staging: str = "background"
 
     def knobs(self) -> dict:
         """The knob values as the engine received them, for metrics.json."""

@@ -94,6 +94,8 @@ STEP_CASES = {
     "no saves": ["job.save_every=0"],
     "sync, node-local + replica": ["job.async_save=false"],
     "process async, node-local + replica": ["dcp.async_mode=process", "dcp.persist_start_wait_s=60"],
+    "process async, background staging": ["dcp.async_mode=process", "dcp.persist_start_wait_s=60",
+                                           "dcp.async_staging=background"],
 }
 
 
