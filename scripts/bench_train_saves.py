@@ -1,6 +1,7 @@
 """What checkpointing costs a training loop: the train job run through the CLI (torchrun, ``--nproc`` ranks)
-with no saves, sync saves, thread async, process async, process async into a fast tier drained
-to a bucket (moto on loopback), and process async straight to the bucket.
+with no saves, sync saves, thread async, process async (each with the host copy in the background,
+the default, and made before the save returns: "staged now"), process async into a fast tier
+drained to a bucket (moto on loopback), and process async straight to the bucket.
 
     python scripts/bench_train_saves.py --reps 3
 
@@ -35,7 +36,9 @@ CASES = {
     "no saves": ["job.save_every=0"],
     "sync": ["job.async_save=false"],
     "thread async": ["dcp.async_mode=thread"],
+    "thread async (staged now)": ["dcp.async_mode=thread", "dcp.async_staging=now"],
     "process async": ["dcp.async_mode=process"],
+    "process async (staged now)": ["dcp.async_mode=process", "dcp.async_staging=now"],
     "tiers (local + bucket)": ["dcp.async_mode=process", "checkpoint.fast_tier.dir={fast}",
                                "checkpoint.dir={bucket}/tiered", "checkpoint.fast_tier.keep_last=2",
                                "checkpoint.keep_last=2"],
