@@ -45,7 +45,7 @@ def run_shared_reads(ops: Sequence[SharedRead], *, rank: int, group: Any, to_glo
                      read: Callable[[list[SharedRead], list[torch.Tensor], Callable[[int], None]], None],
                      deliver: Callable[[SharedRead, tuple, torch.Tensor], None], counters: Any,
                      max_in_flight: int, world_size: int) -> None:
-    """Run this rank's shared reads (``planning.shared_reads.for_rank`` order).
+    """Run this rank's shared reads (in ``planning.shared_reads.by_rank`` order).
 
     ``read(ops, buffers, on_done)`` reads each op's union into its buffer (``on_done(k)`` once
     buffer k is filled); ``deliver(op, part, data)`` copies a part (an entry of ``op.parts``)
