@@ -48,6 +48,7 @@ class DeferredCopies:
         self.bufs = bufs
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.event = None
+        self.device = None
 
     def copy(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
         buf = self.bufs.buffer(key, src)
@@ -55,17 +56,18 @@ class DeferredCopies:
         return buf
 
     def mark(self) -> None:
-        """In the caller's thread, once staged: where on its CUDA stream the copies start."""
-        if any(src.device.type == "cuda" for _, src in self.pending):
+        """In the caller's thread, once staged: where on its CUDA stream the copies start (the
+        device of the first CUDA source; a rank's state lives on one device)."""
+        self.device = next((src.device for _, src in self.pending if src.device.type == "cuda"), None)
+        if self.device is not None:
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.device))
 
-    def run(self) -> int:
-        """Make every recorded copy; the bytes copied."""
-        total = 0
+    def run(self) -> None:
+        """Make every recorded copy."""
         stream = None
         if self.event is not None:
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream(device=self.device)
             stream.wait_event(self.event)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for buf, src in self.pending:
@@ -73,9 +75,6 @@ class DeferredCopies:
                 if cuda:
                     src.record_stream(stream)  # the caching allocator must not reuse it before the copy
                 buf.copy_(src, non_blocking=cuda)
-                total += buf.numel() * buf.element_size()
         if stream is not None:
             stream.synchronize()
         self.pending.clear()
-        return total
-
