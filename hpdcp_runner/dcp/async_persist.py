@@ -12,8 +12,8 @@ Rules a caller can rely on:
   checkpoint. With ``staging="background"`` it returns at once and the copy runs in the
   background thread: the caller must not change the state's tensors until
   ``response.wait_staged()`` returned (a training loop calls it just before its optimizer step,
-  so the copy overlaps the forward and backward passes). Staging buffers are reused between saves (pinned host memory for CUDA sources), so
-  steady-state extra memory is one copy of the rank's local shards (``release_staging_buffers``
+  so the copy overlaps the forward and backward passes). Staging buffers are reused between
+  saves (pinned host memory for CUDA sources), so steady-state extra memory is one copy of the rank's local shards (``release_staging_buffers``
   frees it).
 * At most one async save is in flight per process: a second ``async_save`` first waits for the
   previous one to finish (its outcome stays with its own response). Every rank must issue the
@@ -171,7 +171,7 @@ class _FailedCopy(SavePlanner):
 
     def resolve_data(self, item: Any) -> Any:
         raise StateDictError(f"the background copy of the state (async_save staging='background') failed on "
-                          f"this rank: {type(self.error).__name__}: {self.error}") from self.error
+                             f"this rank: {type(self.error).__name__}: {self.error}") from self.error
 
 
 def _persist_group(process_group: Any, timeout: float | _dt.timedelta | None) -> Any:

@@ -5,7 +5,7 @@ beside it (``core.columns.encode_frame``); no pickle crosses ranks. A step
 runs on every rank (``local``) or on the coordinator only (``coordinate``); ``Comm`` carries the
 wire forms and turns a failure anywhere into the same error everywhere. Call sequence::
 
-    save:  SaveSteps.summarize: all-gather of 73-byte SaveSummary (ranks that disagree on the checkpoint id or options: one error); all as cached -> cached write lists
+    save:  SaveSteps.summarize: all-gather of 81-byte SaveSummary (ranks that disagree on the checkpoint id or options: one error); all as cached -> cached write lists
            else SaveSteps.local_plan  --table + shared items, from the lowest rank of each digest-->
                 SaveSteps.global_plan  --SaveReply-->  every rank
            SaveSteps.write  --envelope (files, objects, counts)-->  coordinator
@@ -52,7 +52,7 @@ from .storage.interfaces import ReadRequest, StorageReader, StorageWriter
 
 # -- messages -------------------------------------------------------------------------------------
 
-SUMMARY_BYTES = 1 + 16 * 3 + 8 + 16  # flag, plan, table, shared-items digests, unique bytes, inputs
+SUMMARY_BYTES = 1 + 16 * 3 + 8 + 16 + 8  # flag, plan, table, shared-items digests, unique bytes, inputs, cache
 PLAN_BYTES = (0, 17)  # the flag and the plan digest: what a cached plan compares
 TABLE_BYTES = (17, 33)  # ranks with equal bytes here have one key table
 LAYOUT_BYTES = (17, 49)  # ... and here, one key table and the same shared items
@@ -60,6 +60,7 @@ SHARED_BYTES = (33, 49)  # zero: no shared items
 UNIQUE_BYTES = (49, 57)
 ID_BYTES = (57, 65)  # the checkpoint id's digest
 OPTIONS_BYTES = (65, 73)  # the digest of every other input the commit depends on
+CACHE_BYTES = (73, 81)  # the digest of the rank's cached plan for this group (zero: none)
 
 
 def plan_digest(plan: CompactPlan) -> str:
@@ -82,12 +83,13 @@ class SaveSummary:
     shared: str
     unique_bytes: int
     inputs: bytes = bytes(16)  # ID_BYTES and OPTIONS_BYTES: what every rank must agree on
+    cached: bytes = bytes(8)  # CACHE_BYTES: which cached plan this rank holds, so all decide alike
 
     def encode(self) -> bytes:
         if not self.ok:
             return bytes(SUMMARY_BYTES)
         return (b"\x01" + bytes.fromhex(self.plan) + bytes.fromhex(self.table) + bytes.fromhex(self.shared)
-                + struct.pack("<q", self.unique_bytes) + self.inputs)
+                + struct.pack("<q", self.unique_bytes) + self.inputs + self.cached)
 
 
 def _digest8(value: Any) -> bytes:
@@ -292,7 +294,9 @@ class SaveSteps:
         options = [self.overwrite, self.allow_pickle, self.verify_replicas, self.cache_plan, self.format_version,
                    self.writer.protocol_kind, extra]
         inputs = _digest8(str(self.path or self.writer.checkpoint_id)) + _digest8(options)
-        return SaveSummary(True, self.digest, c.table_digest(), shared, c.unique_bytes(), inputs)
+        cached = self._cache
+        return SaveSummary(True, self.digest, c.table_digest(), shared, c.unique_bytes(), inputs,
+                           cached["tag"] if cached is not None else bytes(8))
 
     def _check_inputs(self) -> None:
         """Every rank saves the same checkpoint with the same options, checked before anything is
@@ -308,12 +312,14 @@ class SaveSteps:
                                   f"rank must pass the same; nothing was written")
 
     def summarize(self) -> bool:
-        """Every rank's fixed-size ``SaveSummary``, all-gathered (N x 73 bytes, nothing decoded).
-        With ``cache_plan``, a repeated structure stops here: when every plan digest equals the
-        cached save's, each rank reuses its cached write list and rank 0 opens the staging area
-        (returns True). Any difference, or a failure while planning on any rank, goes to the
-        full plan round, which plans it (or reports the failure) on every rank. Every rank sees
-        the same summaries, so every rank decides the same way."""
+        """Every rank's fixed-size ``SaveSummary``, all-gathered (N x 81 bytes, nothing decoded).
+        With ``cache_plan``, a repeated structure stops here: when every rank holds the same
+        cached plan (its digest in the summary) and every plan digest equals that save's, each
+        rank reuses its cached write list and rank 0 opens the staging area (returns True). Any
+        difference (a rank without the cached plan: another planner, a cache it dropped), or a
+        failure while planning on any rank, goes to the full plan round, which plans it (or
+        reports the failure) on every rank. Every rank sees the same summaries, so every rank
+        decides the same way."""
         try:
             self._prepare()
             row = self._summary().encode()
@@ -324,7 +330,9 @@ class SaveSteps:
         if not self.cache_plan:
             return False
         cached = self._cache
-        if cached is None or not torch.equal(self.digests[:, slice(*PLAN_BYTES)], cached["digests"]):
+        tags = self.digests[:, slice(*CACHE_BYTES)]
+        if cached is None or not bool((tags == tags[0]).all()) or not torch.equal(
+                self.digests[:, slice(*PLAN_BYTES)], cached["digests"]):
             return False
         self.token = self.comm.agree_root("save: begin", lambda: self.writer.begin(overwrite=self.overwrite))
         if self.comm.rank == 0:
@@ -368,8 +376,9 @@ class SaveSteps:
         self.writes = torch.sort(torch.cat([self.shared_idx[reply.writes], self.compact.unique_items()])).values
         PLAN_CACHE_STATS["misses"] += 1
         if self.cache_plan and not self.verify_replicas:
-            entry = {"digests": self.digests[:, slice(*PLAN_BYTES)].clone(), "writes": reply.writes, "ndim": reply.ndim,
-                     "items": self.writes}
+            digests = self.digests[:, slice(*PLAN_BYTES)].clone()
+            entry = {"digests": digests, "writes": reply.writes, "ndim": reply.ndim, "items": self.writes,
+                     "tag": hashlib.blake2b(digests.numpy().tobytes(), digest_size=8).digest()}
             if self.comm.rank == 0:
                 entry["gplan"] = self.gplan
             _PLAN_CACHE[_cache_key(self.comm, self.planner)] = entry

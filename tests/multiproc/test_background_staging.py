@@ -42,7 +42,8 @@ def _cases(rank: int, ws: int, root: str, mode: str) -> dict:
     state, full = _state(ws)
     gate = threading.Event()
     with faults.armed("stage.copy", lambda **_: gate.wait(60)):  # the copy waits until the test lets it
-        resp = async_save(state, checkpoint_id=f"{root}/b1", timeout=60, mode=mode, staging="background")
+        resp = async_save(state, checkpoint_id=f"{root}/b1", timeout=60, mode=mode, staging="background",
+                          cache_plan=True)
         out["returned_before_copy"] = not resp.wait_staged(timeout=0.2)
         state["step"] = 4  # a non-tensor value was copied at the call
         gate.set()
@@ -59,7 +60,8 @@ def _cases(rank: int, ws: int, root: str, mode: str) -> dict:
     state, full = _state(ws)
     boom = lambda rank, **_: rank == 1 and faults.fail(RuntimeError("device copy failed"))  # noqa: E731
     with faults.armed("stage.copy", boom):
-        resp = async_save(state, checkpoint_id=f"{root}/b2", timeout=30, mode=mode, staging="background")
+        resp = async_save(state, checkpoint_id=f"{root}/b2", timeout=30, mode=mode, staging="background",
+                          cache_plan=True)
         try:
             resp.result(timeout=120)
             out["failed"] = None
@@ -67,7 +69,8 @@ def _cases(rank: int, ws: int, root: str, mode: str) -> dict:
             out["failed"] = f"{type(e).__name__}: {e}"
     out["b2_absent"] = not os.path.exists(f"{root}/b2")
     # the next save is whole again
-    async_save(state, checkpoint_id=f"{root}/b3", timeout=60, mode=mode, staging="background").result(timeout=120)
+    async_save(state, checkpoint_id=f"{root}/b3", timeout=60, mode=mode, staging="background",
+               cache_plan=True).result(timeout=120)
     out["b3"] = _check(root, "b3", full)
     return out
 

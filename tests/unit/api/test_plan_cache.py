@@ -61,6 +61,16 @@ def _cases(rank: int, ws: int, root: str) -> dict:
     save(state(9.0, 6, 1, True), checkpoint_id=f"{root}/after", timeout=60, cache_plan=True)
     out["after"] = ("hit" if PLAN_CACHE_STATS["hits"] > before["hits"] else "miss",
                     loads_back(f"{root}/after", 9.0, 6, 1, True))
+    # rank 1 holds no cached plan for this save (it dropped its cache) while rank 0 does: the
+    # ranks must not take different paths (rank 0 the cached one, rank 1 the plan round: a hang)
+    from hpdcp_runner.dcp import protocol
+
+    if rank == 1:
+        protocol._PLAN_CACHE.clear()
+    before = dict(PLAN_CACHE_STATS)
+    save(state(9.0, 6, 1, True), checkpoint_id=f"{root}/dropped", timeout=20, cache_plan=True)
+    out["dropped"] = ("hit" if PLAN_CACHE_STATS["hits"] > before["hits"] else "miss",
+                      loads_back(f"{root}/dropped", 9.0, 6, 1, True))
     return out
 
 
@@ -68,4 +78,5 @@ def test_cached_plans_are_reused_only_for_the_same_structure(tmp_path):
     for res in run_ranks(2, _cases, str(tmp_path)):
         assert res == {"first": ("miss", True), "same": ("hit", True), "same_again": ("hit", True),
                        "shape": ("miss", True), "placement": ("miss", True), "one_rank": ("miss", True),
-                       "back": ("hit", True), "fails": True, "after": ("hit", True)}, res
+                       "back": ("hit", True), "fails": True, "after": ("hit", True),
+                       "dropped": ("miss", True)}, res
