@@ -554,7 +554,7 @@ class LoadSteps:
             need = it.overlap.numel * element_size(tm.dtype)
             cost = self.reader.read_bytes(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes))
             if need and cost >= AMPLIFIED * need:
-                out.append(Part(it.fqn, tm.dtype, it.chunk, it.dest_box, it.overlap, cost, need))
+                out.append(Part(it.fqn, tm.dtype, it.chunk, it.dest_box, it.overlap))
         return out
 
     def global_plan(self, gathered: list) -> list:

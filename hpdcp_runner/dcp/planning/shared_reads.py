@@ -40,26 +40,24 @@ MAX_PARTS = 100_000
 
 @dataclass(frozen=True)
 class Part:
-    """A rank's part of a stored chunk: its destination piece and the overlap (global
-    coordinates), the bytes its own read would fetch and the bytes it keeps."""
+    """A rank's part of a stored chunk (one its own read would fetch ``AMPLIFIED`` times over):
+    its destination piece and the overlap, in global coordinates."""
 
     fqn: str
     dtype: str
     chunk: int
     dest: Box
     overlap: Box
-    read_bytes: int
-    nbytes: int
 
 
 @dataclass(frozen=True, eq=False)
 class CompactParts:
     """One rank's parts in columnar form: a key table (fqn, dtype, ndim) and per part the int64
-    row ``[key, chunk, read bytes, bytes, dest offsets, dest sizes, overlap offsets, overlap
-    sizes]`` (each box padded to the widest rank of this rank's parts)."""
+    row ``[key, chunk, dest offsets, dest sizes, overlap offsets, overlap sizes]`` (each box
+    padded to the widest rank of this rank's parts)."""
 
     keys: tuple[tuple[str, str, int], ...]
-    rows: torch.Tensor  # [n, 4 + 4d]
+    rows: torch.Tensor  # [n, 2 + 4d]
 
     @classmethod
     def from_parts(cls, parts: Sequence[Part]) -> "CompactParts":
@@ -70,25 +68,24 @@ class CompactParts:
             nd = len(p.overlap.offsets)
             k = index.setdefault((p.fqn, p.dtype, nd), len(index))
             pad0, pad1 = (0,) * (d - nd), (1,) * (d - nd)
-            rows.append([k, p.chunk, p.read_bytes, p.nbytes, *p.dest.offsets, *pad0, *p.dest.sizes, *pad1,
+            rows.append([k, p.chunk, *p.dest.offsets, *pad0, *p.dest.sizes, *pad1,
                          *p.overlap.offsets, *pad0, *p.overlap.sizes, *pad1])
-        t = torch.tensor(rows, dtype=torch.int64).view(-1, 4 + 4 * d)
+        t = torch.tensor(rows, dtype=torch.int64).view(-1, 2 + 4 * d)
         return cls(tuple(index), t)
 
     def parts(self) -> list[Part]:
-        return [Part(fqn, dtype, c, Box(do, ds), Box(oo, os_), rb, nb)
-                for fqn, dtype, c, do, ds, oo, os_, rb, nb in self.raw()]
+        return [Part(fqn, dtype, c, Box(do, ds), Box(oo, os_)) for fqn, dtype, c, do, ds, oo, os_ in self.raw()]
 
     def raw(self) -> list[tuple]:
         """The parts as plain tuples ``(fqn, dtype, chunk, dest offsets, dest sizes, overlap
-        offsets, overlap sizes, read bytes, bytes)``: what the coordinator groups (a dataclass
-        per part cost it seconds at 250k parts)."""
-        d = (self.rows.shape[1] - 4) // 4 if self.rows.numel() else 0
+        offsets, overlap sizes)``: what the coordinator groups (a dataclass per part cost it
+        seconds at 250k parts)."""
+        d = (self.rows.shape[1] - 2) // 4 if self.rows.numel() else 0
         out = []
         for row in self.rows.tolist():
             fqn, dtype, nd = self.keys[row[0]]
-            out.append((fqn, dtype, row[1], tuple(row[4:4 + nd]), tuple(row[4 + d:4 + d + nd]),
-                        tuple(row[4 + 2 * d:4 + 2 * d + nd]), tuple(row[4 + 3 * d:4 + 3 * d + nd]), row[2], row[3]))
+            at = [2 + i * d for i in range(4)]
+            out.append((fqn, dtype, row[1], *(tuple(row[a:a + nd]) for a in at)))
         return out
 
     def to_wire(self) -> dict:
@@ -156,9 +153,9 @@ def plan_shared_reads(per_rank: Sequence[CompactParts | Sequence[Part]], *, enab
     groups: dict[tuple, list[tuple]] = {}
     for rank, parts in enumerate(per_rank):
         raw = parts.raw() if isinstance(parts, CompactParts) else \
-            [(p.fqn, p.dtype, p.chunk, p.dest.offsets, p.dest.sizes, p.overlap.offsets, p.overlap.sizes,
-              p.read_bytes, p.nbytes) for p in parts]
-        for fqn, dtype, chunk, do, _, oo, os_, _, _ in raw:
+            [(p.fqn, p.dtype, p.chunk, p.dest.offsets, p.dest.sizes, p.overlap.offsets, p.overlap.sizes)
+             for p in parts]
+        for fqn, dtype, chunk, do, _, oo, os_ in raw:
             if not_read and (rank, fqn, do) in not_read:
                 continue
             groups.setdefault((fqn, chunk), []).append((rank, do, oo, os_, dtype))

@@ -14,8 +14,7 @@ def _col_parts(ranks: int, chunks: int, rows: int = 8, cols: int = 16, fqn: str 
     for r in range(ranks):
         w = cols // ranks
         dest = Box((0, r * w), (rows * chunks, w))
-        per.append([Part(fqn, dtype, c, dest, Box((c * rows, r * w), (rows, w)), rows * cols * 4, rows * w * 4)
-                    for c in range(chunks)])
+        per.append([Part(fqn, dtype, c, dest, Box((c * rows, r * w), (rows, w))) for c in range(chunks)])
     return per
 
 
@@ -52,7 +51,7 @@ def test_parts_another_replica_reads_are_left_out():
 
 def test_members_that_disagree_on_the_dtype_read_their_own():
     per = _col_parts(2, 1)
-    per[1] = [Part(p.fqn, "bfloat16", p.chunk, p.dest, p.overlap, p.read_bytes, p.nbytes) for p in per[1]]
+    per[1] = [Part(p.fqn, "bfloat16", p.chunk, p.dest, p.overlap) for p in per[1]]
     assert plan_shared_reads(per, enabled=True, mode="always", nodes=["n"] * 2, slow_storage=False) == []
 
 
@@ -77,7 +76,7 @@ def test_each_rank_is_told_its_own_parts_and_a_source_all():
 @pytest.mark.parametrize("nd", [0, 1, 3])
 def test_wire_forms_round_trip(nd):
     box = Box(tuple(range(nd)), tuple(range(2, nd + 2)))
-    parts = [Part("a.b", "bfloat16", 3, box, box, 100, 50), Part("c", "float32", 0, box, box, 10, 4)]
+    parts = [Part("a.b", "bfloat16", 3, box, box), Part("c", "float32", 0, box, box)]
     compact = CompactParts.from_wire(CompactParts.from_parts(parts).to_wire())
     assert compact.parts() == parts
     assert CompactParts.from_wire(CompactParts.from_parts([]).to_wire()).parts() == []
