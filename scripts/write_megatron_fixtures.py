@@ -1,23 +1,31 @@
-"""Write Megatron-Core ``torch_dist`` checkpoints with Megatron-Core itself, for the reader's tests
-(tests/fixtures/megatron).
+"""Write Megatron-Core checkpoints with Megatron-Core itself, for the readers' tests
+(tests/fixtures/megatron): its ``torch_dist`` format, and Megatron-LM's legacy format.
 
 Run in a virtualenv of its own holding the pinned writer (never the runner's dependencies)::
 
     python3 -m venv /tmp/mcvenv && . /tmp/mcvenv/bin/activate
-    pip install torch==2.13.0 && pip install --ignore-requires-python megatron-core==0.19.2 triton psutil
+    pip install torch==2.13.0 "numpy<2.4" safetensors
+    pip install --ignore-requires-python megatron-core==0.19.2 triton psutil "numpy<2.4"
     python scripts/write_megatron_fixtures.py --out tests/fixtures/megatron
 
-(megatron-core's wheels declare Python 3.12; it runs on 3.11 for this.) The script launches
-itself under torchrun on 2 gloo ranks (CPU) once per configuration (tensor-parallel 1 and 2, and 2
+(megatron-core's wheels declare Python 3.12; it runs on 3.11 for this, with NumPy held to a release
+that has 3.11 wheels.) The script launches itself under torchrun on gloo ranks (CPU; 2, or 4 for
+tensor- and pipeline-parallel 2 x 2) once per configuration (tensor-parallel 1 and 2, and 2
 with biases on the QKV projection as Qwen2 has them; pipeline-parallel 2, a layer per stage; two mixtures of experts: expert-parallel 2
 shaped as Mixtral, tensor-parallel 2 with a gated shared expert shaped as Qwen2-MoE whose first
 layer is dense, expert-parallel 2 with RMSNorm on each query and key head shaped as Qwen3-MoE), builds a tiny
 GPT model (grouped-query attention, SwiGLU, RMSNorm, rotary positions, untied output) with the
 local (non Transformer-Engine) layer spec (the experts as ``SequentialMLP``, tokens dispatched by
 all-gather: the all-to-all dispatcher builds a CUDA stream), and saves its
-``sharded_state_dict()`` with ``dist_checkpointing.save`` (backend ``torch_dist``). Two stand-ins
-let it run without CUDA: ``torch.cuda.current_device`` returns "cpu" and
-``torch.cuda.synchronize`` does nothing. Next to each checkpoint, ``reference/`` holds every
+``sharded_state_dict()`` with ``dist_checkpointing.save`` (backend ``torch_dist``). The ``legacy_*``
+configurations (tensor-parallel 2; tensor- and pipeline-parallel 2 x 2; Mixtral-shaped at
+expert-parallel 2) save the same models through Megatron-LM's own training-loop save
+(``megatron.training.checkpointing.save_checkpoint`` with ``--ckpt-format torch``, its arguments
+parsed from the command line that trains the model): one ``torch.save`` archive per
+model-parallel rank with the run's ``args`` and RNG states. Stand-ins let it run without CUDA:
+``torch.cuda.current_device`` returns "cpu", ``torch.cuda.synchronize`` does nothing,
+``torch.cuda.get_rng_state`` returns the CPU generator's state, and ``typing.override`` (Python
+3.12's, which ``megatron.training`` imports) is the identity. Next to each checkpoint, ``reference/`` holds every
 tensor-parallel rank's own ``model.state_dict()`` (``tp_rank<R>.safetensors``; with experts, one
 per tensor- and expert-parallel pair, ``tp_rank<R>_ep_rank<E>.safetensors``: the tensors the test
 maps to Hugging Face names by hand) and ``config.json``, the Hugging Face configuration of the same
@@ -43,6 +51,10 @@ from fixture_launch import torchrun_self  # (scripts/: run by path, its own dire
 CONFIGS = (("gpt_tp1", 1, 1, 1, "llama"), ("gpt_tp2", 2, 1, 1, "llama"), ("gpt_tp2_qkv_bias", 2, 1, 1, "qwen2"),
            ("gpt_pp2", 1, 1, 2, "llama"), ("moe_ep2", 1, 2, 1, "mixtral"), ("moe_tp2_shared", 2, 1, 1, "qwen2_moe"),
            ("moe_qk_norm", 1, 2, 1, "qwen3_moe"))
+#: the same models saved by Megatron-LM's own training loop in its legacy format (``--ckpt-format
+#: torch``: ``megatron.training.checkpointing.save_checkpoint``, a ``torch.save`` archive per
+#: tensor-, pipeline- and expert-parallel rank, ``mp_rank_<TP>[_<PP>][_<EP>]/model_optim_rng.pt``)
+LEGACY = (("legacy_tp2", 2, 1, 1, "llama"), ("legacy_tp2_pp2", 2, 1, 2, "llama"), ("legacy_moe_ep2", 1, 2, 1, "mixtral"))
 PINNED = {"megatron-core": "0.19.2", "torch": "2.13.0"}
 SHAPE = dict(num_layers=2, hidden_size=24, num_attention_heads=4, num_query_groups=2, kv_channels=6,
              ffn_hidden_size=40, vocab_size=68, max_sequence_length=64)
@@ -76,11 +88,16 @@ def hf_config(family: str = "llama") -> dict:
     return base
 
 
-def worker(out: str, tp: int, ep: int, pp: int, family: str) -> None:
+def worker(out: str, tp: int, ep: int, pp: int, family: str, legacy: bool = False) -> None:
+    import typing
+
     import torch
 
     torch.cuda.current_device = lambda: "cpu"  # the stand-ins (see the docstring)
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # (the legacy save records it)
+    if not hasattr(typing, "override"):  # (megatron.training imports Python 3.12's decorator)
+        typing.override = lambda f: f
     torch.distributed.init_process_group("gloo")
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -123,9 +140,12 @@ def worker(out: str, tp: int, ep: int, pp: int, family: str) -> None:
     rank, tp_rank = torch.distributed.get_rank(), parallel_state.get_tensor_model_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    ckpt = os.path.join(out, "iter_0000002")
-    os.makedirs(ckpt, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt)
+    if legacy:
+        _legacy_save(out, model, tp, ep, pp, moe)
+    else:
+        ckpt = os.path.join(out, "iter_0000002")
+        os.makedirs(ckpt, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), ckpt)
     ref = os.path.join(out, "reference")
     os.makedirs(ref, exist_ok=True)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()
@@ -143,14 +163,47 @@ def worker(out: str, tp: int, ep: int, pp: int, family: str) -> None:
     torch.distributed.barrier()
 
 
+def _legacy_save(out: str, model, tp: int, ep: int, pp: int, moe: bool) -> None:
+    """Megatron-LM's own checkpoint save, as ``pretrain_gpt.py --ckpt-format torch`` calls it: its
+    arguments parsed from the command line that trains this model (so the archive holds the
+    ``args`` a real run records), the RNG states, no optimizer."""
+    import torch
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.global_vars import set_args
+
+    argv = ["--num-layers", SHAPE["num_layers"], "--hidden-size", SHAPE["hidden_size"],
+            "--num-attention-heads", SHAPE["num_attention_heads"], "--group-query-attention",
+            "--num-query-groups", SHAPE["num_query_groups"], "--kv-channels", SHAPE["kv_channels"],
+            "--ffn-hidden-size", SHAPE["ffn_hidden_size"], "--swiglu", "--normalization", "RMSNorm",
+            "--disable-bias-linear", "--seq-length", SHAPE["max_sequence_length"],
+            "--max-position-embeddings", SHAPE["max_sequence_length"], "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", tp,
+            "--pipeline-model-parallel-size", pp, "--save", out, "--ckpt-format", "torch", "--no-save-optim",
+            "--micro-batch-size", 1]
+    if moe:
+        argv += ["--num-experts", MOE["experts"], "--moe-router-topk", MOE["topk"], "--moe-ffn-hidden-size",
+                 MOE["ffn"], "--expert-model-parallel-size", ep]
+    saved, sys.argv = sys.argv, ["pretrain_gpt.py", *map(str, argv)]
+    try:
+        args = parse_args()
+    finally:
+        sys.argv = saved
+    args.use_dist_ckpt = False  # (what validate_args derives from --ckpt-format torch)
+    args.world_size = torch.distributed.get_world_size()
+    args.data_parallel_size = args.world_size // (tp * pp)
+    set_args(args)
+    save_checkpoint(2, [model], None, None, 0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--worker", nargs=5, metavar=("DIR", "TP", "EP", "PP", "FAMILY"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=6, metavar=("DIR", "TP", "EP", "PP", "FAMILY", "FORMAT"), help=argparse.SUPPRESS)
     p.add_argument("--only", nargs="*", help="write only these configurations (default: all)")
     a = p.parse_args()
     if a.worker:
-        worker(a.worker[0], int(a.worker[1]), int(a.worker[2]), int(a.worker[3]), a.worker[4])
+        worker(a.worker[0], int(a.worker[1]), int(a.worker[2]), int(a.worker[3]), a.worker[4], a.worker[5] == "torch")
         return
     from importlib.metadata import version
 
@@ -160,18 +213,19 @@ def main() -> None:
     if versions != PINNED:
         print(f"warning: pinned {PINNED}, running {versions}", file=sys.stderr)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    for name, tp, ep, pp, family in CONFIGS:
+    for name, tp, ep, pp, family in CONFIGS + LEGACY:
         if a.only and name not in a.only:
             continue
         out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
-        torchrun_self(__file__, ["--out", out, "--worker", out, str(tp), str(ep), str(pp), family],
-                      env)
+        fmt = "torch" if (name, tp, ep, pp, family) in LEGACY else "torch_dist"
+        torchrun_self(__file__, ["--out", out, "--worker", out, str(tp), str(ep), str(pp), family, fmt],
+                      env, nproc=max(2, tp * pp))
         with open(os.path.join(out, "reference", "config.json"), "w") as f:
             json.dump(hf_config(family), f, indent=1)
         print(f"wrote {out}")
     with open(os.path.join(a.out, "versions.json"), "w") as f:
-        json.dump({**versions, "python": sys.version.split()[0], "configs": [c[0] for c in CONFIGS]}, f, indent=1,
+        json.dump({**versions, "python": sys.version.split()[0], "configs": [c[0] for c in CONFIGS + LEGACY]}, f, indent=1,
                   sort_keys=True)
 
 

@@ -114,15 +114,19 @@ def test_bad_deepspeed_input_is_one_line_and_writes_nothing(cli, tmp_path):
 
 
 # a Llama; a Qwen2 (biases on q, k, v); a Mixtral (expert parallel); a Qwen2-MoE (shared expert, dense
-# layer 0); a Qwen3-MoE (norms on query and key heads)
-@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared", "moe_qk_norm"])
+# layer 0); a Qwen3-MoE (norms on query and key heads); Megatron-LM's legacy format (a torch.save
+# archive per rank: tensor x pipeline parallel, and a Mixtral at expert parallel), with no
+# dcp.allow_pickle (torch_dist's .metadata needs it; the legacy archives are read as data)
+@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared", "moe_qk_norm",
+                                  "legacy_tp2_pp2", "legacy_moe_ep2"])
 def test_megatron_to_hugging_face(cli, tmp_path, name):
     transformers = pytest.importorskip("transformers")
     from tests.megatron_reference import expected_hf
 
     run = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", name))
     out = tmp_path / "hf"
-    r = cli(["+job=reshard", f"job.source.path={run}", "dcp.allow_pickle=true", "job.output_format=hf",
+    pickle = [] if name.startswith("legacy") else ["dcp.allow_pickle=true"]
+    r = cli(["+job=reshard", f"job.source.path={run}", *pickle, "job.output_format=hf",
              f"job.hf_files_from={run}/reference", f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])
     assert r.returncode == 0, r.stderr[-3000:]
     exported = load_file(str(out / "model.safetensors"))
@@ -135,7 +139,8 @@ def test_megatron_to_hugging_face(cli, tmp_path, name):
 
 
 @pytest.mark.slow  # four ranks under torchrun
-@pytest.mark.parametrize("name, plan", [("gpt_tp2", "llama_tp"), ("moe_ep2", "mixtral_ep")])
+@pytest.mark.parametrize("name, plan", [("gpt_tp2", "llama_tp"), ("moe_ep2", "mixtral_ep"),
+                                        ("legacy_tp2_pp2", "llama_tp")])
 def test_megatron_resharded_into_ours_under_the_familys_plan(cli, tmp_path, name, plan):
     from hpdcp_runner.dcp import load, read_metadata
     from hpdcp_runner.dcp.format.metadata import dtype_from_name
@@ -152,11 +157,31 @@ def test_megatron_resharded_into_ours_under_the_familys_plan(cli, tmp_path, name
     load(state, checkpoint_id=str(out))
     expect = expected_hf(run)
     assert state.keys() == expect.keys() and all(torch.equal(state[k], expect[k]) for k in expect)
-    if name == "gpt_tp2":
+    if name != "moe_ep2":
         assert "kv_replicated" in r.stdout and len(md.tensors["model.layers.0.self_attn.q_proj.weight"].chunks) == 4
     else:  # experts spread over the four ranks' files
         experts = [md.tensors[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"] for e in range(4)]
         assert len({c.file for t in experts for c in t.chunks}) == 4, [t.chunks for t in experts]
+
+
+def test_inspect_a_legacy_megatron_run_and_a_missing_rank_is_one_line(cli, tmp_path):
+    """Megatron-LM's legacy format under Megatron's own names (no config.json): the whole model,
+    layers numbered across pipeline stages; a rank's archive gone: one line naming it, nothing written."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron", "legacy_tp2_pp2"), run)
+    r = cli(["+job=inspect", f"job.source.path={run}", f"hydra.run.dir={tmp_path}/i"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = r.stdout.splitlines()[0]
+    assert f"{run}/iter_0000002" in head and "megatron" in head, head
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in r.stdout and "[80, 24]" in r.stdout, r.stdout
+    gone = run / "iter_0000002" / "mp_rank_01_001" / "model_optim_rng.pt"
+    gone.unlink()
+    out = tmp_path / "out"
+    r = cli(["+job=reshard", f"job.source.path={run}", "job.output_format=hf", f"job.hf_files_from={run}/reference",
+             f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])
+    errs = _errors(r.stderr)
+    assert r.returncode == 1 and len(errs) == 1 and str(gone) in errs[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not out.exists()
 
 
 def test_a_zarr_megatron_checkpoint_is_one_line(cli, tmp_path):

@@ -46,7 +46,12 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
     if fmt == "megatron":
         from .megatron import MegatronReader, step_directory as megatron_step
 
-        loc = megatron_step(loc, store_options)
+        loc, rank_dirs = megatron_step(loc, store_options)
+        if rank_dirs:  # Megatron-LM's legacy format
+            from .megatron_legacy import MegatronLegacyReader
+
+            return MegatronLegacyReader(loc.checkpoint_files(committed=False), rank_dirs=rank_dirs,
+                                        hf_config=hf_config, config_source=config_source, **reader_kwargs)
         return MegatronReader(loc.checkpoint_files(committed=False), allow_pickle=allow_pickle, hf_config=hf_config,
                               config_source=config_source, **reader_kwargs)
     files = loc.checkpoint_files(committed=False)

@@ -20,8 +20,8 @@ flat buffers, and each segment of a row-major tensor is a few boxes (a partial r
 partial row), each contiguous in its file. So every load, reshard, partial read and export works
 on it unchanged, reading only the bytes of the slices it keeps.
 
-Nothing in these files is unpickled as code. Their ``data.pkl`` is read by a restricted
-unpickler that admits torch's tensor rebuild, storage types, ``torch.Size`` and the three
+Nothing in these files is unpickled as code. Their ``data.pkl`` is read by the restricted
+unpickler of ``torch_archive`` that admits torch's tensor rebuild, storage types, ``torch.Size`` and the three
 DeepSpeed classes these files hold (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``), each
 turned into plain data; any other class is refused with the file and the class named.
 """
@@ -30,28 +30,24 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import io
 import math
 import os
-import pickle
-import zipfile
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from ..core.rafile import RandomAccessFile
+from ..core.errors import CheckpointNotFoundError, MetadataError
 from ..core.ragged import decompose_flat_interval
 from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
 from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERSAL_TRACKER as UNIVERSAL_TRACKER,
                            is_deepspeed_step, is_deepspeed_universal)
-from .foreign import _DescribedReader, _Window, _bounded_read, _entry_data, _row_major, _STORAGE_DTYPES
+from .foreign import _DescribedReader
+from .torch_archive import Archive, ArchiveIndex, Record, TensorRef
 
 if TYPE_CHECKING:
     from .checkpoint_files import CheckpointFiles
     from .location import Location
 
-MAX_PICKLE = 64 << 20  # a model-states data.pkl holds names, shapes and configs: megabytes at most
 WEIGHTS = ("fp32", "module")
 
 
@@ -77,40 +73,7 @@ def step_directory(loc: "Location", options: object = None) -> "Location":
     return step
 
 
-# -- reading a torch.save archive's pickle without running it --------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class TensorRef:
-    """A tensor of the archive, located, not loaded: its storage entry, dtype, offset (elements),
-    size and stride."""
-
-    storage: str
-    dtype: torch.dtype
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.size)
-
-
-class Record:
-    """A DeepSpeed object of the archive, kept as plain data (the arguments it was built with
-    and its pickled state); DeepSpeed's own class is never imported."""
-
-    state: Any = None
-    args: tuple = ()
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.state!r})"
-
+# -- the classes DeepSpeed's archives hold, as plain data ------------------------------------------
 
 class LossScaler(Record):
     """``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (and its dynamic kind), as data."""
@@ -120,98 +83,12 @@ class FragmentAddress(Record):
     """``deepspeed.utils.tensor_fragment.fragment_address``, as data."""
 
 
-class _Dict(dict):
-    """A pickled ``OrderedDict``: plain, but it takes the attributes pickle sets (a state dict's
-    ``_metadata``)."""
-
-
-_DS_CLASSES = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScaler,
-               ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): LossScaler,
-               ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress}
-
-
-class _Archive(pickle.Unpickler):
-    """Unpickles a ``data.pkl`` into plain data and :class:`TensorRef` (see the module docstring)."""
-
-    def __init__(self, data: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return lambda st, off, size, stride, *rest: TensorRef(st[1], st[0], int(off), tuple(size), tuple(stride))
-        if module == "torch._utils" and name == "_rebuild_parameter":
-            return lambda data, *rest: data
-        if module == "collections" and name == "OrderedDict":
-            return _Dict
-        if module == "torch._tensor" and name == "_rebuild_from_type_v2":  # a tensor subclass: the tensor
-            return lambda func, new_type, args, state: func(*args)
-        if (module, name) in (("torch.nn.parameter", "Parameter"), ("torch", "Tensor")):
-            return name  # (only ever the new_type of the rebuild above)
-        if module == "torch" and name == "Size":
-            return tuple
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "deepspeed.runtime.zero.config" and name == "ZeroStageEnum":
-            return int
-        if (module, name) in _DS_CLASSES:
-            return _DS_CLASSES[(module, name)]
-        raise PickleNotAllowedError(f"{self.where}: holds an object of class {module}.{name}, which this reader "
-                                    f"does not admit (only tensors, plain data and DeepSpeed's LossScaler, "
-                                    f"ZeroStageEnum and fragment_address); nothing of it was run")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unexpected persistent id")
-        dtype = pid[1] if isinstance(pid[1], torch.dtype) else torch.uint8
-        return (dtype, str(pid[2]))
-
-
-class ArchiveIndex:
-    """One ``torch.save`` archive: its pickled structure (tensors as :class:`TensorRef`) and where
-    each storage's bytes start in the file."""
-
-    def __init__(self, fd: RandomAccessFile, where: str) -> None:
-        size = fd.size()
-        try:
-            with zipfile.ZipFile(io.BufferedReader(_Window(fd, 0, size))) as zf:
-                infos = zf.infolist()
-                pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
-                if len(pkl) != 1:
-                    raise CorruptCheckpointError("no data.pkl")
-                self.prefix = pkl[0].filename[:-len("data.pkl")]
-                self.tree = _Archive(_bounded_read(zf, pkl[0], MAX_PICKLE), where).load()
-                align = [i for i in infos if i.filename == f"{self.prefix}.storage_alignment"]
-                alignment = int(_bounded_read(zf, align[0], 32)) if align else 1
-                self._starts: dict[str, tuple[int, int]] = {}
-                for info in infos:
-                    if info.filename.startswith(f"{self.prefix}data/"):
-                        key = info.filename[len(f"{self.prefix}data/"):]
-                        self._starts[key] = (_entry_data(fd, 0, size, info, infos, zf.start_dir, alignment),
-                                             info.file_size)
-        except PickleNotAllowedError:
-            raise
-        except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError,
-                OverflowError, AttributeError, IndexError) as e:
-            raise CorruptCheckpointError(f"{where}: not a readable torch.save archive ({type(e).__name__}: "
-                                         f"{str(e)[:200]})") from None
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"{where}: {e}") from None
-        self.where = where
-
-    def flat(self, t: Any, what: str) -> tuple[int, int]:
-        """(file offset, elements) of a 1-D (or contiguous) tensor ``t`` of this archive."""
-        if not isinstance(t, TensorRef):
-            raise MetadataError(f"{self.where}: {what} is not a tensor")
-        if t.stride != _row_major(t.size) and t.numel > 1:
-            raise MetadataError(f"{self.where}: {what} is not contiguous (size {list(t.size)}, stride {list(t.stride)})")
-        start, nbytes = self._starts.get(t.storage, (None, 0))
-        esize = torch.empty((), dtype=t.dtype).element_size()
-        if start is None or t.offset < 0 or (t.offset + t.numel) * esize > nbytes:
-            raise CorruptCheckpointError(f"{self.where}: {what} lies outside its storage entry")
-        return start + t.offset * esize, t.numel
+class _DeepSpeedArchive(Archive):
+    ADMITTED = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScaler,
+                ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): LossScaler,
+                ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress,
+                ("deepspeed.runtime.zero.config", "ZeroStageEnum"): int}
+    ADMITS = "tensors, plain data and DeepSpeed's LossScaler, ZeroStageEnum and fragment_address"
 
 
 def _get(tree: Any, where: str, *path: Any) -> Any:
@@ -315,7 +192,7 @@ class DeepSpeedReader(_DescribedReader):
     def _archive(self, name: str) -> ArchiveIndex:
         f = self._random_access(name)
         try:
-            return ArchiveIndex(f, self.full(name))
+            return ArchiveIndex(f, self.full(name), _DeepSpeedArchive)
         finally:
             f.close()
 

@@ -71,7 +71,8 @@ def detect_format(path: "str | os.PathLike | Location") -> str:
     if loc.holds_commit():  # (a store: ours is known from its commit object, no listing)
         return "hpdcp"
     names = set(loc.files())
-    from .format_marks import backend_of, is_deepspeed_run, is_deepspeed_step, is_deepspeed_universal, is_megatron_run
+    from .format_marks import (backend_of, is_deepspeed_run, is_deepspeed_step, is_deepspeed_universal, is_megatron_run,
+                               megatron_rank_dirs)
 
     if backend_of(loc, names) is not None or (is_megatron_run(names) and METADATA_FILE not in names):
         return "megatron"  # (its metadata.json names a sharded backend: not ours)
@@ -85,6 +86,8 @@ def detect_format(path: "str | os.PathLike | Location") -> str:
         if any(n.startswith("_rank") and n.endswith("_.safetensors") for n in names):
             return "hyper_parallel"
         return "torch_dcp"
+    if not names and megatron_rank_dirs(loc.dirs()):  # (an iteration directory of Megatron-LM's legacy format)
+        return "megatron"
     return "hpdcp"
 
 

@@ -22,6 +22,10 @@ _DS_MODEL12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 #: iteration directory's ``metadata.json`` naming its sharded backend
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_MARKER = "metadata.json"
+#: Megatron-LM's legacy format (``--ckpt-format torch``): in the iteration directory, one directory
+#: per model-parallel rank, ``mp_rank_<TP>[_<PP>][_<EP>]``, each holding ``model_optim_rng.pt``
+MEGATRON_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+MEGATRON_RANK_FILE = "model_optim_rng.pt"
 _OTHER_FORMATS = {"metadata.json", ".metadata", "model.safetensors", "model.safetensors.index.json"}
 
 
@@ -47,6 +51,11 @@ def is_deepspeed_run(names: set[str]) -> bool:
 
 def is_megatron_run(names: set[str]) -> bool:
     return MEGATRON_TRACKER in names
+
+
+def megatron_rank_dirs(dirs: list[str]) -> list[str]:
+    """The legacy format's rank directories among ``dirs`` (none: not that format)."""
+    return [d for d in dirs if MEGATRON_RANK_DIR.fullmatch(d)]
 
 
 def backend_of(loc: "Location", names: set[str]) -> str | None:

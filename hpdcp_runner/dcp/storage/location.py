@@ -83,6 +83,11 @@ class Location(ABC):
         """The regular files right under this directory: {name: size} (links are not files)."""
 
     @abstractmethod
+    def dirs(self) -> list[str]:
+        """The names of the directories right under this one (a store: the common prefixes; a
+        link is not a directory): a format that keeps one directory per rank is found by them."""
+
+    @abstractmethod
     def read_small(self, name: str, max_bytes: int) -> bytes | None:
         """The file ``name`` here read whole (None when there is none); over ``max_bytes`` is cut
         (POSIX) or refused (store) before the body is read."""
@@ -130,6 +135,10 @@ class PosixLocation(Location):
                 if e.is_file(follow_symlinks=False):
                     out[e.name] = e.stat(follow_symlinks=False).st_size
         return out
+
+    def dirs(self) -> list[str]:
+        with os.scandir(self.url) as it:
+            return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
 
     def read_small(self, name: str, max_bytes: int) -> bytes | None:
         from ..core.rafile import open_regular_file
@@ -197,6 +206,9 @@ class ObjectLocation(Location):
 
     def files(self) -> dict[str, int]:
         return {o["path"].rsplit("/", 1)[-1]: o["size"] for o in self.bucket.list_dir(self.bucket.root)[1]}
+
+    def dirs(self) -> list[str]:
+        return sorted(self.bucket.list_dir(self.bucket.root)[0])
 
     def read_small(self, name: str, max_bytes: int) -> bytes | None:
         got = self.bucket.get(self.bucket.key(name), max_bytes=max_bytes)

@@ -36,7 +36,7 @@ import torch
 from ..core.errors import CheckpointNotFoundError, ConfigError, MetadataError
 from ..format.metadata import ChunkMeta, Metadata, TensorMeta, dtype_from_name
 from .foreign import TorchDcpReader
-from .format_marks import MEGATRON_MARKER as MARKER, MEGATRON_TRACKER as TRACKER, backend_of
+from .format_marks import MEGATRON_MARKER as MARKER, MEGATRON_TRACKER as TRACKER, backend_of, megatron_rank_dirs
 
 if TYPE_CHECKING:
     from .checkpoint_files import CheckpointFiles
@@ -45,9 +45,10 @@ if TYPE_CHECKING:
 _LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
 
 
-def step_directory(loc: "Location", options: object = None) -> "Location":
+def step_directory(loc: "Location", options: object = None) -> "tuple[Location, list[str]]":
     """``loc`` when it is an iteration directory, else the one its tracker file names
-    (``iter_<7 digits>`` or ``release``), checked to be Megatron's ``torch_dist``."""
+    (``iter_<7 digits>`` or ``release``), and its legacy rank directories (``mp_rank_*``; none
+    for a ``torch_dist`` checkpoint, the only other backend read)."""
     from .location import locate
     from .uri import join
 
@@ -65,10 +66,13 @@ def step_directory(loc: "Location", options: object = None) -> "Location":
             raise CheckpointNotFoundError(f"{join(loc.url, TRACKER)} names iteration {text}, but {step.url} is missing")
         loc, names = step, set(step.files())
     backend = backend_of(loc, names)
+    if backend is None and MARKER not in names and (rank_dirs := megatron_rank_dirs(loc.dirs())):
+        return loc, rank_dirs
     if backend != "torch_dist":
         raise MetadataError(f"{join(loc.url, MARKER)}: a Megatron-Core checkpoint of backend {backend!r}; only "
-                            f"'torch_dist' (torch DCP files) is read (re-save it with --ckpt-format torch_dist)")
-    return loc
+                            f"'torch_dist' (torch DCP files) and the legacy 'torch' format (mp_rank_* directories) "
+                            f"are read (re-save it with --ckpt-format torch_dist)")
+    return loc, []
 
 
 #: A mixture of experts' Hugging Face names, per family: (the block holding the router ``gate``

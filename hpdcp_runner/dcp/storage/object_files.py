@@ -38,6 +38,7 @@ class StorePrefix(CheckpointFiles):
         self.name_key = self.bucket.root
         self.counters = IOCounters()  # (the reader that owns these files sets its own)
         self.data: str | None = None if committed else ""  # the pinned save prefix ("" for the prefix itself)
+        self.committed = committed
         self.round_bytes = self.bucket.options.read_buffer_bytes
         self._sizes: dict[str, int] | None = None  # one listing of the pinned save
         self._below: set[str] = set()  # a foreign prefix's subdirectories listed (for names inside them)
@@ -199,7 +200,8 @@ class StorePrefix(CheckpointFiles):
         return watch.states() if watch is not None else {}
 
     def require_directory(self) -> None:
-        if not self._listing():
+        # (a foreign checkpoint may keep its files in directories only: Megatron's mp_rank_*)
+        if not self._listing() and (self.committed or not self.bucket.list_dir(self._key(""))[0]):
             raise CheckpointNotFoundError(f"no checkpoint at {self.url} (nothing is stored under it)")
 
     def exists(self, name: str) -> bool:
