@@ -6,11 +6,14 @@ Run in a virtualenv of its own holding the pinned writers (never the runner's de
     pip install torch==2.13.0 && DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install deepspeed==0.19.8 transformers==5.25.0
     python scripts/write_deepspeed_fixtures.py --out tests/fixtures/deepspeed
 
-The script launches itself under torchrun (2 gloo ranks on CPU) once per configuration (ZeRO
-stage 1, 2 and 3; bf16 and fp32), trains a tiny Llama-family model (grouped-query attention) for
-two steps and saves it with ``engine.save_checkpoint``. Next to each checkpoint it writes what the
+The script launches itself under torchrun (gloo ranks on CPU) once per configuration (ZeRO
+stage 1, 2 and 3; bf16 and fp32, on 2 ranks; and DeepSpeed's AutoTP training at tensor-parallel 2,
+ZeRO 1 bf16 on 2 ranks and ZeRO 2 fp32 beside 2 data-parallel ranks on 4), trains a tiny
+Llama-family model (grouped-query attention) for two steps and saves it with
+``engine.save_checkpoint``. Next to each checkpoint it writes what the
 tests compare with, made by DeepSpeed's own tools: ``reference/zero_to_fp32.safetensors`` (its
-``get_fp32_state_dict_from_zero_checkpoint``), ``reference/universal.safetensors`` (what
+``get_fp32_state_dict_from_zero_checkpoint``; for AutoTP, which that does not merge,
+``reference/universal_fp32.safetensors``: ``ds_to_universal``'s merged fp32 weights), ``reference/universal.safetensors`` (what
 ``ds_to_universal --inject_missing_state`` wrote: every parameter's exp_avg and exp_avg_sq; the
 universal checkpoint itself is kept as ``_universal`` for ZeRO 2 and 3),
 ``reference/logits.safetensors`` (the model's logits with the fp32 weights on a fixed
@@ -28,7 +31,16 @@ import sys
 
 from fixture_launch import torchrun_self  # (scripts/: run by path, its own directory is on the path)
 
-CONFIGS = [(1, "bf16"), (2, "fp32"), (3, "bf16")]  # every stage, both kinds of optimizer file
+#: (ZeRO stage, dtype, tensor-parallel size, ranks): every stage, both kinds of optimizer file; and
+#: AutoTP training (``tensor_parallel.autotp_size``: a set of files per model-parallel rank), alone
+#: and beside 2 data-parallel ranks (ZeRO 3 with AutoTP is not supported by DeepSpeed 0.19.8)
+CONFIGS = [(1, "bf16", 1, 2), (2, "fp32", 1, 2), (3, "bf16", 1, 2), (1, "bf16", 2, 2), (2, "fp32", 2, 4)]
+
+
+def config_name(stage: int, dtype: str, tp: int, nproc: int) -> str:
+    return f"zero{stage}_{dtype}" + (f"_tp{tp}" if tp > 1 else "") + (f"_dp{nproc // tp}" if nproc // tp > 1 and tp > 1 else "")
+
+
 #: the configurations whose universal checkpoint (``_universal``, ds_to_universal's output) is kept
 #: as a fixture of its own: ZeRO 2 (whole tensors, a step.pt each) and ZeRO 3 (flat tensors, no step)
 KEEP_UNIVERSAL = ("zero2_fp32", "zero3_bf16")
@@ -55,8 +67,9 @@ def fixed_input():
     return torch.arange(12).reshape(2, 6) % 67
 
 
-def train_and_save(out: str, stage: int, dtype: str, big: bool = False) -> None:
-    """Under torchrun: two steps of Adam through DeepSpeed, then ``save_checkpoint``."""
+def train_and_save(out: str, stage: int, dtype: str, big: bool = False, tp: int = 1) -> None:
+    """Under torchrun: two steps of Adam through DeepSpeed (its AutoTP across ``tp`` ranks when
+    more than 1: the ranks of a tensor-parallel group see the same batch), then ``save_checkpoint``."""
     import deepspeed
     import torch
     from transformers import LlamaForCausalLM
@@ -67,8 +80,10 @@ def train_and_save(out: str, stage: int, dtype: str, big: bool = False) -> None:
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"}}
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    rank = torch.distributed.get_rank()
+    rank = torch.distributed.get_rank() // tp % 2  # (the data-parallel rank's sample)
     for step in range(2):
         ids = (fixed_input()[rank:rank + 1] + step) % 67
         loss = engine(input_ids=ids, labels=ids).loss
@@ -78,8 +93,10 @@ def train_and_save(out: str, stage: int, dtype: str, big: bool = False) -> None:
     torch.distributed.barrier()
 
 
-def references(out: str) -> None:
-    """DeepSpeed's own consolidations of the checkpoint at ``out``, as safetensors."""
+def references(out: str, tp: int = 1) -> None:
+    """DeepSpeed's own consolidations of the checkpoint at ``out``, as safetensors: ``zero_to_fp32``'s
+    weights (``ds_to_universal``'s for a tensor-parallel checkpoint, which ``zero_to_fp32`` does not
+    merge: ``universal_fp32.safetensors``) and ``ds_to_universal``'s moments."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import save_file
@@ -87,15 +104,15 @@ def references(out: str) -> None:
 
     ref = os.path.join(out, "reference")
     os.makedirs(ref, exist_ok=True)
-    fp32 = {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(out).items()}
-    save_file(fp32, os.path.join(ref, "zero_to_fp32.safetensors"))
     uni = os.path.join(out, "_universal")
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                     os.path.join(out, "global_step2"), "--output_folder", uni, "--inject_missing_state"],
                    check=True, capture_output=True)
-    moments = {}
+    moments, merged = {}, {}
     zero = os.path.join(uni, "zero")
-    for name in sorted(os.listdir(zero)):
+    for name in sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n))):
+        t = torch.load(os.path.join(zero, name, "fp32.pt"), weights_only=False)
+        merged[name] = (t["param"] if isinstance(t, dict) else t).contiguous()
         for what in ("exp_avg", "exp_avg_sq"):  # (its fp32 weights are zero_to_fp32's, flattened in ZeRO 3)
             f = os.path.join(zero, name, f"{what}.pt")
             if os.path.exists(f):
@@ -103,6 +120,12 @@ def references(out: str) -> None:
                 t = t["param"] if isinstance(t, dict) else t
                 moments[f"{name}.{what}"] = t.contiguous()
     save_file(moments, os.path.join(ref, "universal.safetensors"))
+    if tp > 1:
+        fp32 = merged
+        save_file(fp32, os.path.join(ref, "universal_fp32.safetensors"))
+    else:
+        fp32 = {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(out).items()}
+        save_file(fp32, os.path.join(ref, "zero_to_fp32.safetensors"))
     if os.path.basename(out) not in KEEP_UNIVERSAL:
         shutil.rmtree(uni)
     cfg = tiny_config()
@@ -119,10 +142,10 @@ def main() -> None:
     p.add_argument("--only", help="one configuration, e.g. zero3_bf16")
     p.add_argument("--big", action="store_true", help="one ZeRO-3 bf16 checkpoint of a 336 M-parameter model, "
                    "no references (for scripts/bench_deepspeed_export.py)")
-    p.add_argument("--worker", nargs=4, metavar=("DIR", "STAGE", "DTYPE", "BIG"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=5, metavar=("DIR", "STAGE", "DTYPE", "BIG", "TP"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        train_and_save(a.worker[0], int(a.worker[1]), a.worker[2], a.worker[3] == "1")
+        train_and_save(a.worker[0], int(a.worker[1]), a.worker[2], a.worker[3] == "1", int(a.worker[4]))
         return
     import deepspeed
     import torch
@@ -136,24 +159,24 @@ def main() -> None:
     if a.big:
         out = os.path.abspath(a.out)
         shutil.rmtree(out, ignore_errors=True)
-        torchrun_self(__file__, ["--out", out, "--worker", out, "3", "bf16", "1"], env)
+        torchrun_self(__file__, ["--out", out, "--worker", out, "3", "bf16", "1", "1"], env)
         tiny_config(big=True).save_pretrained(os.path.join(out, "reference"))
         print(f"wrote {out}")
         return
-    for stage, dtype in CONFIGS:
-        name = f"zero{stage}_{dtype}"
+    for stage, dtype, tp, nproc in CONFIGS:
+        name = config_name(stage, dtype, tp, nproc)
         if a.only and a.only != name:
             continue
         out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
-        torchrun_self(__file__, ["--out", out, "--worker", out, str(stage), dtype, "0"], env)
-        references(out)
+        torchrun_self(__file__, ["--out", out, "--worker", out, str(stage), dtype, "0", str(tp)], env, nproc=nproc)
+        references(out, tp)
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's copies of its tools: not data
             if os.path.exists(os.path.join(out, script)):
                 os.remove(os.path.join(out, script))
         print(f"wrote {out}")
     with open(os.path.join(a.out, "versions.json"), "w") as f:
-        json.dump({**versions, "python": sys.version.split()[0], "configs": [f"zero{s}_{d}" for s, d in CONFIGS]},
+        json.dump({**versions, "python": sys.version.split()[0], "configs": [config_name(*c) for c in CONFIGS]},
                   f, indent=1, sort_keys=True)
 
 

@@ -47,6 +47,15 @@ def test_deepspeed_rewritten_and_read(tmp_path):
         assert torch.equal(state[f"optim.state.{name}.{moment}"].flatten(), v.flatten()), k
         assert torch.equal(universal[f"optim.state.{name}.{moment}"].flatten(), v.flatten()), k
     assert all(torch.equal(universal[k], state[k]) for k in load_file(str(run / "reference" / "zero_to_fp32.safetensors")))
+    subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "write_deepspeed_fixtures.py"), "--out", str(tmp_path),
+                    "--only", "zero2_fp32_tp2_dp2"], check=True, capture_output=True, timeout=1200)
+    run = tmp_path / "zero2_fp32_tp2_dp2"  # AutoTP: the model-parallel slices joined as ds_to_universal does
+    state = _state(str(run))
+    for k, v in load_file(str(run / "reference" / "universal_fp32.safetensors")).items():
+        assert torch.equal(state[k], v), k
+    for k, v in load_file(str(run / "reference" / "universal.safetensors")).items():
+        name, moment = k.rsplit(".", 1)
+        assert torch.equal(state[f"optim.state.{name}.{moment}"], v), k
 
 
 def test_megatron_rewritten_and_read(tmp_path):

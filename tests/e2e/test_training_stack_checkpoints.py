@@ -39,24 +39,27 @@ def test_inspect_and_verify_a_deepspeed_run(cli, tmp_path):
     assert r.returncode == 0 and "format: deepspeed" in r.stdout, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("config", ["zero1_bf16", "zero3_bf16"])
+# ZeRO 1 and 3; and AutoTP training (tensor-parallel 2 beside 2 data-parallel ranks: a set of files
+# per model-parallel rank), whose weights are ds_to_universal's merge (zero_to_fp32 does not merge them)
+@pytest.mark.parametrize("config", ["zero1_bf16", "zero3_bf16", "zero2_fp32_tp2_dp2"])
 def test_export_to_hugging_face_gives_the_trained_model(cli, tmp_path, config):
     transformers = pytest.importorskip("transformers")
     run = _fixture(config)
     ref = os.path.join(run, "reference")
+    weights = os.path.join(ref, "universal_fp32.safetensors" if "_tp" in config else "zero_to_fp32.safetensors")
     out = tmp_path / "hf"
     r = cli(["+job=reshard", f"job.source.path={run}", "job.output_format=hf", f"job.hf_files_from={ref}",
              f"job.output={out}", f"hydra.run.dir={tmp_path}/r"])
     assert r.returncode == 0, r.stderr[-3000:]
     exported = load_file(str(out / "model.safetensors"))
-    expect = load_file(os.path.join(ref, "zero_to_fp32.safetensors"))
+    expect = load_file(weights)
     assert exported.keys() == expect.keys() and all(torch.equal(exported[k], expect[k]) for k in expect)
     # the logits: bitwise those of the trained model's fp32 weights (zero_to_fp32's) run here, and
     # within float rounding of the writer's own forward (another machine's kernels round differently)
     trained = tmp_path / "trained"
     trained.mkdir()
     shutil.copy(os.path.join(ref, "config.json"), trained)
-    shutil.copy(os.path.join(ref, "zero_to_fp32.safetensors"), trained / "model.safetensors")
+    shutil.copy(weights, trained / "model.safetensors")
     x = torch.arange(12).reshape(2, 6) % 67
     with torch.no_grad():
         logits = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(input_ids=x).logits

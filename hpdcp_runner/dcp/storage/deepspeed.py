@@ -41,6 +41,7 @@ from ..core.ragged import decompose_flat_interval
 from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
 from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERSAL_TRACKER as UNIVERSAL_TRACKER,
                            is_deepspeed_step, is_deepspeed_universal)
+from .deepspeed_tp import join_model_parallel
 from .foreign import _DescribedReader
 from .torch_archive import Archive, ArchiveIndex, Record, TensorRef
 
@@ -198,8 +199,29 @@ class DeepSpeedReader(_DescribedReader):
 
     def describe(self) -> Metadata:
         self.files.require_directory()
-        optim, ranks, stage = self._rank_files()
-        model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+        mps = sorted({int(m.group(3)) for n in self._names if (m := _OPTIM.fullmatch(n))})
+        if not mps:
+            raise CheckpointNotFoundError(f"{self.path}: no zero_pp_rank_<R>_mp_rank_<M>_optim_states.pt (not a "
+                                          f"DeepSpeed ZeRO step directory)")
+        if mps != list(range(len(mps))):
+            missing = sorted(set(range(mps[-1] + 1)) - set(mps))
+            raise CheckpointNotFoundError(f"{self.path}: the states of model-parallel rank(s) {missing} are missing "
+                                          f"(zero_pp_rank_<R>_mp_rank_<M>_optim_states.pt)")
+        parts = [self._describe_mp(mp) for mp in mps]
+        said = parts[0][1].tree.get("mp_world_size") if isinstance(parts[0][1].tree, dict) else None
+        if isinstance(said, int) and said > len(parts):
+            raise CheckpointNotFoundError(f"{self.path}: the states of model-parallel rank(s) "
+                                          f"{list(range(len(parts), said))} are missing ({parts[0][1].where} says "
+                                          f"{said} model-parallel ranks saved)")
+        if len(parts) == 1:
+            return parts[0][0]
+        return join_model_parallel([md for md, _ in parts], parts[0][1], self.path)
+
+    def _describe_mp(self, mp: int) -> tuple[Metadata, ArchiveIndex]:
+        """Model-parallel rank ``mp``'s parameters (their local slices) and its model states."""
+        optim, ranks, stage = self._rank_files(mp)
+        model_name = f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt" if stage == 3 else \
+            f"mp_rank_{mp:02d}_model_states.pt"
         if model_name not in self._names:
             raise CheckpointNotFoundError(f"{self.full(model_name)} is missing (the model states of a ZeRO-{stage} "
                                           f"checkpoint)")
@@ -220,22 +242,21 @@ class DeepSpeedReader(_DescribedReader):
                                                              "weights": self.weights,
                                                              "version": str(model.tree.get("ds_version", "")),
                                                              "steps": steps}}
-        return Metadata(len(optim), tensors, objects, files, extra=extra)
+        return Metadata(len(optim), tensors, objects, files, extra=extra), model
 
-    def _rank_files(self) -> tuple[list[tuple[int, str]], list[ArchiveIndex], int]:
-        """The optimizer-states file of every rank (all there, one model-parallel rank), each
-        indexed, and the ZeRO stage they say."""
-        optim = sorted((int(m.group(2)), n) for n in self._names if (m := _OPTIM.fullmatch(n)))
+    def _rank_files(self, mp: int = 0) -> tuple[list[tuple[int, str]], list[ArchiveIndex], int]:
+        """The optimizer-states file of every data-parallel rank of model-parallel rank ``mp``
+        (all there), each indexed, and the ZeRO stage they say."""
+        optim = sorted((int(m.group(2)), n) for n in self._names
+                       if (m := _OPTIM.fullmatch(n)) and int(m.group(3)) == mp)
         if not optim:
-            raise CheckpointNotFoundError(f"{self.path}: no zero_pp_rank_<R>_mp_rank_00_optim_states.pt (not a DeepSpeed "
-                                          f"ZeRO step directory)")
-        if any(m.group(3) != "00" for n in self._names if (m := _OPTIM.fullmatch(n))):
-            raise MetadataError(f"{self.path}: model-parallel DeepSpeed checkpoints (mp_rank > 0) are not read yet")
+            raise CheckpointNotFoundError(f"{self.path}: no zero_pp_rank_<R>_mp_rank_{mp:02d}_optim_states.pt (not a "
+                                          f"DeepSpeed ZeRO step directory)")
         world = len(optim)
         if [r for r, _ in optim] != list(range(world)):
             missing = sorted(set(range(max(r for r, _ in optim) + 1)) - {r for r, _ in optim})
             raise CheckpointNotFoundError(f"{self.path}: the optimizer states of rank(s) {missing} are missing "
-                                          f"(zero_pp_rank_<R>_mp_rank_00_optim_states.pt)")
+                                          f"(zero_pp_rank_<R>_mp_rank_{mp:02d}_optim_states.pt)")
         ranks = [self._archive(n) for _, n in optim]
         first = ranks[0]
         osd = _get(first.tree, first.where, "optimizer_state_dict")
@@ -248,7 +269,7 @@ class DeepSpeedReader(_DescribedReader):
         if wanted > world:
             prefix = optim[0][1].split("zero_pp_rank_")[0]
             raise CheckpointNotFoundError(f"{self.path}: the optimizer states of rank(s) {list(range(world, wanted))} are "
-                                          f"missing ({prefix}zero_pp_rank_<R>_mp_rank_00_optim_states.pt; "
+                                          f"missing ({prefix}zero_pp_rank_<R>_mp_rank_{mp:02d}_optim_states.pt; "
                                           f"{first.where} says {wanted} ranks saved)")
         if any(isinstance(c, int) and c != world for c in counts):
             raise MetadataError(f"{first.where}: partition_count {pc} but {world} rank files are here")

@@ -258,3 +258,73 @@ def test_a_link_or_a_missing_file_inside_a_universal_checkpoint_is_named(tmp_pat
     shutil.rmtree(uni / "zero")  # model states and nothing else: neither a ZeRO step nor universal
     with pytest.raises(CheckpointNotFoundError, match="no optimizer states .* and no zero/<param>/"):
         _metadata(str(uni))
+
+
+# -- tensor parallelism (AutoTP training): a set of files per model-parallel rank -------------------
+
+TP_CONFIGS = ["zero1_bf16_tp2", "zero2_fp32_tp2_dp2"]
+
+
+@pytest.mark.parametrize("config", TP_CONFIGS)
+def test_tensor_parallel_slices_join_into_what_ds_to_universal_merges(config):
+    """Each parameter whole, bitwise ds_to_universal's merge of the model-parallel slices (fp32
+    weights and moments), from the files of both model-parallel ranks (and their data-parallel
+    partitions beside them)."""
+    run = os.path.join(FIXTURES, config)
+    assert detect_format(run) == "deepspeed"
+    md, state = _read_all(run)
+    assert md.extra["deepspeed"]["model_parallel"] == 2
+    ref = load_file(os.path.join(run, "reference", "universal_fp32.safetensors"))
+    assert set(ref) == {k for k in md.tensors if not k.startswith("optim.")}
+    for k, v in ref.items():
+        assert torch.equal(state[k], v), k
+    for k, v in load_file(os.path.join(run, "reference", "universal.safetensors")).items():
+        name, moment = k.rsplit(".", 1)
+        assert torch.equal(state[f"optim.state.{name}.{moment}"], v), k
+    # a column-parallel weight's rows come from the rank that held them; a replicated one from one rank
+    q = md.tensors["model.layers.1.self_attn.q_proj.weight"]
+    assert {c.file.split("_mp_rank_")[1][:2] for c in q.chunks} == {"00", "01"}
+    assert all((c.offsets[0] >= 12) == ("_mp_rank_01_" in c.file) for c in q.chunks), q.chunks
+    norm = md.tensors["model.norm.weight"]
+    assert {c.file.split("_mp_rank_")[1][:2] for c in norm.chunks} == {"00"}
+
+
+def test_tensor_parallel_without_an_affine_map_by_its_patterns():
+    """Older DeepSpeed (and Megatron-DeepSpeed) record only the patterns: replicated, cut by
+    columns (row parallelism), the vocabulary; every other parameter cut by rows. The same
+    checkpoint described by them alone reads the same."""
+    from hpdcp_runner.dcp.storage.deepspeed import DeepSpeedReader
+    from hpdcp_runner.dcp.storage.deepspeed_tp import join_model_parallel
+
+    run = os.path.join(FIXTURES, "zero1_bf16_tp2", "global_step2")
+    r = DeepSpeedReader(run)
+    parts = [r._describe_mp(mp) for mp in (0, 1)]
+    info = dict(parts[0][1].tree["universal_checkpoint_info"])
+    by_affine = join_model_parallel([p[0] for p in parts], parts[0][1], run)
+    info.pop("affine_map")
+
+    class Model:
+        tree = {"universal_checkpoint_info": info}
+        where = "model states"
+
+    by_patterns = join_model_parallel([p[0] for p in parts], Model(), run)
+    assert by_patterns.tensors.keys() == by_affine.tensors.keys()
+    for k, t in by_affine.tensors.items():
+        a = sorted((c.offsets, c.sizes, c.file, c.byte_offset) for c in t.chunks)
+        b = sorted((c.offsets, c.sizes, c.file, c.byte_offset) for c in by_patterns.tensors[k].chunks)
+        assert t.shape == by_patterns.tensors[k].shape and a == b, k
+    Model.tree = {}
+    with pytest.raises(HpdcpError, match="model states: a checkpoint of 2 model-parallel ranks that records no "
+                                         "universal_checkpoint_info"):
+        join_model_parallel([p[0] for p in parts], Model(), run)
+
+
+def test_a_missing_model_parallel_rank_is_named(tmp_path):
+    """Every file of model-parallel rank 1 gone: the model states of rank 0 say there were 2 (its
+    slices are never read as the whole model)."""
+    run = _copy(tmp_path, "zero1_bf16_tp2")
+    for f in (run / "global_step2").iterdir():
+        if "mp_rank_01" in f.name:
+            f.unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"model-parallel rank\(s\) \[1\] are missing"):
+        _metadata(str(run))
