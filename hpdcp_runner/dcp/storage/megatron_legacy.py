@@ -60,6 +60,13 @@ _FC1 = {"mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.shared_experts.line
         f"{EXPERTS}linear_fc1.weight", f"{EXPERTS}linear_fc1.bias"}
 _COLUMNS = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight",
             f"{EXPERTS}linear_fc2.weight"}
+#: the tensors every tensor-parallel rank holds whole: under tensor parallelism any other name (an
+#: older Megatron-LM's ``language_model.*``) is refused, never read as one rank's slice
+_SAME = re.compile(r"(decoder\.final_layernorm|embedding\.position_embeddings)\.(weight|bias)|"
+                   r"(input_layernorm|pre_mlp_layernorm|self_attention\.(q|k)_layernorm)\.(weight|bias)|"
+                   r"(self_attention\.linear_qkv|mlp\.linear_fc1|mlp\.shared_experts\.linear_fc1)\.layer_norm_(weight|bias)|"
+                   r"(self_attention\.linear_proj|mlp\.linear_fc2|mlp\.experts\.experts\.linear_fc2|"
+                   r"mlp\.shared_experts\.linear_fc2)\.bias|mlp\.router\.(weight|expert_bias)|mlp\.shared_experts\.gate_weight")
 
 
 class Namespace(Record):
@@ -302,6 +309,11 @@ def _tensor(name: str, pieces: list[Piece], tp: int, swiglu: bool, local: tuple[
     kind = _kind(name)
     if kind == "fc1" and not swiglu:
         kind = "rows"
+    rest = m[2] if (m := _LAYER.fullmatch(name)) else name
+    if kind == "same" and tp > 1 and not _SAME.fullmatch(rest):
+        raise MetadataError(f"{pieces[0].file}: {name!r} is not a Megatron-Core GPT tensor this reader knows how "
+                            f"tensor parallelism cut (an older Megatron-LM model's language_model.* names are not "
+                            f"read)")
     if kind == "same" or tp == 1:
         pieces = [p for p in pieces if p.tp == 0]
     experts = sorted({p.expert for p in pieces}) if pieces[0].expert is not None else []

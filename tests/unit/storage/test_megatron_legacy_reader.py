@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from hpdcp_runner.dcp import load, open_reader
-from hpdcp_runner.dcp.core.errors import CheckpointNotFoundError, CorruptCheckpointError, PickleNotAllowedError
+from hpdcp_runner.dcp.core.errors import (CheckpointNotFoundError, CorruptCheckpointError, HpdcpError,
+                                          PickleNotAllowedError)
 from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
 from hpdcp_runner.dcp.storage.foreign import detect_format
 from tests.megatron_reference import FIXTURES, expected_hf
@@ -164,3 +165,16 @@ def test_in_a_bucket(s3_bucket):
     _, state = _read(uri, hf_config=_config(src))
     expect = expected_hf(src)
     assert state.keys() == expect.keys() and all(torch.equal(state[k], expect[k]) for k in expect)
+
+
+def test_a_name_whose_cut_is_unknown_is_refused_under_tensor_parallelism(tmp_path):
+    """An older Megatron-LM model (``language_model.*``) at tensor-parallel 2: its slices are never
+    read as if one rank held the whole tensor."""
+    it = tmp_path / "iter_0000002"
+    for tp in (0, 1):
+        (it / f"mp_rank_0{tp}").mkdir(parents=True)
+        torch.save({"model": {"language_model.embedding.word_embeddings.weight": torch.zeros(4, 3)}},
+                   it / f"mp_rank_0{tp}" / "model_optim_rng.pt")
+    with pytest.raises(HpdcpError, match="'language_model.embedding.word_embeddings.weight' is not a Megatron-Core "
+                                         "GPT tensor this reader knows how tensor parallelism cut"):
+        open_reader(str(it)).read_metadata_text()
