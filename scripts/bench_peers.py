@@ -32,18 +32,23 @@ Peers, each in the mode its documentation recommends, with its version printed:
   Without ``--bytecheckpoint-path`` its column says it was not run.
 
 Cases (2 ranks, the state of ``bench_vs_torch_dcp.py``: 15 big matrices, 64 medium, 2000 small
-vectors, fp32; ``--scale`` scales the big ones' rows): save of Shard(0) DTensors (sharded) and of
-plain tensors on both ranks (replicated), warm load of each, reshard Shard(0) -> Shard(1) on the
-same 2 ranks, and the time an async save blocks the caller. Every load is checked element by
-element. Times are the max over ranks; medians with min-max over ``--reps``; ratio = best peer's
-median / ours. A peer that fails is a row with its error, never a missing row. The bounds of the
-same disk in the same run: the durable write (sequential writes + fdatasync) and the page-cache
-write (no fdatasync) of the bytes our save wrote on each rank.
+vectors, fp32; ``--scale`` scales the big ones' rows): save of Shard(0) DTensors (sharded), of
+plain tensors on both ranks (replicated) and of an LLM-like training state (``llm_state``: a
+32-layer Llama-shaped model and its AdamW moments and steps), warm load of each, reshard Shard(0) ->
+Shard(1) on the same 2 ranks, and the time an async save blocks the caller (``--layouts``: which
+states). The states take turns at being timed first. Every load is checked element by element.
+Times are the max over ranks; medians with min-max over ``--reps``; ratio = best peer's median /
+ours. A peer that fails is a row with its error, never a missing row. ``hpdcp_runner (no
+fsync)`` is our save without fsync, like for like with a library that never syncs. The bounds of
+the same disk, measured right after each of our saves (this disk drifts within a run): the
+durable write (sequential writes + fdatasync) and the page-cache write (no fdatasync) of the bytes
+our save wrote on each rank, and a row of our save's time over that durable bound, paired.
 
 ``--train-steps N``: what async saves cost a training loop, each library in the same loop over
 the sharded state (``train_loop``: a fixed compute per step, the optimizer's in-place update of
 every shard being saved, a gradient all-reduce; an async save every ``--train-every`` steps, the
-next one waiting for the last). Per library and repetition: the median step of a loop with no
+next one waiting for the last; ours as the runner saves, ``staging="background"``, the loop waiting
+for the staging copy just before the optimizer's update, which counts as blocking). Per library and repetition: the median step of a loop with no
 saves (run just before, the same library's turn), the median step that ran while a persist was
 in flight (on any rank), their ratio, the median time ``async_save`` blocked the loop, and what a
 save cost the loop in all (the steps beside its persist over the loop without saves, plus its
@@ -76,6 +81,36 @@ from bench_vs_torch_dcp import check, durable_write, settle, timed, warm, worklo
 from hpdcp_runner import dcp  # noqa: E402
 
 
+def llm_state(scale: float, mesh: DeviceMesh | None) -> dict:
+    """An LLM-like training state, flat as the libraries take it: a Llama-shaped model of 32 layers
+    (hidden ``2048 * scale``, MLP 2.75x that, vocabulary 4096, norms) and AdamW's state for each
+    weight (``exp_avg``, ``exp_avg_sq`` and a scalar ``step``), every weight and moment a Shard(0)
+    DTensor as FSDP2 keeps them (plain tensors without a mesh), each step a plain scalar tensor: a
+    thousand tensors, large matrices beside hundreds of tiny values, as a training job's
+    checkpoint is (``--scale`` narrows the model, never its depth)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    hidden = max(64, int(2048 * scale) // 64 * 64)
+    ffn, vocab, layers = int(hidden * 2.75), 4096, 32
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        at = f"model.layers.{i}."
+        shapes.update({f"{at}self_attn.{p}_proj.weight": (hidden, hidden) for p in "qkvo"})
+        shapes.update({f"{at}mlp.gate_proj.weight": (ffn, hidden), f"{at}mlp.up_proj.weight": (ffn, hidden),
+                       f"{at}mlp.down_proj.weight": (hidden, ffn), f"{at}input_layernorm.weight": (hidden,),
+                       f"{at}post_attention_layernorm.weight": (hidden,)})
+    g = torch.Generator().manual_seed(0)
+    place = (lambda t: distribute_tensor(t, mesh, [Shard(0)])) if mesh is not None else (lambda t: t)
+    sd: dict = {}
+    for name, shape in shapes.items():
+        sd[name] = place(torch.empty(shape).uniform_(generator=g))
+        sd[f"optim.state.{name}.exp_avg"] = place(torch.empty(shape).uniform_(generator=g))
+        sd[f"optim.state.{name}.exp_avg_sq"] = place(torch.empty(shape).uniform_(generator=g))
+        sd[f"optim.state.{name}.step"] = torch.tensor(1000.0)
+    return sd
+
+
 def page_cache_write(path: str, nbytes: int) -> None:
     """The same writes as ``durable_write`` without the fdatasync: what a save that never syncs
     is bounded by."""
@@ -100,6 +135,12 @@ class Pending:
     def wait(self) -> None:
         if self.fut is not None:
             self.fut.result()
+
+    def wait_staged(self) -> None:
+        """Before the loop changes the state: a save whose staging copy runs beside the step
+        (ours, ``staging="background"``) is waited for here; the others staged in the call."""
+        if hasattr(self.fut, "wait_staged"):
+            self.fut.wait_staged()
 
 
 class TorchCheckpointing:
@@ -189,7 +230,10 @@ class Ours:
             self.name = f"hpdcp_runner ({mode})"
 
     def save(self, sd: dict, path: str) -> None:
-        dcp.save(sd, checkpoint_id=path)
+        if self.mode == "no fsync":  # like for like with a library that never syncs (torch-checkpointing)
+            dcp.save(sd, storage_writer=dcp.open_writer(path, fsync=False))
+        else:
+            dcp.save(sd, checkpoint_id=path)
 
     def load(self, tgt: dict, path: str) -> None:
         dcp.load(tgt, checkpoint_id=path)
@@ -199,7 +243,15 @@ class Ours:
         # last one skips planning, which otherwise runs beside the training loop
         return Pending(dcp.async_save(sd, checkpoint_id=path, mode=self.mode, cache_plan=True))
 
+    def loop_save(self, sd: dict, path: str) -> "Pending":
+        """In the training loop, as the runner saves (``dcp.async_staging=background``): the call
+        returns once the staged structure exists, the copy runs beside the step, and the loop
+        waits for it (``wait_staged``) only before the optimizer changes the state."""
+        return Pending(dcp.async_save(sd, checkpoint_id=path, mode=self.mode, cache_plan=True, staging="background"))
+
     def supports(self, case: str) -> str | None:
+        if self.mode == "no fsync":
+            return None if case.endswith(" save") else "(the save only: its load is hpdcp_runner's)"
         if self.mode != "thread" and case not in ("async save, blocking", "train"):
             return "(the sync save and load of hpdcp_runner)"
         return None
@@ -240,6 +292,8 @@ class ByteCheckpoint:
     def supports(self, case: str) -> str | None:
         if case.startswith("replicated"):
             return "n/a: its FSDP2 checkpointer holds Shard(0) parameters only"
+        if case.startswith("LLM-like"):
+            return "n/a: its FSDP2 checkpointer takes a module and its optimizer, not a state's scalar steps"
         if case.startswith("reshard"):
             return "n/a: its FSDP2 checkpointer loads into Shard(0) parameters only"
         if case == "train":
@@ -261,6 +315,7 @@ class ByteCheckpoint:
         return Pending(None)  # (it returns no handle: when its persist ends is not known here)
 
 
+LAYOUTS = ("sharded", "replicated", "LLM-like")
 TRAIN_CASES = ("train: step, loop without saves", "train: step beside a persist",
                "train: step beside a persist / without saves", "train: blocking per save",
                "train: loop time lost per save")
@@ -270,7 +325,7 @@ GROUPS = {"main": ("hpdcp_runner", "torch DCP", "torch-checkpointing"), "byteche
 def _peers(group: str, threads: int) -> tuple[list[Any], dict[str, str]]:
     """The libraries of this job that run here, and why each of the others does not."""
     makers: dict[str, Callable[[], list[Any]]] = {
-        "hpdcp_runner": lambda: [Ours(), Ours("process")], "torch DCP": lambda: [TorchDCP(1), TorchDCP(threads)],
+        "hpdcp_runner": lambda: [Ours(), Ours("process"), Ours("no fsync")], "torch DCP": lambda: [TorchDCP(1), TorchDCP(threads)],
         "torch-checkpointing": lambda: [TorchCheckpointing()], "ByteCheckpoint": lambda: [ByteCheckpoint()]}
     libs: list[Any] = []
     failed = {}
@@ -318,14 +373,18 @@ def train_loop(lib: Any, sd: dict, args: Any, path: str | None) -> dict[str, lis
             if pending is not None:
                 pending.wait()
             b0 = time.perf_counter()
-            pending = lib.async_save(sd, f"{path}-{i}")
+            pending = getattr(lib, "loop_save", lib.async_save)(sd, f"{path}-{i}")
             blocked = time.perf_counter() - b0
-            if i >= first_counted:
-                blocking.append(blocked)
         in_flight = pending is not None and pending.done() is not True
         x = a
         for _ in range(args.train_matmuls):
             x = torch.tanh(x @ a)
+        if pending is not None:  # (the optimizer's update changes what is being saved)
+            w0 = time.perf_counter()
+            pending.wait_staged()
+            blocked += time.perf_counter() - w0
+        if path and i % every == every // 2 and i >= first_counted:
+            blocking.append(blocked)
         with torch.no_grad():
             for t in shards:
                 t.mul_(0.9999)
@@ -375,17 +434,36 @@ def worker(args: Any) -> None:
             errors.setdefault(what, {})[lib.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             return False
 
+    def bound(layout: str, path: str, ours: float) -> None:
+        """The disk's bounds for the bytes our save just wrote on this rank, measured right after
+        it (the disk's state drifts over a run: a case timed after others is slower for every
+        library that syncs), and our save's time over the durable one, paired."""
+        mine = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.startswith(f"rank{rank:05d}"))
+        for kind, write in (("durable", durable_write), ("page cache", page_cache_write)):
+            settle()
+            t = timed(lambda: write(f"{path}-bound-{rank}", mine))
+            os.unlink(f"{path}-bound-{rank}")
+            bounds.setdefault(f"{layout} {kind}", []).append(t)
+            if kind == "durable":
+                times.setdefault(f"{layout} save / durable bound", {}).setdefault("hpdcp_runner", []).append(ours / t)
+        settle()
+
     for rep in range(0 if args.train_only else args.reps):
         root = f"{base}/rep{rep}"
         order = libs if rep % 2 == 0 else libs[::-1]
-        for layout in ("sharded", "replicated"):
-            sd = workload(args.scale, layout, mesh)
+        # each state first, second and third in turn: a case run after others pays for their
+        # writes (its fsyncs slower though every dirty page was written back), so none always does
+        turn = rep % len(args.layouts)
+        for layout in args.layouts[turn:] + args.layouts[:turn]:
+            sd = llm_state(args.scale, mesh) if layout == "LLM-like" else workload(args.scale, layout, mesh)
             for lib in order:
                 path = f"{root}/{layout}-{lib.name.replace(' ', '_').replace('=', '')}"
                 if rep == 0 and args.worker == "bytecheckpoint" and layout == "sharded":
                     lib.save(sd, f"{path}-warmup")  # its coordinator's start: a one-time cost, untimed
                 settle()
                 if case(f"{layout} save", lib, lambda: lib.save(sd, path)):
+                    if lib.name == "hpdcp_runner":
+                        bound(layout, path, times[f"{layout} save"][lib.name][-1])
                     warm(path)
                 tgt = zeros_like_sd(sd)
                 if case(f"{layout} load, warm", lib, lambda: lib.load(tgt, path)):
@@ -407,14 +485,6 @@ def worker(args: Any) -> None:
                     for w in waits:
                         w.wait()
                     dist.barrier()
-            ours = f"{root}/{layout}-hpdcp_runner"
-            if os.path.isdir(ours):  # the bounds: the bytes our save wrote on this rank, on this disk
-                mine = sum(os.path.getsize(os.path.join(ours, n)) for n in os.listdir(ours)
-                           if n.startswith(f"rank{rank:05d}"))
-                for kind, write in (("durable", durable_write), ("page cache", page_cache_write)):
-                    settle()
-                    bounds.setdefault(f"{layout} {kind}", []).append(timed(lambda: write(f"{root}/bound-{rank}", mine)))
-                    os.unlink(f"{root}/bound-{rank}")
             del sd
         dist.barrier()
         if rank == 0:
@@ -484,6 +554,8 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--dcp-threads", type=int, default=2)
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS,
+                    help="the states whose save and load are timed (default: all)")
     ap.add_argument("--train-steps", type=int, default=0,
                     help="also run a training loop of this many steps per library (0: not run)")
     ap.add_argument("--train-every", type=int, default=8, help="an async save every this many steps")
@@ -515,7 +587,8 @@ def main() -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", __file__,
                    "--worker", group, "--results", results, "--reps", str(args.reps), "--scale", str(args.scale),
                    "--dcp-threads", str(args.dcp_threads), "--train-steps", str(args.train_steps),
-                   "--train-every", str(args.train_every), "--train-matmuls", str(args.train_matmuls)] \
+                   "--train-every", str(args.train_every), "--train-matmuls", str(args.train_matmuls),
+                   "--layouts", *args.layouts] \
                 + (["--train-only"] if args.train_only else []) \
                 + (["--dir", args.dir] if args.dir else [])
             r = subprocess.run(cmd, env=env)
@@ -547,20 +620,26 @@ def _cell(xs: list[float] | None) -> str:
 
 
 def report(args: Any, m: dict) -> str:
-    cases = ([] if args.train_only else ["sharded save", "replicated save", "sharded load, warm",
-                                         "replicated load, warm", "reshard S0->S1, warm", "async save, blocking"]) \
+    cases = ([] if args.train_only else [c for c in (
+        "sharded save", "replicated save", "LLM-like save", "sharded load, warm", "replicated load, warm",
+        "LLM-like load, warm", "reshard S0->S1, warm", "async save, blocking") if c.split(" ")[0] in args.layouts
+        or ("sharded" in args.layouts and c.split(" ")[0] in ("reshard", "async"))]) \
         + (list(TRAIN_CASES) if args.train_steps else [])
     names = [n for n, _ in m["libs"]] + [n for n in m["failed"] if n not in {x for x, _ in m["libs"]}]
     ws = m.get("world_size", args.nproc)
     size = sum(t.numel() * t.element_size() for t in workload(args.scale, "replicated", None).values()) / 2**30
+    llm = llm_state(args.scale, None)
+    llm_size = sum(t.numel() * t.element_size() for t in llm.values()) / 2**30
     versions = ", ".join(f"{n} {v}" for n, v in m["libs"] if n != "torch DCP tc=1")
     train = (f" --train-steps {args.train_steps} --train-every {args.train_every} --train-matmuls {args.train_matmuls}"
              + (" --train-only" if args.train_only else "") if args.train_steps else "")
     nproc = f" --nproc {args.nproc}" if args.nproc != 2 else ""
-    lines = [f"Command: `OMP_NUM_THREADS=1 python scripts/bench_peers.py --reps {args.reps}{nproc} --scale {args.scale}{train}"
+    layouts = f" --layouts {' '.join(args.layouts)}" if list(args.layouts) != list(LAYOUTS) else ""
+    lines = [f"Command: `OMP_NUM_THREADS=1 python scripts/bench_peers.py --reps {args.reps}{nproc} --scale {args.scale}{layouts}{train}"
              + (" --bytecheckpoint-path <dir>" if args.bytecheckpoint_path else "") + "`", "",
              f"Machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, gloo on CPU, "
-             f"{ws} ranks, local disk; state {size:.3f} GiB. Versions: {versions}."
+             f"{ws} ranks, local disk; state {size:.3f} GiB (LLM-like: {llm_size:.3f} GiB in {len(llm)} tensors, "
+             f"{sum(1 for t in llm.values() if t.dim() == 0)} of them scalars). Versions: {versions}."
              + (" Not run: " + "; ".join(f"{k} ({v})" for k, v in m["failed"].items()) if m["failed"] else ""), "",
              "Seconds: median (min-max) over repetitions, max over ranks. Ratio = the best peer's median / ours "
              "(> 1: we are faster).", "",
@@ -581,10 +660,16 @@ def report(args: Any, m: dict) -> str:
         best = min(peers) if peers else None
         ratio = f"**{best[0] / statistics.median(ours):.2f}x**" if best and ours else "-"
         lines.append(f"| {c} | " + " | ".join(row) + f" | {best[1] if best else '-'} | {ratio} |")
+    for layout in (() if args.train_only else args.layouts):
+        xs = m["times"].get(f"{layout} save / durable bound", {}).get("hpdcp_runner")
+        if xs:
+            lines.append(f"| {layout} save: ours / the durable bound measured right after it | {_cell(xs)} |"
+                         + " |" * (len(names) + 1))
     lines.append("")
     b = m["bounds"]
-    for layout in (() if args.train_only else ("sharded", "replicated")):
-        lines.append(f"- {layout} save, the bounds of this disk for the bytes our save wrote per rank: durable write "
+    for layout in (() if args.train_only else args.layouts):
+        lines.append(f"- {layout} save, the bounds of this disk for the bytes our save wrote per rank, measured "
+                     f"right after each of our saves: durable write "
                      f"{_cell(b.get(f'{layout} durable'))} s, page-cache write {_cell(b.get(f'{layout} page cache'))} s "
                      f"(torch-checkpointing never fsyncs: its saves end in the page cache)")
     return "\n".join(lines)
