@@ -42,8 +42,9 @@ def config_name(stage: int, dtype: str, tp: int, nproc: int) -> str:
 
 
 #: the configurations whose universal checkpoint (``_universal``, ds_to_universal's output) is kept
-#: as a fixture of its own: ZeRO 2 (whole tensors, a step.pt each) and ZeRO 3 (flat tensors, no step)
-KEEP_UNIVERSAL = ("zero2_fp32", "zero3_bf16")
+#: as a fixture of its own: ZeRO 2 (whole tensors, a step.pt each), ZeRO 3 (flat tensors, no step)
+#: and AutoTP's (whole tensors beside model states that give one model-parallel rank's slices)
+KEEP_UNIVERSAL = ("zero2_fp32", "zero3_bf16", "zero1_bf16_tp2")
 PINNED = {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.25.0"}
 
 

@@ -417,8 +417,12 @@ class DeepSpeedUniversalReader(DeepSpeedReader):
             t = a.tree.get("param") if isinstance(a.tree, dict) else a.tree
             off, count = a.flat(t, "param")
             if count != math.prod(shape):
-                raise MetadataError(f"{a.where}: holds {count} elements, but the model states give {name} the shape "
-                                    f"{list(shape)}")
+                if len(t.size) != len(shape) or t.numel != count:
+                    raise MetadataError(f"{a.where}: holds {count} elements, but the model states give {name} the "
+                                        f"shape {list(shape)}")
+                # (made of a tensor-parallel run: the model states give one model-parallel rank's slice,
+                # the universal tensor is whole)
+                shape = tuple(t.size)
             key, path = (name, (name,)) if what == "fp32" else (f"optim.state.{name}.{what}",
                                                                  ("optim", "state", name, what))
             tensors[key] = TensorMeta(dtype_name(t.dtype), shape, (ChunkMeta((0,) * len(shape), shape, fname, key,

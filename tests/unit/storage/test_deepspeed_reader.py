@@ -328,3 +328,16 @@ def test_a_missing_model_parallel_rank_is_named(tmp_path):
             f.unlink()
     with pytest.raises(CheckpointNotFoundError, match=r"model-parallel rank\(s\) \[1\] are missing"):
         _metadata(str(run))
+
+
+def test_a_universal_checkpoint_of_a_tensor_parallel_run_reads_as_the_run():
+    """ds_to_universal's output of the AutoTP fixture: whole tensors beside model states that give
+    model-parallel rank 0's slice shapes; every parameter, moment and step reads bitwise as the
+    step directory it was made of does."""
+    run = os.path.join(FIXTURES, "zero1_bf16_tp2")
+    _, step = _read_all(run)
+    md, universal = _read_all(os.path.join(run, "_universal"))
+    assert md.extra["deepspeed"]["universal"] is True and universal.keys() == step.keys()
+    assert md.tensors["model.layers.0.self_attn.q_proj.weight"].shape == (24, 24)
+    for k, v in step.items():
+        assert torch.equal(universal[k], v) if isinstance(v, torch.Tensor) else universal[k] == v, k
