@@ -3,7 +3,9 @@
 A Hugging Face or torch DCP checkpoint (``job.source.format``) has no checksums of ours: its
 structure is validated (index against shard headers, bounds, overlaps, tiling, files, a torch DCP
 record's zip structure) and every tensor byte is read once. torch DCP records carry a zip CRC-32,
-checked for every record read whole (verify reads each whole); Hugging Face files record none,
+checked for every record read whole (verify reads each whole), as are the tensors of a
+``torch.save`` archive (DeepSpeed's, Megatron-LM's legacy format) that fill their storage (a part
+of one, as a ZeRO partition's parameter, cannot be); Hugging Face files record none,
 so a flipped bit in their data is detected only where the store keeps a digest of the whole
 file (S3 and GCS MD5 ETags, Azure's Content-MD5; ``dcp.storage.store_digests``), which verify,
 reading every byte, checks.

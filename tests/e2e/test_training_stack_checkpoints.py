@@ -177,6 +177,23 @@ def test_inspect_a_legacy_megatron_run_and_a_missing_rank_is_one_line(cli, tmp_p
     head = r.stdout.splitlines()[0]
     assert f"{run}/iter_0000002" in head and "megatron" in head, head
     assert "decoder.layers.1.mlp.linear_fc1.weight" in r.stdout and "[80, 24]" in r.stdout, r.stdout
+    # verify: every slice that fills its storage is checked against the zip's CRC-32 (fc1's gate and
+    # up halves are parts of one: not checkable); a flipped byte in one is named
+    r = cli(["+job=verify", f"job.source.path={run}", f"hydra.run.dir={tmp_path}/v"])
+    assert r.returncode == 0 and "21 records matched their zip CRC-32" in r.stdout, r.stdout + r.stderr[-2000:]
+    from hpdcp_runner.dcp import open_reader
+    from hpdcp_runner.dcp.format.metadata import Metadata
+
+    md = Metadata.from_json(open_reader(str(run)).read_metadata_text())
+    c = next(c for c in md.tensors["output_layer.weight"].chunks if c.file.startswith("mp_rank_01_001/"))
+    flipped = run / "iter_0000002" / c.file
+    raw = bytearray(flipped.read_bytes())
+    raw[c.byte_offset + 5] ^= 0x40
+    flipped.write_bytes(bytes(raw))
+    r = cli(["+job=verify", f"job.source.path={run}", f"hydra.run.dir={tmp_path}/v2"])
+    errs = _errors(r.stderr)
+    assert r.returncode == 1 and len(errs) == 1 and str(flipped) in errs[0] and "zip CRC-32" in errs[0], \
+        r.stderr[-3000:]
     gone = run / "iter_0000002" / "mp_rank_01_001" / "model_optim_rng.pt"
     gone.unlink()
     out = tmp_path / "out"

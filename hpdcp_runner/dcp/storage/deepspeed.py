@@ -330,7 +330,8 @@ class DeepSpeedReader(_DescribedReader):
             if isinstance(t, TensorRef) and name not in tensors:
                 off, _ = model.flat(t, name)
                 tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size,
-                                                                                   model_name, name, off, ""),), (name,))
+                                                                                   model_name, name, off,
+                                                                                   model.crc_of(t)),), (name,))
 
     def _scalar(self, archive: ArchiveIndex, name: str, t: Any, what: str) -> float | None:
         """The value of a one-element tensor of ``archive`` (a step count), or a plain number."""
@@ -426,7 +427,7 @@ class DeepSpeedUniversalReader(DeepSpeedReader):
             key, path = (name, (name,)) if what == "fp32" else (f"optim.state.{name}.{what}",
                                                                  ("optim", "state", name, what))
             tensors[key] = TensorMeta(dtype_name(t.dtype), shape, (ChunkMeta((0,) * len(shape), shape, fname, key,
-                                                                             off, ""),), path)
+                                                                             off, a.crc_of(t)),), path)
             files[fname] = FileMeta(fname, self._size_of(fname), "", 0)
         fname = f"zero/{name}/step.pt"
         if self.files.exists(fname):

@@ -120,6 +120,29 @@ class _DescribedReader(CheckpointReader):
         if self.check_crc:  # the format's own checksums are few or none: the storage's, where it keeps them
             self.files.check_store_digests()
 
+    def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> None:
+        """A chunk that is a zip entry's whole data (a torch DCP record; a tensor of a
+        ``torch.save`` archive that fills its storage), read whole, is checked against the zip's
+        CRC-32 (what torch.save recorded); a part of one cannot be (the CRC covers the entry)."""
+        crc = r.chunk.checksum
+        if not (self.check_crc and crc.startswith("crc32:") and r.sub.sizes == r.chunk.sizes):
+            super()._read_one(name, offset, nbytes, r, dt)
+            return
+        fd = self._fd(name)
+        dest = r.dest
+        direct = dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
+        buf = dest if direct else self._scratch_view(nbytes)
+        view = byte_view(buf)
+        self._check_bounds(fd, name, r, offset, nbytes)
+        self._pread(fd, offset, view, name=name)
+        self._count(nbytes, 1)
+        if f"crc32:{zlib.crc32(view):08x}" != crc:
+            raise CorruptCheckpointError(f"{self.full(name)}: the record of {r.chunk.key!r} at offset "
+                                         f"{offset} fails its zip CRC-32 (corrupted data)")
+        self.counters.chunks_verified += 1
+        if not direct:
+            dest.copy_(buf.view(dt).view(r.chunk.sizes))
+
     def _checked_name(self, name: Any, where: str) -> str:
         try:
             return check_file_name(name)
@@ -377,27 +400,6 @@ class TorchDcpReader(_DescribedReader):
         return Metadata(world, tensors, objects, files, extra={"source_format": "torch_dcp",
                                                                "torch_dcp_objects": locations})
 
-    def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> None:
-        """A chunk that is a record's whole data entry, read whole, is checked against the zip's
-        CRC-32 (what torch.save recorded); a part of one cannot be (the CRC covers the entry)."""
-        crc = r.chunk.checksum
-        if not (self.check_crc and crc.startswith("crc32:") and r.sub.sizes == r.chunk.sizes):
-            super()._read_one(name, offset, nbytes, r, dt)
-            return
-        fd = self._fd(name)
-        dest = r.dest
-        direct = dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
-        buf = dest if direct else self._scratch_view(nbytes)
-        view = byte_view(buf)
-        self._check_bounds(fd, name, r, offset, nbytes)
-        self._pread(fd, offset, view, name=name)
-        self._count(nbytes, 1)
-        if f"crc32:{zlib.crc32(view):08x}" != crc:
-            raise CorruptCheckpointError(f"{self.full(name)}: the record of {r.chunk.key!r} at offset "
-                                         f"{offset} fails its zip CRC-32 (corrupted data)")
-        self.counters.chunks_verified += 1
-        if not direct:
-            dest.copy_(buf.view(dt).view(r.chunk.sizes))
 
     def _file(self, rel: Any, files: dict, fds: dict, mpath: str) -> str:
         name = self._checked_name(rel, mpath)

@@ -127,6 +127,7 @@ class Piece:
     file: str
     offset: int
     ref: TensorRef
+    crc: str  # the zip's CRC-32 of its storage, when it fills it (checked when read whole)
 
 
 def rank_dir_numbers(name: str) -> tuple[int, int | None, int | None]:
@@ -295,7 +296,7 @@ def _pieces(ranks: list[RankFile]) -> tuple[dict[str, list[Piece]], dict[str, tu
             if shapes.setdefault(name, ref.size) != ref.size:
                 raise MetadataError(f"{r.archive.where}: {key!r} has shape {list(ref.size)}, another rank's slice "
                                     f"{list(shapes[name])}")
-            pieces[name].append(Piece(r.tp, expert, r.name, off, ref))
+            pieces[name].append(Piece(r.tp, expert, r.name, off, ref, r.archive.crc_of(ref)))
     return pieces, shapes
 
 
@@ -351,5 +352,5 @@ def _tensor(name: str, pieces: list[Piece], tp: int, swiglu: bool, local: tuple[
             offs[0] = p.tp * local[0]
         elif kind == "columns":
             offs[1] = p.tp * local[1]
-        chunks.append(ChunkMeta((*at, *offs), (*one, *local), p.file, name, p.offset, ""))
+        chunks.append(ChunkMeta((*at, *offs), (*one, *local), p.file, name, p.offset, p.crc))
     return TensorMeta(dtype_name(pieces[0].ref.dtype), (*lead, *shape), tuple(chunks), (name,))

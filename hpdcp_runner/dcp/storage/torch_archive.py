@@ -130,12 +130,12 @@ class ArchiveIndex:
                 self.tree = unpickler(_bounded_read(zf, pkl[0], MAX_PICKLE), where).load()
                 align = [i for i in infos if i.filename == f"{self.prefix}.storage_alignment"]
                 alignment = int(_bounded_read(zf, align[0], 32)) if align else 1
-                self._starts: dict[str, tuple[int, int]] = {}
+                self._starts: dict[str, tuple[int, int, int]] = {}  # storage -> (data offset, bytes, CRC-32)
                 for info in infos:
                     if info.filename.startswith(f"{self.prefix}data/"):
                         key = info.filename[len(f"{self.prefix}data/"):]
                         self._starts[key] = (_entry_data(fd, 0, size, info, infos, zf.start_dir, alignment),
-                                             info.file_size)
+                                             info.file_size, info.CRC)
         except PickleNotAllowedError:
             raise
         except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError,
@@ -152,8 +152,15 @@ class ArchiveIndex:
             raise MetadataError(f"{self.where}: {what} is not a tensor")
         if t.stride != _row_major(t.size) and t.numel > 1:
             raise MetadataError(f"{self.where}: {what} is not contiguous (size {list(t.size)}, stride {list(t.stride)})")
-        start, nbytes = self._starts.get(t.storage, (None, 0))
+        start, nbytes, _ = self._starts.get(t.storage, (None, 0, 0))
         esize = torch.empty((), dtype=t.dtype).element_size()
         if start is None or t.offset < 0 or (t.offset + t.numel) * esize > nbytes:
             raise CorruptCheckpointError(f"{self.where}: {what} lies outside its storage entry")
         return start + t.offset * esize, t.numel
+
+    def crc_of(self, t: TensorRef) -> str:
+        """``crc32:<hex>`` of the zip entry ``t`` fills whole (what a reader checks when it reads
+        that chunk whole), else '' (a part of a storage: the CRC covers the entry)."""
+        start, nbytes, crc = self._starts.get(t.storage, (None, 0, 0))
+        whole = start is not None and t.offset == 0 and t.numel * torch.empty((), dtype=t.dtype).element_size() == nbytes
+        return f"crc32:{crc:08x}" if whole else ""

@@ -341,3 +341,23 @@ def test_a_universal_checkpoint_of_a_tensor_parallel_run_reads_as_the_run():
     assert md.tensors["model.layers.0.self_attn.q_proj.weight"].shape == (24, 24)
     for k, v in step.items():
         assert torch.equal(universal[k], v) if isinstance(v, torch.Tensor) else universal[k] == v, k
+
+
+def test_a_universal_tensor_is_checked_against_its_zip_crc(tmp_path):
+    """Each universal tensor fills its archive's storage: read whole, it is checked against the
+    CRC-32 torch.save recorded, and a flipped byte is named (DeepSpeed records no other checksum)."""
+    uni = tmp_path / "u"
+    shutil.copytree(os.path.join(FIXTURES, "zero2_fp32", "_universal"), uni)
+    r = open_reader(str(uni))
+    md = Metadata.from_json(r.read_metadata_text())
+    c = md.tensors["model.norm.weight"].chunks[0]
+    assert c.checksum.startswith("crc32:")
+    state = {"model.norm.weight": torch.empty(md.tensors["model.norm.weight"].shape)}
+    load(state, storage_reader=r, strict=False)
+    assert r.counters.chunks_verified == 1
+    f = uni / c.file
+    raw = bytearray(f.read_bytes())
+    raw[c.byte_offset] ^= 0x01
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=f"{f}: the record of 'model.norm.weight' .* fails its zip CRC-32"):
+        load(state, storage_reader=open_reader(str(uni)), strict=False)
