@@ -43,7 +43,7 @@ from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERS
                            is_deepspeed_step, is_deepspeed_universal)
 from .deepspeed_tp import join_model_parallel
 from .foreign import _DescribedReader
-from .torch_archive import Archive, ArchiveIndex, Record, TensorRef
+from .torch_archive import Archive, ArchiveFiles, ArchiveIndex, Record, TensorRef
 
 if TYPE_CHECKING:
     from .checkpoint_files import CheckpointFiles
@@ -170,10 +170,11 @@ def _zero3_segments(flats: list[tuple[str, int, int]], numels: list[int], esize:
     return out
 
 
-class DeepSpeedReader(_DescribedReader):
+class DeepSpeedReader(ArchiveFiles, _DescribedReader):
     """A DeepSpeed ZeRO 1/2/3 step directory (see the module docstring)."""
 
     format_name = "deepspeed"
+    UNPICKLER = _DeepSpeedArchive
 
     def __init__(self, files: "CheckpointFiles | str | os.PathLike", *, names: "list[str] | None" = None,
                  weights: str = "fp32", **kwargs: Any) -> None:
@@ -190,12 +191,6 @@ class DeepSpeedReader(_DescribedReader):
             raise MetadataError(f"DeepSpeed weights {weights!r}: one of {', '.join(WEIGHTS)}")
         self.weights = weights
 
-    def _archive(self, name: str) -> ArchiveIndex:
-        f = self._random_access(name)
-        try:
-            return ArchiveIndex(f, self.full(name), _DeepSpeedArchive)
-        finally:
-            f.close()
 
     def describe(self) -> Metadata:
         self.files.require_directory()

@@ -42,7 +42,7 @@ from ..format.metadata import ChunkMeta, FileMeta, Metadata, TensorMeta, dtype_n
 from .foreign import _DescribedReader
 from .format_marks import MEGATRON_RANK_DIR, MEGATRON_RANK_FILE
 from .megatron import Shape, to_hf
-from .torch_archive import Archive, ArchiveIndex, Record, TensorRef
+from .torch_archive import Archive, ArchiveFiles, ArchiveIndex, Record, TensorRef
 
 if TYPE_CHECKING:
     from .checkpoint_files import CheckpointFiles
@@ -137,10 +137,11 @@ def rank_dir_numbers(name: str) -> tuple[int, int | None, int | None]:
     return int(m[1]), (int(m[2]) if m[2] is not None else None), (int(m[3]) if m[3] is not None else None)
 
 
-class MegatronLegacyReader(_DescribedReader):
+class MegatronLegacyReader(ArchiveFiles, _DescribedReader):
     """A Megatron-LM legacy iteration directory (see the module docstring)."""
 
     format_name = "megatron"
+    UNPICKLER = _MegatronArchive
 
     def __init__(self, files: "CheckpointFiles | str | os.PathLike", *, rank_dirs: list[str] | None = None,
                  hf_config: dict | None = None, config_source: str = "config.json", **kwargs: Any) -> None:
@@ -201,12 +202,6 @@ class MegatronLegacyReader(_DescribedReader):
         _check_complete(self.path, ranks)
         return ranks
 
-    def _archive(self, name: str) -> ArchiveIndex:
-        f = self._random_access(name)
-        try:
-            return ArchiveIndex(f, self.full(name), _MegatronArchive)
-        finally:
-            f.close()
 
 
 def _arg(archive: ArchiveIndex, name: str) -> Any:

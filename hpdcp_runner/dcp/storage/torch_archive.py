@@ -164,3 +164,17 @@ class ArchiveIndex:
         start, nbytes, crc = self._starts.get(t.storage, (None, 0, 0))
         whole = start is not None and t.offset == 0 and t.numel * torch.empty((), dtype=t.dtype).element_size() == nbytes
         return f"crc32:{crc:08x}" if whole else ""
+
+
+class ArchiveFiles:
+    """What a reader of ``torch.save`` archives (a ``_DescribedReader``) shares: ``_archive(name)``
+    indexes one of its files with the reader's ``UNPICKLER`` (the classes its format admits)."""
+
+    UNPICKLER: type[Archive] = Archive
+
+    def _archive(self, name: str) -> ArchiveIndex:
+        f = self._random_access(name)  # type: ignore[attr-defined]
+        try:
+            return ArchiveIndex(f, self.full(name), self.UNPICKLER)  # type: ignore[attr-defined]
+        finally:
+            f.close()
