@@ -203,7 +203,6 @@ class MegatronLegacyReader(ArchiveFiles, _DescribedReader):
         return ranks
 
 
-
 def _arg(archive: ArchiveIndex, name: str) -> Any:
     args = archive.tree.get("args")
     return args.get(name) if isinstance(args, Namespace) else None
