@@ -165,13 +165,21 @@ def join_model_parallel(parts: list[Metadata], model: ArchiveIndex, where: str) 
         raise MetadataError(f"{model.where}: a checkpoint of {len(parts)} model-parallel ranks that records no "
                             f"universal_checkpoint_info: how its parameters were cut cannot be told")
     cuts = _Cuts(info, len(parts), model.where)
+    shapes = model.tree.get("param_shapes")
+    params = {str(k) for g in (shapes if isinstance(shapes, list) else []) if isinstance(g, dict) for k in g}
     tensors = {}
     for key in parts[0].tensors:
         held = [p.tensors.get(key) for p in parts]
         if any(t is None for t in held):
             raise MetadataError(f"{where}: {key!r} is missing from model-parallel rank {held.index(None)}")
         m = _MOMENT.fullmatch(key)
-        tensors[key] = cuts.join(key, m[1] if m else key, held)  # type: ignore[arg-type]
+        name = m[1] if m else key
+        if name in params:
+            tensors[key] = cuts.join(key, name, held)  # type: ignore[arg-type]
+        elif len({tuple(t.shape) for t in held}) == 1:  # type: ignore[union-attr]
+            tensors[key] = held[0]  # a buffer (not a parameter: tensor parallelism cuts none), every rank's copy
+        else:
+            raise MetadataError(f"{where}: the buffer {key!r} differs in shape across model-parallel ranks")
     files = {}
     for p in parts:
         files.update(p.files)

@@ -304,7 +304,7 @@ def test_tensor_parallel_without_an_affine_map_by_its_patterns():
     info.pop("affine_map")
 
     class Model:
-        tree = {"universal_checkpoint_info": info}
+        tree = {"universal_checkpoint_info": info, "param_shapes": parts[0][1].tree["param_shapes"]}
         where = "model states"
 
     by_patterns = join_model_parallel([p[0] for p in parts], Model(), run)
