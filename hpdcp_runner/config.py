@@ -252,7 +252,9 @@ class SourceConf:
     # from its own metadata and placed by layout=; model= plays no part
     path: Optional[str] = None
     layout: str = "tp"  # reshard without source.path: the layout the demo source is written in
-    format: str = "auto"  # auto | hpdcp | hf | torch_dcp (needs dcp.allow_pickle=true) | deepspeed
+    # auto | hpdcp | hf | torch_dcp (needs dcp.allow_pickle=true) | deepspeed | megatron (torch_dist needs
+    # dcp.allow_pickle=true; the legacy mp_rank_* archives do not)
+    format: str = "auto"
     # a DeepSpeed checkpoint's weights: fp32 (its fp32 master copy, as zero_to_fp32 gives) | module
     # (the module's own, in the dtype it trained in; ZeRO 1/2 only)
     weights: str = "fp32"
