@@ -25,18 +25,11 @@ import re
 from typing import Any
 
 from ..core.errors import MetadataError
+from ..core.geometry import row_major_strides
 from ..format.metadata import ChunkMeta, Metadata, TensorMeta, element_size
 from .torch_archive import ArchiveIndex
 
 _MOMENT = re.compile(r"optim\.state\.(.+)\.(exp_avg|exp_avg_sq)")
-
-
-def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def _offsets(spec: Any, shape: tuple[int, ...], what: str) -> tuple[int, ...]:
@@ -45,7 +38,7 @@ def _offsets(spec: Any, shape: tuple[int, ...], what: str) -> tuple[int, ...]:
         offset, strides = int(spec[0]), tuple(int(x) for x in spec[1])
     except (TypeError, ValueError, IndexError):
         raise MetadataError(f"{what}: a piece's place {spec!r} is not [offset, strides]") from None
-    if strides != _row_major(shape) or not 0 <= offset < max(1, math.prod(shape)):
+    if strides != row_major_strides(shape) or not 0 <= offset < max(1, math.prod(shape)):
         raise MetadataError(f"{what}: a piece at {spec!r} of a tensor of shape {list(shape)} is not a box of it "
                             f"(strides other than row-major are not read)")
     out = []
@@ -69,7 +62,7 @@ def _translate(c: ChunkMeta, key: str, dest: tuple[int, ...], size: tuple[int, .
     part = [b - a for a, b in zip(lo, hi)]
     cut = [j for j in range(len(part)) if part[j] != c.sizes[j]]
     k = cut[-1] if cut else 0  # every dim after k is whole: a run over dim k is contiguous
-    strides = _row_major(tuple(c.sizes))
+    strides = row_major_strides(tuple(c.sizes))
     out = []
     for head in itertools.product(*(range(lo[j], hi[j]) for j in range(k))):
         start = (*head, *lo[k:])
@@ -83,8 +76,8 @@ def _translate(c: ChunkMeta, key: str, dest: tuple[int, ...], size: tuple[int, .
 class _Cuts:
     """How ``universal_checkpoint_info`` says each parameter was cut (see the module docstring)."""
 
-    def __init__(self, info: dict, ranks: int, where: str) -> None:
-        self.where, self.ranks = where, ranks
+    def __init__(self, info: dict, where: str) -> None:
+        self.where = where
         affine = info.get("affine_map") if isinstance(info.get("affine_map"), dict) else {}
         self.affine = [(re.compile(p), e) for p, e in (affine.get("params") or {}).items()]
         self.patterns = {k: [re.compile(p) for p in (info.get(k) or [])]
@@ -164,7 +157,7 @@ def join_model_parallel(parts: list[Metadata], model: ArchiveIndex, where: str) 
     if not isinstance(info, dict):
         raise MetadataError(f"{model.where}: a checkpoint of {len(parts)} model-parallel ranks that records no "
                             f"universal_checkpoint_info: how its parameters were cut cannot be told")
-    cuts = _Cuts(info, len(parts), model.where)
+    cuts = _Cuts(info, model.where)
     shapes = model.tree.get("param_shapes")
     params = {str(k) for g in (shapes if isinstance(shapes, list) else []) if isinstance(g, dict) for k in g}
     tensors = {}
