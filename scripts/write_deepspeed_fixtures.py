@@ -45,7 +45,104 @@ def config_name(stage: int, dtype: str, tp: int, nproc: int) -> str:
 #: as a fixture of its own: ZeRO 2 (whole tensors, a step.pt each), ZeRO 3 (flat tensors, no step)
 #: and AutoTP's (whole tensors beside model states that give one model-parallel rank's slices)
 KEEP_UNIVERSAL = ("zero2_fp32", "zero3_bf16", "zero1_bf16_tp2")
+#: pipeline-parallel training (``deepspeed.pipe.PipelineModule``, which takes ZeRO 0 or 1 only):
+#: (ZeRO stage, dtype, pipeline stages, ranks): bf16 across 2 stages x 2 data-parallel ranks, fp32
+#: across 2 stages alone; its tied embedding (``TiedLayerSpec``) is held by the first and last stage
+PIPE_CONFIGS = [(1, "bf16", 2, 4), (1, "fp32", 2, 2)]
 PINNED = {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.25.0"}
+
+
+def pipe_name(stage: int, dtype: str, pp: int, nproc: int) -> str:
+    return f"pipe_zero{stage}_{dtype}_pp{pp}" + (f"_dp{nproc // pp}" if nproc // pp > 1 else "")
+
+
+def pipe_model(pp: int):
+    """A GPT-like model as DeepSpeed pipeline layers (what Megatron-DeepSpeed and GPT-NeoX train):
+    a token embedding tied to the output head, MLP blocks with a pre-norm, a final norm. Odd sizes
+    (vocabulary 67, hidden 24, inner 40) so the ranks' flat partitions end inside rows."""
+    import torch.nn as nn
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(67, 24)
+
+        def forward(self, ids):
+            return self.tok(ids)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(24), nn.Linear(24, 40), nn.Linear(40, 24)
+
+        def forward(self, x):
+            return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+    def head(embed, x):
+        return x @ embed.tok.weight.t()
+
+    def loss(logits, labels):
+        return nn.functional.cross_entropy(logits.float().reshape(-1, 67), labels.reshape(-1))
+
+    layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="tok.weight"), *(LayerSpec(Block) for _ in range(4)), LayerSpec(nn.LayerNorm, 24),
+              TiedLayerSpec("embed", Embed, forward_fn=head, tied_weight_attr="tok.weight")]
+    return PipelineModule(layers=layers, num_stages=pp, loss_fn=loss, partition_method="uniform")
+
+
+def train_and_save_pipe(out: str, stage: int, dtype: str, pp: int) -> None:
+    """Under torchrun: two steps of Adam through DeepSpeed's pipeline engine (two micro-batches a
+    step), then ``save_checkpoint``; each stage's first data-parallel rank also writes the weights
+    it holds (``reference/stage<S>.safetensors``: the module's own state dict, as the layer files
+    should give it)."""
+    import deepspeed
+    import torch
+    from safetensors.torch import save_file
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = pipe_model(pp)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+
+    def batches():
+        i = torch.distributed.get_rank() // pp
+        while True:
+            ids = (fixed_input()[i % 2: i % 2 + 1] + i) % 67
+            yield ids, ids
+            i += 2
+
+    data = batches()
+    for _ in range(2):
+        engine.train_batch(data_iter=data)
+    engine.save_checkpoint(out, tag="global_step2")
+    if engine.grid.data_parallel_id == 0:
+        ref = os.path.join(out, "reference")
+        os.makedirs(ref, exist_ok=True)
+        sd = {k: v.detach().clone().contiguous() for k, v in engine.module.state_dict().items()}
+        save_file(sd, os.path.join(ref, f"stage{engine.grid.get_stage_id()}.safetensors"))
+    torch.distributed.barrier()
+
+
+def pipe_references(out: str) -> None:
+    """``ds_to_universal``'s merge of a pipeline checkpoint: fp32 weights and moments by name."""
+    import torch
+    from safetensors.torch import save_file
+
+    uni = os.path.join(out, "_universal")
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(out, "global_step2"), "--output_folder", uni, "--inject_missing_state"],
+                   check=True, capture_output=True)
+    found = {}
+    zero = os.path.join(uni, "zero")
+    for name in sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n))):
+        for what in ("fp32", "exp_avg", "exp_avg_sq"):
+            t = torch.load(os.path.join(zero, name, f"{what}.pt"), weights_only=False)
+            found[name if what == "fp32" else f"{name}.{what}"] = (t["param"] if isinstance(t, dict) else t).contiguous()
+    save_file(found, os.path.join(out, "reference", "universal.safetensors"))
+    shutil.rmtree(uni)
 
 
 def tiny_config(big: bool = False):
@@ -144,7 +241,11 @@ def main() -> None:
     p.add_argument("--big", action="store_true", help="one ZeRO-3 bf16 checkpoint of a 336 M-parameter model, "
                    "no references (for scripts/bench_deepspeed_export.py)")
     p.add_argument("--worker", nargs=5, metavar=("DIR", "STAGE", "DTYPE", "BIG", "TP"), help=argparse.SUPPRESS)
+    p.add_argument("--pipe-worker", nargs=4, metavar=("DIR", "STAGE", "DTYPE", "PP"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.pipe_worker:
+        train_and_save_pipe(a.pipe_worker[0], int(a.pipe_worker[1]), a.pipe_worker[2], int(a.pipe_worker[3]))
+        return
     if a.worker:
         train_and_save(a.worker[0], int(a.worker[1]), a.worker[2], a.worker[3] == "1", int(a.worker[4]))
         return
@@ -176,8 +277,23 @@ def main() -> None:
             if os.path.exists(os.path.join(out, script)):
                 os.remove(os.path.join(out, script))
         print(f"wrote {out}")
+    for stage, dtype, pp, nproc in PIPE_CONFIGS:
+        name = pipe_name(stage, dtype, pp, nproc)
+        if a.only and a.only != name:
+            continue
+        out = os.path.abspath(os.path.join(a.out, name))
+        shutil.rmtree(out, ignore_errors=True)
+        torchrun_self(__file__, ["--out", out, "--pipe-worker", out, str(stage), dtype, str(pp)], env, nproc=nproc)
+        pipe_references(out)
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            if os.path.exists(os.path.join(out, script)):
+                os.remove(os.path.join(out, script))
+        print(f"wrote {out}")
+    if a.only:
+        return  # (versions.json lists every configuration: written by a whole run only)
     with open(os.path.join(a.out, "versions.json"), "w") as f:
-        json.dump({**versions, "python": sys.version.split()[0], "configs": [config_name(*c) for c in CONFIGS]},
+        json.dump({**versions, "python": sys.version.split()[0],
+                   "configs": [config_name(*c) for c in CONFIGS] + [pipe_name(*c) for c in PIPE_CONFIGS]},
                   f, indent=1, sort_keys=True)
 
 

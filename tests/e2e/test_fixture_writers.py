@@ -56,6 +56,13 @@ def test_deepspeed_rewritten_and_read(tmp_path):
     for k, v in load_file(str(run / "reference" / "universal.safetensors")).items():
         name, moment = k.rsplit(".", 1)
         assert torch.equal(state[f"optim.state.{name}.{moment}"], v), k
+    subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "write_deepspeed_fixtures.py"), "--out", str(tmp_path),
+                    "--only", "pipe_zero1_bf16_pp2_dp2"], check=True, capture_output=True, timeout=1200)
+    run = tmp_path / "pipe_zero1_bf16_pp2_dp2"  # the pipeline engine: the stages' parameters as one model
+    state = _state(str(run))
+    for k, v in load_file(str(run / "reference" / "universal.safetensors")).items():
+        key = "optim.state.{}.{}".format(*k.rsplit(".", 1)) if k.endswith(("exp_avg", "exp_avg_sq")) else k
+        assert torch.equal(state[key], v), k
 
 
 def test_megatron_rewritten_and_read(tmp_path):

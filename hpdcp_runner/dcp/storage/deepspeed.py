@@ -41,6 +41,7 @@ from ..core.ragged import decompose_flat_interval
 from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
 from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERSAL_TRACKER as UNIVERSAL_TRACKER,
                            is_deepspeed_step, is_deepspeed_universal)
+from .deepspeed_pipe import join_pipeline, layer_files, layer_name, parallel_dimensions
 from .deepspeed_tp import join_model_parallel
 from .foreign import _DescribedReader
 from .torch_archive import Archive, ArchiveFiles, ArchiveIndex, Record, TensorRef
@@ -208,9 +209,48 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
             raise CheckpointNotFoundError(f"{self.path}: the states of model-parallel rank(s) "
                                           f"{list(range(len(parts), said))} are missing ({parts[0][1].where} says "
                                           f"{said} model-parallel ranks saved)")
+        pp, tp = parallel_dimensions(parts[0][1].tree, parts[0][1].where)
+        if pp > 1:
+            return self._join_stages(parts, pp, tp)
         if len(parts) == 1:
             return parts[0][0]
         return join_model_parallel([md for md, _ in parts], parts[0][1], self.path)
+
+    def _join_stages(self, parts: list[tuple[Metadata, ArchiveIndex]], pp: int, tp: int) -> Metadata:
+        """A pipeline-parallel checkpoint (``deepspeed_pipe``): the stages' parameters as one
+        model, the layer files giving the module's own weights (``weights=module``) and whatever
+        else the layers hold (buffers, frozen parameters)."""
+        if tp > 1:
+            raise MetadataError(f"{self.path}: pipeline stages ({pp}) cut by tensor parallelism ({tp}) are not read "
+                                f"(only one of the two is)")
+        if len(parts) != pp:
+            raise CheckpointNotFoundError(f"{self.path}: {parts[0][1].where} says {pp} pipeline stages, "
+                                          f"{len(parts)} are here")
+        md = join_pipeline([m for m, _ in parts], self.path)
+        params, buffers = set(), set()
+        for _, model in parts:
+            shapes = model.tree.get("param_shapes") or []
+            params.update(str(k) for g in shapes if isinstance(g, dict) for k in g)
+            buffers.update(str(b) for b in (model.tree.get("buffer_names") or []))
+        tensors, files = dict(md.tensors), dict(md.files)
+        for idx, fname in sorted(layer_files(self._names).items()):
+            a = self._archive(fname)
+            if not isinstance(a.tree, dict):
+                raise MetadataError(f"{a.where}: not a layer's state dict (name -> tensor)")
+            for key, t in a.tree.items():
+                name = layer_name(idx, str(key), params | buffers, a.where)
+                if not isinstance(t, TensorRef) or name in tensors or (name in params and self.weights == "fp32"):
+                    continue  # (a tied layer: every stage holding it wrote it; the first is read)
+                off, _ = a.flat(t, str(key))
+                tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size, fname,
+                                                                                   name, off, a.crc_of(t)),), (name,))
+                files[fname] = FileMeta(fname, self._size_of(fname), "", 0)
+        missing = sorted(params - set(tensors))
+        if missing:
+            raise CheckpointNotFoundError(f"{self.path}: no layer_<NN>-model_states.pt holds {missing[:3]}"
+                                          f"{' and more' if len(missing) > 3 else ''} (the module's weights of a "
+                                          f"pipeline-parallel checkpoint)")
+        return Metadata(md.world_size, tensors, md.objects, files, extra=md.extra)
 
     def _describe_mp(self, mp: int) -> tuple[Metadata, ArchiveIndex]:
         """Model-parallel rank ``mp``'s parameters (their local slices) and its model states."""
@@ -316,6 +356,8 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
     def _module_tensors(self, model: ArchiveIndex, model_name: str, stage: int, tensors: dict) -> None:
         """``weights=module``: the module's own weights; else the buffers the module saved."""
         module = _get(model.tree, model.where, "module")
+        if module is None and parallel_dimensions(model.tree, model.where)[0] > 1:
+            return  # (a pipeline stage: the module's weights are in the layer files, read with every stage's)
         if self.weights == "module" and stage == 3:
             raise MetadataError(f"{model.where}: a ZeRO-3 checkpoint keeps no module weights (its parameters "
                                 f"are partitioned); read its fp32 master weights (weights=fp32)")

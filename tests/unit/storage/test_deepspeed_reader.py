@@ -361,3 +361,98 @@ def test_a_universal_tensor_is_checked_against_its_zip_crc(tmp_path):
     f.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=f"{f}: the record of 'model.norm.weight' .* fails its zip CRC-32"):
         load(state, storage_reader=open_reader(str(uni)), strict=False)
+
+
+# -- pipeline parallelism (deepspeed.pipe.PipelineModule): a set of files per stage, layer files -----
+
+PIPE_CONFIGS = ["pipe_zero1_bf16_pp2_dp2", "pipe_zero1_fp32_pp2"]
+
+
+@pytest.mark.parametrize("config", PIPE_CONFIGS)
+def test_pipeline_stages_read_as_one_model_equal_to_ds_to_universal(config):
+    """Both stages' parameters under the PipelineModule's names (layer index first; the embedding
+    tied to the output head as ``tied_modules.embed``), fp32 weights and moments bitwise what
+    ds_to_universal merged, each from the stage (and data-parallel partition) that holds it."""
+    run = os.path.join(FIXTURES, config)
+    assert detect_format(run) == "deepspeed"
+    md, state = _read_all(run)
+    info = md.extra["deepspeed"]
+    assert info["pipeline_stages"] == 2 and info["zero_stage"] == 1
+    ref = load_file(os.path.join(run, "reference", "universal.safetensors"))
+    weights = {k for k in ref if not k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert weights == {k for k in md.tensors if not k.startswith("optim.")}
+    assert {"tied_modules.embed.tok.weight", "1.up.weight", "4.down.bias", "5.weight"} <= weights
+    for k, v in ref.items():
+        key = k if k in weights else "optim.state.{}.{}".format(*k.rsplit(".", 1))
+        assert state[key].dtype == v.dtype and torch.equal(state[key], v), k
+    assert {state[f"optim.state.{name}.step"] for name in weights} == {2.0}
+    stage = {k: {c.file.split("_mp_rank_")[1][:2] for c in t.chunks} for k, t in md.tensors.items()}
+    assert stage["1.up.weight"] == {"00"} and stage["4.up.weight"] == {"01"} and stage["5.weight"] == {"01"}
+    assert stage["tied_modules.embed.tok.weight"] == {"00"}  # the first stage's copy of the tied layer
+
+
+def test_a_tied_layer_is_the_same_on_every_stage_that_holds_it():
+    """Why the first stage's copy stands for the tied layer: DeepSpeed sums its gradients across
+    the stages holding it, so the last stage's fp32 master and moments (its own files) are the
+    same values as the first stage's."""
+    from hpdcp_runner.dcp.storage.deepspeed import DeepSpeedReader
+
+    run = os.path.join(FIXTURES, "pipe_zero1_bf16_pp2_dp2", "global_step2")
+    _, first = _read_all(run)
+    last, _ = DeepSpeedReader(run)._describe_mp(1)
+    key = "tied_modules.embed.tok.weight"
+    for k in (key, f"optim.state.{key}.exp_avg", f"optim.state.{key}.exp_avg_sq"):
+        assert {c.file.split("_mp_rank_")[1][:2] for c in last.tensors[k].chunks} == {"01"}
+        r = DeepSpeedReader(run)
+        r.describe = lambda: last  # (the last stage alone, as its own checkpoint)
+        got = {k: torch.empty(first[k].shape, dtype=first[k].dtype)}
+        load(got, storage_reader=r, strict=False)
+        assert torch.equal(got[k], first[k]), k
+
+
+@pytest.mark.parametrize("config", PIPE_CONFIGS)
+def test_pipeline_module_weights_are_each_stages_own(config):
+    """``weights=module``: the layer files, named as the PipelineModule names them, bitwise the
+    weights each stage's module held when it saved (its state dict, written beside)."""
+    run = os.path.join(FIXTURES, config)
+    md, state = _read_all(run, weights="module")
+    held = {}
+    for s in (0, 1):
+        for k, v in load_file(os.path.join(run, "reference", f"stage{s}.safetensors")).items():
+            assert k not in held or torch.equal(held[k], v), k  # (the tied layer: the same on both stages)
+            held[k] = v
+    assert held.keys() == {k for k in md.tensors if not k.startswith("optim.")}
+    for k, v in held.items():
+        assert state[k].dtype == v.dtype and torch.equal(state[k], v), k
+    assert all(c.file.startswith("layer_") and c.checksum.startswith("crc32:")
+               for k, t in md.tensors.items() if not k.startswith("optim.") for c in t.chunks)
+
+
+def test_a_missing_pipeline_stage_or_layer_file_is_named(tmp_path):
+    run = _copy(tmp_path, "pipe_zero1_fp32_pp2")
+    step = run / "global_step2"
+    (step / "layer_04-model_states.pt").unlink()
+    _metadata(str(run))  # the fp32 weights are the optimizer's: the layer file is not needed
+    with pytest.raises(CheckpointNotFoundError, match=r"no layer_<NN>-model_states.pt holds \['4.down.bias', "
+                                                      r"'4.down.weight', '4.norm.bias'\] and more"):
+        _metadata(str(run), weights="module")
+    for f in step.iterdir():
+        if "mp_rank_01" in f.name:
+            f.unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"model-parallel rank\(s\) \[1\] are missing"):
+        _metadata(str(run))
+
+
+def test_a_flipped_byte_in_a_layer_file_is_named(tmp_path):
+    """A layer file's tensors fill their storages: each is checked against torch.save's CRC-32."""
+    run = _copy(tmp_path, "pipe_zero1_fp32_pp2")
+    md = _metadata(str(run), weights="module")
+    c = md.tensors["4.up.weight"].chunks[0]
+    assert c.file == "layer_04-model_states.pt"
+    f = run / "global_step2" / c.file
+    raw = bytearray(f.read_bytes())
+    raw[c.byte_offset + 5] ^= 0x01
+    f.write_bytes(bytes(raw))
+    state = {"4.up.weight": torch.empty(md.tensors["4.up.weight"].shape)}
+    with pytest.raises(CorruptCheckpointError, match=f"{f}: the record of '4.up.weight' .* fails its zip CRC-32"):
+        load(state, storage_reader=open_reader(str(run), weights="module"), strict=False)
