@@ -34,7 +34,13 @@ from fixture_launch import torchrun_self  # (scripts/: run by path, its own dire
 #: (ZeRO stage, dtype, tensor-parallel size, ranks): every stage, both kinds of optimizer file; and
 #: AutoTP training (``tensor_parallel.autotp_size``: a set of files per model-parallel rank), alone
 #: and beside 2 data-parallel ranks (ZeRO 3 with AutoTP is not supported by DeepSpeed 0.19.8)
-CONFIGS = [(1, "bf16", 1, 2), (2, "fp32", 1, 2), (3, "bf16", 1, 2), (1, "bf16", 2, 2), (2, "fp32", 2, 4)]
+CONFIGS = [(1, "bf16", 1, 2), (2, "fp32", 1, 2), (3, "bf16", 1, 2), (1, "bf16", 2, 2), (2, "fp32", 2, 4),
+           (0, "fp32", 1, 2), (0, "bf16", 1, 2)]
+#: without ZeRO (stage 0, DeepSpeed's default): no optimizer-states files, the optimizer's state
+#: dict inside the model states; DeepSpeed's tools (zero_to_fp32, ds_to_universal) read none of it,
+#: so the reference is what the engine held when it saved (``reference/live.safetensors``). The
+#: model ties its output head to its embedding (one parameter under two names), as many do.
+UNTOOLED = 0
 
 
 def config_name(stage: int, dtype: str, tp: int, nproc: int) -> str:
@@ -145,7 +151,7 @@ def pipe_references(out: str) -> None:
     shutil.rmtree(uni)
 
 
-def tiny_config(big: bool = False):
+def tiny_config(big: bool = False, tied: bool = False):
     from transformers import LlamaConfig
 
     if big:  # the benchmark's (scripts/bench_deepspeed_export.py): 336 M parameters, 1.25 GiB in fp32
@@ -156,7 +162,7 @@ def tiny_config(big: bool = False):
     # odd sizes (67 rows of embeddings): the ranks' partitions end inside rows, not only between them
     return LlamaConfig(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=6, max_position_embeddings=64,
-                       tie_word_embeddings=False)
+                       tie_word_embeddings=tied)
 
 
 def fixed_input():
@@ -174,7 +180,7 @@ def train_and_save(out: str, stage: int, dtype: str, big: bool = False, tp: int 
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config(big))
+    model = LlamaForCausalLM(tiny_config(big, tied=stage == UNTOOLED))
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"}}
@@ -188,7 +194,32 @@ def train_and_save(out: str, stage: int, dtype: str, big: bool = False, tp: int 
         engine.backward(loss)
         engine.step()
     engine.save_checkpoint(out, tag="global_step2")
+    if stage == UNTOOLED and torch.distributed.get_rank() == 0:
+        live_reference(engine, os.path.join(out, "reference"))
     torch.distributed.barrier()
+
+
+def live_reference(engine, ref: str) -> None:
+    """What the engine holds when it saved, by parameter name: the fp32 master weight (the fp16/bf16
+    optimizer's copy, else the parameter itself) and Adam's moments and step, taken from the
+    optimizer objects themselves (never from the files)."""
+    import torch
+    from safetensors.torch import save_file
+
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    master = {}
+    for low, high in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups", [])):
+        master.update({id(p): m for p, m in zip(low, high)})  # (FP16_Optimizer: fp16 or bf16 without ZeRO)
+    out = {}
+    for name, p in engine.module.named_parameters():  # (a tied parameter once, under its first name)
+        m = master.get(id(p), p)
+        out[name] = m.detach().float().clone()
+        st = inner.state[m]
+        out[f"{name}.exp_avg"], out[f"{name}.exp_avg_sq"] = st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+        out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(())
+    os.makedirs(ref, exist_ok=True)
+    save_file(out, os.path.join(ref, "live.safetensors"))
 
 
 def references(out: str, tp: int = 1) -> None:
@@ -197,11 +228,14 @@ def references(out: str, tp: int = 1) -> None:
     merge: ``universal_fp32.safetensors``) and ``ds_to_universal``'s moments."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from safetensors.torch import save_file
-    from transformers import LlamaForCausalLM
+    from safetensors.torch import load_file, save_file
 
     ref = os.path.join(out, "reference")
     os.makedirs(ref, exist_ok=True)
+    if os.path.basename(out).startswith(f"zero{UNTOOLED}_"):
+        live = load_file(os.path.join(ref, "live.safetensors"))
+        return model_references(ref, {k: v for k, v in live.items() if not k.endswith(("exp_avg", "exp_avg_sq", "step"))},
+                                tied=True)
     uni = os.path.join(out, "_universal")
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                     os.path.join(out, "global_step2"), "--output_folder", uni, "--inject_missing_state"],
@@ -226,7 +260,16 @@ def references(out: str, tp: int = 1) -> None:
         save_file(fp32, os.path.join(ref, "zero_to_fp32.safetensors"))
     if os.path.basename(out) not in KEEP_UNIVERSAL:
         shutil.rmtree(uni)
-    cfg = tiny_config()
+    model_references(ref, fp32)
+
+
+def model_references(ref: str, fp32: dict, tied: bool = False) -> None:
+    """The model's logits with the fp32 weights on a fixed input, and its ``config.json``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_config(tied=tied)
     model = LlamaForCausalLM(cfg).eval()
     model.load_state_dict(fp32, strict=False)
     with torch.no_grad():

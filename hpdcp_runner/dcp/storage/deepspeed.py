@@ -41,6 +41,7 @@ from ..core.ragged import decompose_flat_interval
 from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
 from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERSAL_TRACKER as UNIVERSAL_TRACKER,
                            is_deepspeed_step, is_deepspeed_universal)
+from .deepspeed_plain import describe_plain
 from .deepspeed_pipe import join_pipeline, layer_files, layer_name, parallel_dimensions
 from .deepspeed_tp import join_model_parallel
 from .foreign import _DescribedReader
@@ -279,6 +280,16 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
                                                              "steps": steps}}
         return Metadata(len(optim), tensors, objects, files, extra=extra), model
 
+    def _describe_plain(self, model: ArchiveIndex, model_name: str) -> Metadata:
+        """A checkpoint saved without ZeRO (``deepspeed_plain``): one file, the module's weights
+        and the optimizer's state dict."""
+        tensors, objects, steps, facts = describe_plain(model, model_name, self.weights,
+                                                        lambda t, what: self._scalar(model, model_name, t, what))
+        extra = {"source_format": "deepspeed", "deepspeed": {**facts, "weights": self.weights, "steps": steps,
+                                                             "version": str(model.tree.get("ds_version", ""))}}
+        files = {model_name: FileMeta(model_name, self._size_of(model_name), "", 0)}
+        return Metadata(1, tensors, objects, files, extra=extra)
+
     def _rank_files(self, mp: int = 0) -> tuple[list[tuple[int, str]], list[ArchiveIndex], int]:
         """The optimizer-states file of every data-parallel rank of model-parallel rank ``mp``
         (all there), each indexed, and the ZeRO stage they say."""
@@ -412,6 +423,8 @@ class DeepSpeedUniversalReader(DeepSpeedReader):
                                           f"checkpoint keeps the model states beside zero/)")
         stage = 3 if model_name.startswith("zero_pp_rank_") else 2
         model = self._archive(model_name)
+        if model.tree.get("param_shapes") is None and isinstance(model.tree.get("optimizer"), dict):
+            return self._describe_plain(model, model_name)  # saved without ZeRO: a step, not a universal checkpoint
         shapes = _get(model.tree, model.where, "param_shapes")
         if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
             raise MetadataError(f"{model.where}: param_shapes is not a list of name -> shape per group")

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from hpdcp_runner.dcp import load, open_reader
 from hpdcp_runner.dcp.core.errors import (CheckpointNotFoundError, CorruptCheckpointError, HpdcpError,
-                                          PickleNotAllowedError)
+                                          MetadataError, PickleNotAllowedError)
 from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
 from hpdcp_runner.dcp.storage.foreign import detect_format
 
@@ -456,3 +456,63 @@ def test_a_flipped_byte_in_a_layer_file_is_named(tmp_path):
     state = {"4.up.weight": torch.empty(md.tensors["4.up.weight"].shape)}
     with pytest.raises(CorruptCheckpointError, match=f"{f}: the record of '4.up.weight' .* fails its zip CRC-32"):
         load(state, storage_reader=open_reader(str(run), weights="module"), strict=False)
+
+
+# -- without ZeRO (stage 0, DeepSpeed's default): everything in mp_rank_00_model_states.pt ----------
+
+PLAIN_CONFIGS = ["zero0_fp32", "zero0_bf16"]
+
+
+@pytest.mark.parametrize("config", PLAIN_CONFIGS)
+def test_without_zero_the_weights_moments_and_steps_are_what_the_engine_held(config):
+    """fp32: the module's weights and torch Adam's state; bf16: FP16_Optimizer's fp32 copies and
+    its Adam's state. Bitwise what the engine's optimizer objects held when it saved (DeepSpeed's
+    tools read none of these files); the tied head is one parameter, under its first name."""
+    run = os.path.join(FIXTURES, config)
+    assert detect_format(run) == "deepspeed"
+    md, state = _read_all(run)
+    info = md.extra["deepspeed"]
+    assert info["zero_stage"] == 0 and info["optimizer_read"] and info["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    live = load_file(os.path.join(run, "reference", "live.safetensors"))
+    weights = {k for k in live if not k.endswith((".exp_avg", ".exp_avg_sq", ".step"))}
+    assert weights == {k for k in md.tensors if not k.startswith("optim.")} and len(weights) == 20
+    for k, v in live.items():
+        if k.endswith(".step"):
+            assert state[f"optim.state.{k}"] == float(v), k  # (bf16: FP16_Optimizer's Adam took a step more)
+            continue
+        key = k if k in weights else "optim.state.{}.{}".format(*k.rsplit(".", 1))
+        assert state[key].dtype == v.dtype and torch.equal(state[key], v), k
+
+
+@pytest.mark.parametrize("config", PLAIN_CONFIGS)
+def test_without_zero_module_weights_are_the_modules_own(config):
+    step = os.path.join(FIXTURES, config, "global_step2")
+    module = torch.load(os.path.join(step, "mp_rank_00_model_states.pt"), weights_only=False)["module"]
+    md, state = _read_all(step, weights="module")
+    assert {k for k in md.tensors if not k.startswith("optim.")} == set(module) - {"lm_head.weight"}
+    for k in md.tensors:
+        if not k.startswith("optim."):
+            assert state[k].dtype == module[k].dtype and torch.equal(state[k], module[k]), k
+
+
+def test_without_zero_an_optimizer_whose_positions_cannot_be_named_is_left_out(tmp_path, caplog):
+    """A script's own parameter groups (here: the state dict's one group cut in two) leave each
+    position's parameter unknown: the module's weights are read, the moments are not, and why is
+    logged; the fp16 masters (fp32_groups) cannot be told apart either: weights=module is named."""
+    import logging
+    import pickle as _pickle  # (test-side only: rewriting the fixture's optimizer groups)
+
+    run = _copy(tmp_path, "zero0_bf16")
+    f = run / "global_step2" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    groups = sd["optimizer"]["optimizer_state_dict"]["param_groups"]
+    params = groups[0]["params"]
+    groups[:] = [dict(groups[0], params=params[:5]), dict(groups[0], params=params[5:])]
+    torch.save(sd, f, pickle_module=_pickle)
+    with pytest.raises(MetadataError, match=r"fp32_groups\) cannot be told apart by parameter; read the module's "
+                                            r"own weights \(weights=module\)"):
+        _metadata(str(run))
+    with caplog.at_level(logging.WARNING):
+        md = _metadata(str(run), weights="module")
+    assert not any(k.startswith("optim.") for k in md.tensors) and md.extra["deepspeed"]["optimizer_read"] is False
+    assert "2 parameter groups (a training script's own)" in caplog.text
