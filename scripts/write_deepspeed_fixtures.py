@@ -53,8 +53,10 @@ def config_name(stage: int, dtype: str, tp: int, nproc: int) -> str:
 KEEP_UNIVERSAL = ("zero2_fp32", "zero3_bf16", "zero1_bf16_tp2")
 #: pipeline-parallel training (``deepspeed.pipe.PipelineModule``, which takes ZeRO 0 or 1 only):
 #: (ZeRO stage, dtype, pipeline stages, ranks): bf16 across 2 stages x 2 data-parallel ranks, fp32
-#: across 2 stages alone; its tied embedding (``TiedLayerSpec``) is held by the first and last stage
-PIPE_CONFIGS = [(1, "bf16", 2, 4), (1, "fp32", 2, 2)]
+#: across 2 stages alone, each with ZeRO 1 and without; its tied embedding (``TiedLayerSpec``) is
+#: held by the first and last stage. (fp32 without ZeRO names no parameter of a stage: the reader
+#: refuses it, and the fixture is there to show that it does.)
+PIPE_CONFIGS = [(1, "bf16", 2, 4), (1, "fp32", 2, 2), (0, "bf16", 2, 4), (0, "fp32", 2, 2)]
 PINNED = {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.25.0"}
 
 
@@ -124,12 +126,32 @@ def train_and_save_pipe(out: str, stage: int, dtype: str, pp: int) -> None:
     for _ in range(2):
         engine.train_batch(data_iter=data)
     engine.save_checkpoint(out, tag="global_step2")
+    ref = os.path.join(out, "reference")
+    os.makedirs(ref, exist_ok=True)
+    live = pipe_live_state(engine) if stage == UNTOOLED else {}  # (collective over the data-parallel ranks)
     if engine.grid.data_parallel_id == 0:
-        ref = os.path.join(out, "reference")
-        os.makedirs(ref, exist_ok=True)
+        s = engine.grid.get_stage_id()
         sd = {k: v.detach().clone().contiguous() for k, v in engine.module.state_dict().items()}
-        save_file(sd, os.path.join(ref, f"stage{engine.grid.get_stage_id()}.safetensors"))
+        save_file(sd, os.path.join(ref, f"stage{s}.safetensors"))
+        if live:
+            save_file(live, os.path.join(ref, f"live_stage{s}.safetensors"))
     torch.distributed.barrier()
+
+
+def pipe_live_state(engine) -> dict:
+    """Without ZeRO, ds_to_universal reads no pipeline checkpoint (its model states name no
+    parameter): the reference is the stage's fp32 master weights and Adam moments as the engine
+    holds them, assembled by DeepSpeed's own ``safe_get_full_*`` across the data-parallel ranks."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if safe_get_full_fp32_param(p) is None:  # (fp32 without ZeRO: no optimizer of DeepSpeed's holds it)
+            return {}
+        out[name] = safe_get_full_fp32_param(p).detach().clone().contiguous()
+        for m in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone().contiguous()
+    return out
 
 
 def pipe_references(out: str) -> None:
@@ -327,7 +349,8 @@ def main() -> None:
         out = os.path.abspath(os.path.join(a.out, name))
         shutil.rmtree(out, ignore_errors=True)
         torchrun_self(__file__, ["--out", out, "--pipe-worker", out, str(stage), dtype, str(pp)], env, nproc=nproc)
-        pipe_references(out)
+        if stage != UNTOOLED:
+            pipe_references(out)
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):
             if os.path.exists(os.path.join(out, script)):
                 os.remove(os.path.join(out, script))

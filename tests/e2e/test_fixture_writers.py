@@ -63,6 +63,16 @@ def test_deepspeed_rewritten_and_read(tmp_path):
     for k, v in load_file(str(run / "reference" / "universal.safetensors")).items():
         key = "optim.state.{}.{}".format(*k.rsplit(".", 1)) if k.endswith(("exp_avg", "exp_avg_sq")) else k
         assert torch.equal(state[key], v), k
+    # without ZeRO: FP16_Optimizer's state in the model states, and the pipeline engine's BF16_Optimizer
+    for name, refs in (("zero0_bf16", ["live.safetensors"]),
+                       ("pipe_zero0_bf16_pp2_dp2", ["live_stage0.safetensors", "live_stage1.safetensors"])):
+        subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "write_deepspeed_fixtures.py"), "--out", str(tmp_path),
+                        "--only", name], check=True, capture_output=True, timeout=1200)
+        state = _state(str(tmp_path / name))
+        for ref in refs:
+            for k, v in load_file(str(tmp_path / name / "reference" / ref)).items():
+                key = "optim.state.{}.{}".format(*k.rsplit(".", 1)) if k.endswith(("exp_avg", "exp_avg_sq", "step")) else k
+                assert (state[key] == float(v)) if k.endswith("step") else torch.equal(state[key], v), k
 
 
 def test_megatron_rewritten_and_read(tmp_path):

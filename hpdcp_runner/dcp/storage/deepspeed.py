@@ -41,7 +41,7 @@ from ..core.ragged import decompose_flat_interval
 from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
 from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERSAL_TRACKER as UNIVERSAL_TRACKER,
                            is_deepspeed_step, is_deepspeed_universal)
-from .deepspeed_plain import describe_plain
+from .deepspeed_plain import describe_plain, mapped_sizes
 from .deepspeed_pipe import join_pipeline, layer_files, layer_name, parallel_dimensions
 from .deepspeed_tp import join_model_parallel
 from .foreign import _DescribedReader
@@ -188,6 +188,7 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
                 raise TypeError("DeepSpeedReader over CheckpointFiles needs names=")
             names = sorted(os.listdir(files)) if os.path.isdir(files) else []
         self._names = set(names)
+        self._param_names: set[str] = set()  # the parameters every model-parallel rank's description named
         super().__init__(files, **kwargs)
         if weights not in WEIGHTS:
             raise MetadataError(f"DeepSpeed weights {weights!r}: one of {', '.join(WEIGHTS)}")
@@ -228,14 +229,11 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
             raise CheckpointNotFoundError(f"{self.path}: {parts[0][1].where} says {pp} pipeline stages, "
                                           f"{len(parts)} are here")
         md = join_pipeline([m for m, _ in parts], self.path)
-        params, buffers = set(), set()
-        for _, model in parts:
-            shapes = model.tree.get("param_shapes") or []
-            params.update(str(k) for g in shapes if isinstance(g, dict) for k in g)
-            buffers.update(str(b) for b in (model.tree.get("buffer_names") or []))
+        params = set(self._param_names)  # (every stage's, as its description named them)
+        buffers = {str(b) for _, model in parts for b in (model.tree.get("buffer_names") or [])}
         tensors, files = dict(md.tensors), dict(md.files)
         for idx, fname in sorted(layer_files(self._names).items()):
-            a = self._archive(fname)
+            a = self._layer_archive(fname)
             if not isinstance(a.tree, dict):
                 raise MetadataError(f"{a.where}: not a layer's state dict (name -> tensor)")
             for key, t in a.tree.items():
@@ -263,8 +261,12 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
                                           f"checkpoint)")
         model = self._archive(model_name)
         shapes = _get(model.tree, model.where, "param_shapes")
+        if shapes is None:  # (BF16_Optimizer: bf16 without ZeRO, in ZeRO-1's files)
+            shapes = self._mapped_shapes(ranks, model)
         if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
             raise MetadataError(f"{model.where}: param_shapes is not a list of name -> shape per group")
+        self._param_names.update(str(k) for g in shapes for k in g)
+        said = ((model.tree.get("ds_config") or {}).get("zero_optimization") or {}).get("stage")
         tensors: dict[str, TensorMeta] = {}
         objects: dict[str, ObjectMeta] = {}
         steps: dict[str, float] = {}
@@ -274,11 +276,47 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
         self._module_tensors(model, model_name, stage, tensors)
         files = {n: FileMeta(n, self._size_of(n), "", r) for r, n in optim}
         files[model_name] = FileMeta(model_name, self._size_of(model_name), "", 0)
-        extra = {"source_format": "deepspeed", "deepspeed": {"zero_stage": int(stage), "world_size": len(optim),
+        extra = {"source_format": "deepspeed", "deepspeed": {"zero_stage": said if said in (0, 1, 2, 3) else int(stage),
+                                                             "world_size": len(optim),
                                                              "weights": self.weights,
                                                              "version": str(model.tree.get("ds_version", "")),
                                                              "steps": steps}}
         return Metadata(len(optim), tensors, objects, files, extra=extra), model
+
+    def _mapped_shapes(self, ranks: list[ArchiveIndex], model: ArchiveIndex) -> list[dict[str, tuple[int, ...]]]:
+        """``param_shapes`` where the model states record none (``deepspeed_plain.mapped_sizes``):
+        the names and sizes the ranks' mappings give, the shapes the module's weights give (its
+        model states', or a pipeline stage's layer files)."""
+        sizes = mapped_sizes(ranks)
+        known = {n for g in sizes for n in g}
+        module = model.tree.get("module")
+        if isinstance(module, dict):
+            held = {str(k): tuple(t.size) for k, t in module.items() if isinstance(t, TensorRef)}
+        else:
+            held = {}
+            for idx, fname in sorted(layer_files(self._names).items()):
+                a = self._layer_archive(fname)
+                for key, t in (a.tree.items() if isinstance(a.tree, dict) else ()):
+                    if isinstance(t, TensorRef):
+                        held.setdefault(layer_name(idx, str(key), known, a.where), tuple(t.size))
+        out = []
+        for group in sizes:
+            shapes = {}
+            for name, numel in group.items():
+                shape = held.get(name)
+                if shape is None or math.prod(shape) != numel:
+                    raise MetadataError(f"{model.where}: the optimizer holds {numel} elements of {name!r}, but "
+                                        f"{'no module weight is named so' if shape is None else f'its weight has the shape {list(shape)}'}")
+                shapes[name] = shape
+            out.append(shapes)
+        return out
+
+    def _layer_archive(self, fname: str) -> ArchiveIndex:
+        """A pipeline layer file, indexed once (every stage's description reads them)."""
+        cache = self.__dict__.setdefault("_layer_archives", {})
+        if fname not in cache:
+            cache[fname] = self._archive(fname)
+        return cache[fname]
 
     def _describe_plain(self, model: ArchiveIndex, model_name: str) -> Metadata:
         """A checkpoint saved without ZeRO (``deepspeed_plain``): one file, the module's weights
@@ -288,7 +326,7 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
         extra = {"source_format": "deepspeed", "deepspeed": {**facts, "weights": self.weights, "steps": steps,
                                                              "version": str(model.tree.get("ds_version", ""))}}
         files = {model_name: FileMeta(model_name, self._size_of(model_name), "", 0)}
-        return Metadata(1, tensors, objects, files, extra=extra)
+        return Metadata(facts["world_size"], tensors, objects, files, extra=extra)  # (rank 0 wrote the one file)
 
     def _rank_files(self, mp: int = 0) -> tuple[list[tuple[int, str]], list[ArchiveIndex], int]:
         """The optimizer-states file of every data-parallel rank of model-parallel rank ``mp``

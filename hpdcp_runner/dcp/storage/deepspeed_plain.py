@@ -2,7 +2,7 @@
 no optimizer-states files, everything in ``mp_rank_00_model_states.pt``.
 
 That file holds the module's own weights (``module``: its state dict; a tied parameter under each of
-its names, one storage) and the optimizer's state dict (``optimizer``): torch's own (``state`` and
+its names, one storage: read under its first name, as a safetensors file keeps it) and the optimizer's state dict (``optimizer``): torch's own (``state`` and
 ``param_groups``, by parameter position) for fp32 training, or, under fp16/bf16, DeepSpeed's
 ``FP16_Optimizer``'s: torch's state dict of the fp32 copies (``optimizer_state_dict``) beside those
 copies themselves (``fp32_groups``, per group in the same order). Unlike ZeRO's files, it records
@@ -12,6 +12,13 @@ engine hands the optimizer unless the training script built its own groups. So t
 state is named only where that is sure: one parameter group holding exactly the module's
 parameters, each position's moments of that parameter's shape. Otherwise its moments (and fp16
 masters) are not read, and the reader says why; the module's weights always are.
+
+bf16 without ZeRO under the pipeline engine uses ``BF16_Optimizer`` instead (DeepSpeed 0.19.8; BLOOM's
+training ran it): ZeRO-1's files (``bf16_zero_pp_rank_<R>_mp_rank_<M>_optim_states.pt``, the fp32 weights
+and moments as flat partitions across the data-parallel ranks), whose model states record no
+``param_shapes`` either. Each rank's ``param_slice_mappings`` name the parameters its partition
+holds, in order, with the elements of each it holds (:func:`mapped_sizes`); their shapes are the
+module's (the layer files' under the pipeline engine). Read as ZeRO 1 then.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any, Callable
 
 from ..core.errors import MetadataError
 from ..format.metadata import ChunkMeta, ObjectMeta, TensorMeta, dtype_name
-from .torch_archive import ArchiveIndex, TensorRef
+from .torch_archive import ArchiveIndex, Record, TensorRef
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +91,11 @@ def describe_plain(model: ArchiveIndex, fname: str, weights: str,
     weights (``weights=fp32`` under fp16/bf16: the optimizer's fp32 copies), the moments and
     steps where their parameters can be named (see the module docstring)."""
     module = model.tree.get("module")
+    dims = model.tree.get("checkpoint_parallel_dimensions")
+    if module is None and isinstance(dims, dict) and dims.get("pp_degree", 1) != 1:
+        raise MetadataError(f"{model.where}: a pipeline stage saved without ZeRO and without bf16 is not read: its "
+                            f"model states name none of its parameters (the pipeline engine's checkpoints under "
+                            f"bf16 or ZeRO 1 are)")
     if not isinstance(module, dict):
         raise MetadataError(f"{model.where}: no module weights (module is {type(module).__name__})")
     opt = model.tree.get("optimizer")
@@ -118,3 +130,25 @@ def describe_plain(model: ArchiveIndex, fname: str, weights: str,
     facts = {"zero_stage": 0, "world_size": int(model.tree.get("dp_world_size") or 1),
              "optimizer_read": names is not None, "tied": aliases}
     return tensors, objects, steps, facts
+
+
+def mapped_sizes(ranks: list[ArchiveIndex]) -> list[dict[str, int]]:
+    """Per parameter group, each parameter's name and element count, in the order of the flat
+    buffers, from the ranks' ``param_slice_mappings`` (rank R's: the fragments its partition holds,
+    ``fragment_address(numel, start)``; a parameter cut between two ranks appears in both)."""
+    groups: list[dict[str, int]] = []
+    for a in ranks:
+        maps = (a.tree.get("optimizer_state_dict") or {}).get("param_slice_mappings") if isinstance(a.tree, dict) else None
+        if not isinstance(maps, list) or not all(isinstance(m, dict) for m in maps):
+            raise MetadataError(f"{a.where}: no param_slice_mappings, and the model states record no param_shapes: "
+                                f"the parameters of its flat buffers cannot be named")
+        for g, m in enumerate(maps):
+            while len(groups) <= g:
+                groups.append({})
+            for name, frag in m.items():
+                numel = frag.state.get("numel") if isinstance(frag, Record) and isinstance(frag.state, dict) else None
+                if not isinstance(numel, int) or numel < 0:
+                    raise MetadataError(f"{a.where}: param_slice_mappings[{g}][{str(name)[:200]!r}] is {frag!r}, not a "
+                                        f"fragment_address(numel, start)")
+                groups[g][str(name)] = groups[g].get(str(name), 0) + numel
+    return groups

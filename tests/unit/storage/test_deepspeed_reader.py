@@ -391,6 +391,32 @@ def test_pipeline_stages_read_as_one_model_equal_to_ds_to_universal(config):
     assert stage["tied_modules.embed.tok.weight"] == {"00"}  # the first stage's copy of the tied layer
 
 
+def test_bf16_without_zero_in_the_pipeline_engine_reads_as_the_engine_held():
+    """BF16_Optimizer (bf16 without ZeRO: ZeRO-1's flat partitions, but no param_shapes): the
+    parameters named by each rank's param_slice_mappings, shaped by the layer files; every fp32
+    weight and moment bitwise what the engine held (DeepSpeed's safe_get_full_* across the
+    data-parallel ranks; ds_to_universal does not read these files)."""
+    run = os.path.join(FIXTURES, "pipe_zero0_bf16_pp2_dp2")
+    md, state = _read_all(run)
+    assert md.extra["deepspeed"]["zero_stage"] == 0 and md.extra["deepspeed"]["pipeline_stages"] == 2
+    held = {}
+    for s in (0, 1):
+        held.update(load_file(os.path.join(run, "reference", f"live_stage{s}.safetensors")))
+    weights = {k for k in held if not k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert weights == {k for k in md.tensors if not k.startswith("optim.")} and len(weights) == 27
+    for k, v in held.items():
+        key = k if k in weights else "optim.state.{}.{}".format(*k.rsplit(".", 1))
+        assert torch.equal(state[key], v), k
+    assert {state[f"optim.state.{k}.step"] for k in weights} == {2.0}
+    cut = [k for k, t in md.tensors.items() if {c.file[:16] for c in t.chunks} == {"bf16_zero_pp_ran"} and
+           len({c.file for c in t.chunks}) == 2]
+    assert cut, "no parameter straddles the two data-parallel partitions"
+    _, module = _read_all(run, weights="module")
+    for s in (0, 1):
+        for k, v in load_file(os.path.join(run, "reference", f"stage{s}.safetensors")).items():
+            assert torch.equal(module[k], v), k
+
+
 def test_a_tied_layer_is_the_same_on_every_stage_that_holds_it():
     """Why the first stage's copy stands for the tied layer: DeepSpeed sums its gradients across
     the stages holding it, so the last stage's fp32 master and moments (its own files) are the
@@ -516,3 +542,14 @@ def test_without_zero_an_optimizer_whose_positions_cannot_be_named_is_left_out(t
         md = _metadata(str(run), weights="module")
     assert not any(k.startswith("optim.") for k in md.tensors) and md.extra["deepspeed"]["optimizer_read"] is False
     assert "2 parameter groups (a training script's own)" in caplog.text
+
+
+def test_a_pipeline_stage_without_zero_or_bf16_is_refused_by_name():
+    """fp32 without ZeRO under the pipeline engine: each stage's optimizer state is torch's, by
+    position, and its model states name no parameter (no module, no param_shapes): refused, never
+    guessed."""
+    run = os.path.join(FIXTURES, "pipe_zero0_fp32_pp2")
+    assert detect_format(run) == "deepspeed"
+    with pytest.raises(MetadataError, match=r"global_step2/mp_rank_00_model_states.pt: a pipeline stage saved "
+                                            r"without ZeRO and without bf16 is not read"):
+        _metadata(run)
