@@ -20,13 +20,15 @@ def expected_hf(run: str) -> dict[str, torch.Tensor]:
     hd, ffn, layers = cfg["head_dim"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     by_rank: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (tp rank, ep rank): its tensors
     files = [f for f in os.listdir(os.path.join(run, "reference")) if f.startswith("tp_rank")]
-    stages = 1 + max(int(dict(re.findall(r"(tp|ep|pp)_rank(\d+)", f)).get("pp", 0)) for f in files)
-    for f in files:
-        r = {k: int(v) for k, v in re.findall(r"(tp|ep|pp)_rank(\d+)", f)}
+    ranks = [{k: int(v) for k, v in re.findall(r"(tp|ep|pp|vp)_rank(\d+)", f)} for f in files]
+    stages = 1 + max(r.get("pp", 0) for r in ranks)
+    chunks = 1 + max(r.get("vp", 0) for r in ranks)  # (interleaved: chunk v of stage s is virtual stage v * stages + s)
+    for f, r in zip(files, ranks):
         at = by_rank.setdefault((r["tp"], r.get("ep", 0)), {})
+        first = (r.get("vp", 0) * stages + r.get("pp", 0)) * layers // (stages * chunks)
         for k, v in load_file(os.path.join(run, "reference", f)).items():  # a stage's layers, numbered from 0
             m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", k)
-            at[k if m is None else f"decoder.layers.{r.get('pp', 0) * layers // stages + int(m[1])}.{m[2]}"] = v
+            at[k if m is None else f"decoder.layers.{first + int(m[1])}.{m[2]}"] = v
     tps = sorted({t for t, _ in by_rank})
     eps = sorted({e for _, e in by_rank})
     parts = [by_rank[(t, 0)] for t in tps]

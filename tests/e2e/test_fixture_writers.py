@@ -79,7 +79,7 @@ def test_megatron_rewritten_and_read(tmp_path):
     subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "write_megatron_fixtures.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=1200)
     for name in ("gpt_tp1", "gpt_tp2", "gpt_pp2", "moe_ep2", "moe_tp2_shared", "moe_qk_norm", "legacy_tp2",
-                 "legacy_tp2_pp2", "legacy_moe_ep2"):
+                 "legacy_tp2_pp2", "legacy_moe_ep2", "legacy_tp2_pp2_vp2"):
         run = tmp_path / name
         state = _state(str(run), hf_config=json.load(open(run / "reference" / "config.json")))
         expect = expected_hf(str(run))

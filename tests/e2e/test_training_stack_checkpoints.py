@@ -151,10 +151,11 @@ def test_bad_deepspeed_input_is_one_line_and_writes_nothing(cli, tmp_path):
 
 # a Llama; a Qwen2 (biases on q, k, v); a Mixtral (expert parallel); a Qwen2-MoE (shared expert, dense
 # layer 0); a Qwen3-MoE (norms on query and key heads); Megatron-LM's legacy format (a torch.save
-# archive per rank: tensor x pipeline parallel, and a Mixtral at expert parallel), with no
+# archive per rank: tensor x pipeline parallel, with and without interleaved virtual stages, and a
+# Mixtral at expert parallel), with no
 # dcp.allow_pickle (torch_dist's .metadata needs it; the legacy archives are read as data)
 @pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_qkv_bias", "moe_ep2", "moe_tp2_shared", "moe_qk_norm",
-                                  "legacy_tp2_pp2", "legacy_moe_ep2"])
+                                  "legacy_tp2_pp2", "legacy_moe_ep2", "legacy_tp2_pp2_vp2"])
 def test_megatron_to_hugging_face(cli, tmp_path, name):
     transformers = pytest.importorskip("transformers")
     from tests.megatron_reference import expected_hf

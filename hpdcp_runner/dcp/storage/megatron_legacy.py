@@ -105,17 +105,39 @@ class _MegatronArchive(Archive):
 
 @dataclasses.dataclass(frozen=True)
 class RankFile:
-    """One model-parallel rank's archive: its tensor-, pipeline- and expert-parallel ranks."""
+    """One model chunk of a model-parallel rank's archive: its tensor-, pipeline- and
+    expert-parallel ranks, and where its layers come in the model (``stage``: the pipeline rank;
+    with interleaved stages, chunk ``v`` of pipeline rank ``p`` of ``P`` is virtual stage ``v * P + p``)."""
 
     name: str
     tp: int
     pp: int
     ep: int
     archive: ArchiveIndex
+    chunk: str = "model"  # (``model<v>`` with interleaved pipeline stages)
+    stage: int = 0
 
     @property
     def model(self) -> dict:
-        return self.archive.tree["model"]
+        return self.archive.tree[self.chunk]
+
+
+def model_chunks(a: ArchiveIndex) -> list[str]:
+    """The model state dicts of an archive: ``model``, or one per virtual pipeline stage
+    (``model0``, ``model1``...: ``--num-layers-per-virtual-pipeline-stage``), all there."""
+    if not isinstance(a.tree, dict):
+        raise MetadataError(f"{a.where}: not a Megatron-LM checkpoint (no state dict)")
+    if isinstance(a.tree.get("model"), dict):
+        return ["model"]
+    held = sorted((int(m[1]), k) for k in a.tree if (m := re.fullmatch(r"model(\d+)", str(k))))
+    if not held or [i for i, _ in held] != list(range(len(held))) or not all(isinstance(a.tree[k], dict)
+                                                                            for _, k in held):
+        raise MetadataError(f"{a.where}: no 'model' state dict, nor model0, model1... (one per virtual pipeline "
+                            f"stage; held: {sorted(map(str, a.tree))[:8]})")
+    said = _arg(a, "virtual_pipeline_model_parallel_size")
+    if isinstance(said, int) and said != len(held):
+        raise MetadataError(f"{a.where}: holds {len(held)} model chunks, its args say {said} virtual pipeline stages")
+    return [k for _, k in held]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +186,10 @@ class MegatronLegacyReader(ArchiveFiles, _DescribedReader):
         pieces, shapes = _pieces(ranks)
         tensors = {name: _tensor(name, ps, max(r.tp for r in ranks) + 1, swiglu, shapes[name])
                    for name, ps in pieces.items()}
-        files = {r.name: FileMeta(r.name, self._size_of(r.name), "", i) for i, r in enumerate(ranks)}
+        names = list(dict.fromkeys(r.name for r in ranks))  # (an archive holds one model chunk per virtual stage)
+        files = {n: FileMeta(n, self._size_of(n), "", i) for i, n in enumerate(names)}
         args = ranks[0].archive.tree.get("args")
-        optim = [r.archive.where for r in ranks if "optimizer" in r.archive.tree]
+        optim = list(dict.fromkeys(r.archive.where for r in ranks if "optimizer" in r.archive.tree))
         if optim:
             log.warning("%s: the optimizer state Megatron-LM saved beside the weights (%d archive(s), e.g. %s) is not "
                         "read; the model's weights are", self.path, len(optim), optim[0])
@@ -174,7 +197,7 @@ class MegatronLegacyReader(ArchiveFiles, _DescribedReader):
                  "megatron": {"names": "megatron", "format": "torch", "iteration": ranks[0].archive.tree.get("iteration"),
                               "swiglu": swiglu, "version": ranks[0].archive.tree.get("checkpoint_version"),
                               "args": isinstance(args, Namespace), "optimizer_read": False}}
-        md = Metadata(len(ranks), tensors, {}, files, extra=extra)
+        md = Metadata(len(names), tensors, {}, files, extra=extra)
         if self.hf_config is None:
             return md
         return to_hf(md, Shape.from_config(self.hf_config, self.config_source), self.path)
@@ -190,17 +213,18 @@ class MegatronLegacyReader(ArchiveFiles, _DescribedReader):
                 raise CheckpointNotFoundError(f"{self.full(n)} is missing")
         with cf.ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="hpdcp-megatron") as pool:
             archives = list(pool.map(self._archive, names))
-        for n, a in zip(names, archives):
-            if not isinstance(a.tree, dict) or not isinstance(a.tree.get("model"), dict):
-                held = sorted(k for k in a.tree if str(k).startswith("model")) if isinstance(a.tree, dict) else []
-                raise MetadataError(f"{a.where}: no 'model' state dict" + (
-                    f" ({held}: interleaved pipeline stages, which are not read yet)" if held else ""))
+        chunks = [model_chunks(a) for a in archives]
+        if len({len(c) for c in chunks}) != 1:
+            raise MetadataError(f"{self.path}: the archives hold different numbers of model chunks "
+                                f"({sorted({len(c) for c in chunks})}: virtual pipeline stages)")
         numbers = [rank_dir_numbers(d) for d in self.rank_dirs]
-        second = _second_number(archives, numbers)
+        second = _second_number(archives, numbers, chunks)
         ranks = [RankFile(n, tp, (a if second == "pp" else b) or 0, (a if second == "ep" else b) or 0, arc)
                  for n, (tp, a, b), arc in zip(names, numbers, archives)]
         _check_complete(self.path, ranks)
-        return ranks
+        stages = max(r.pp for r in ranks) + 1
+        return [dataclasses.replace(r, chunk=c, stage=v * stages + r.pp)
+                for r, held in zip(ranks, chunks) for v, c in enumerate(held)]
 
 
 def _arg(archive: ArchiveIndex, name: str) -> Any:
@@ -208,7 +232,7 @@ def _arg(archive: ArchiveIndex, name: str) -> Any:
     return args.get(name) if isinstance(args, Namespace) else None
 
 
-def _second_number(archives: list[ArchiveIndex], numbers: list[tuple]) -> str:
+def _second_number(archives: list[ArchiveIndex], numbers: list[tuple], chunks: list[list[str]]) -> str:
     """What the second number of ``mp_rank_<TP>_<N>`` is: ``pp`` or ``ep`` (three numbers: TP,
     PP, EP). The run's args say; without them, a pipeline stage is known by lacking the final
     norm (only the last stage has it)."""
@@ -219,7 +243,8 @@ def _second_number(archives: list[ArchiveIndex], numbers: list[tuple]) -> str:
         return "pp"
     if isinstance(ep, int) and ep > 1:
         return "ep"
-    return "ep" if all("decoder.final_layernorm.weight" in a.tree["model"] for a in archives) else "pp"
+    return "ep" if all(any("decoder.final_layernorm.weight" in a.tree[c] for c in held)
+                       for a, held in zip(archives, chunks)) else "pp"
 
 
 def _check_complete(path: str, ranks: list[RankFile]) -> None:
@@ -249,18 +274,19 @@ def _swiglu(ranks: list[RankFile]) -> bool:
 
 
 def _pieces(ranks: list[RankFile]) -> tuple[dict[str, list[Piece]], dict[str, tuple[int, ...]]]:
-    """Every rank's slices by global name (layers numbered across pipeline stages, experts across
-    expert ranks), and each slice's local shape (the same on every rank, checked)."""
+    """Every rank's slices by global name (layers numbered across pipeline stages, virtual ones
+    included, experts across expert ranks), and each slice's local shape (the same on every rank,
+    checked)."""
     stage_layers: dict[int, set[int]] = defaultdict(set)
     local_experts: dict[tuple[int, int], int] = {}
     for r in ranks:
         for key in r.model:
             m = _LAYER.fullmatch(str(key))
             if m:
-                stage_layers[r.pp].add(int(m[1]))
+                stage_layers[r.stage].add(int(m[1]))
                 e = _EXPERT.fullmatch(m[2])
                 if e:
-                    at = (r.pp, int(m[1]))
+                    at = (r.stage, int(m[1]))
                     local_experts[at] = max(local_experts.get(at, 0), int(e[1]) + 1)
     offsets, at = {}, 0
     for p in sorted(stage_layers) or [0]:
@@ -279,11 +305,11 @@ def _pieces(ranks: list[RankFile]) -> tuple[dict[str, list[Piece]], dict[str, tu
                 rest, local = m[2], int(m[1])
                 e = _EXPERT.fullmatch(rest)
                 if e:
-                    expert = r.ep * local_experts[(r.pp, local)] + int(e[1])
+                    expert = r.ep * local_experts[(r.stage, local)] + int(e[1])
                     rest = EXPERTS + e[2]
                 elif r.ep:
                     continue  # (the dense parts are the same on every expert rank)
-                name = f"decoder.layers.{offsets[r.pp] + local}.{rest}"
+                name = f"decoder.layers.{offsets[r.stage] + local}.{rest}"
             elif r.ep:
                 continue
             off, _ = r.archive.flat(ref, key)

@@ -24,7 +24,7 @@ from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
 from hpdcp_runner.dcp.storage.foreign import detect_format
 from tests.megatron_reference import FIXTURES, expected_hf
 
-LEGACY = ["legacy_tp2", "legacy_tp2_pp2", "legacy_moe_ep2"]
+LEGACY = ["legacy_tp2", "legacy_tp2_pp2", "legacy_moe_ep2", "legacy_tp2_pp2_vp2"]
 
 
 def _config(run):
@@ -65,6 +65,29 @@ def test_each_stage_and_rank_reads_its_own_archive():
     assert files("lm_head.weight") == ["mp_rank_00_001", "mp_rank_01_001"]
     assert files("model.layers.1.input_layernorm.weight") == ["mp_rank_00_001"]
     assert md.world_size == 4 and md.extra["megatron"]["names"] == "hf"
+
+
+def test_interleaved_stages_number_layers_across_the_virtual_stages():
+    """Pipeline 2 x tensor 2 with 2 virtual stages per rank (``model0``, ``model1`` in each
+    archive, a layer each): chunk v of pipeline rank p holds layer v * 2 + p, so layer 1 is the
+    second stage's ``model0`` and layer 2 the first stage's ``model1`` (each numbered 0 there);
+    the embedding is the first stage's first chunk, the head the last stage's last."""
+    run = os.path.join(FIXTURES, "legacy_tp2_pp2_vp2")
+    md = Metadata.from_json(open_reader(run).read_metadata_text())  # under Megatron's own names
+    assert md.world_size == 4 and len(md.files) == 4
+    files = lambda key: sorted({c.file.split("/")[0] for c in md.tensors[key].chunks})  # noqa: E731
+    for layer, stage in enumerate(["000", "001", "000", "001"]):
+        assert files(f"decoder.layers.{layer}.self_attention.linear_qkv.weight") == [f"mp_rank_00_{stage}",
+                                                                                      f"mp_rank_01_{stage}"]
+    assert files("embedding.word_embeddings.weight") == ["mp_rank_00_000", "mp_rank_01_000"]
+    assert files("output_layer.weight") == ["mp_rank_00_001", "mp_rank_01_001"]
+    from safetensors.torch import load_file
+
+    _, state = _read(run)
+    ref = load_file(os.path.join(run, "reference", "tp_rank0_pp_rank0_vp_rank1.safetensors"))
+    norm = ref["decoder.layers.0.input_layernorm.weight"]  # the first stage's second chunk: the model's layer 2
+    assert torch.equal(state["decoder.layers.2.input_layernorm.weight"], norm)
+    assert not torch.equal(state["decoder.layers.0.input_layernorm.weight"], norm)
 
 
 @pytest.mark.parametrize("legacy, dist", [("legacy_tp2", "gpt_tp2"), ("legacy_moe_ep2", "moe_ep2")])
