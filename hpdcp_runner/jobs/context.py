@@ -14,7 +14,8 @@ import torch
 
 from .. import dcp
 from .. import runtime
-from ..config import Config, EngineOptions, checkpoint_series, engine_options, load_preset, make_layout
+from ..config import Config, checkpoint_series, load_preset, make_layout
+from ..engine_options import EngineOptions, engine_options
 from ..dcp.tools import (apply_retention, check_together, Comm, detect_format, get_logger, configure_object_store,
                          join_location, local_pieces,
                          METADATA_FILE, resolve_location, series_extra, series_outsiders)

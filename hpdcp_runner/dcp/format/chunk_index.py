@@ -18,7 +18,8 @@ arrays (docs/format.md):
 A loading rank reads ``tensor_rows`` and ``tensor_sort`` (O(tensors)), then per tensor it loads a
 few 4 KiB pages of ``keys`` (bisection) and the rows that may intersect its shards: its cost
 follows its own shards, not the checkpoint's chunk count. This module knows columns only; the
-meaning of a row (bounds against shapes and files, tiling) is checked in ``metadata.py``.
+meaning of a row (bounds against shapes and files, tiling) is checked in ``indexed_chunks.py``
+(the rows a load reads) and ``metadata_parse.py`` (all of them).
 """
 
 from __future__ import annotations

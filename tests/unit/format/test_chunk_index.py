@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from hpdcp_runner.dcp import LocalShard, StandardLoadPlanner, load, read_metadata
 from hpdcp_runner.dcp.core.geometry import Box
-from hpdcp_runner.dcp.format import chunk_index, metadata, safetensors_io
+from hpdcp_runner.dcp.format import chunk_index, indexed_chunks, safetensors_io
 from hpdcp_runner.dcp.format.chunk_index import INDEX_FILE
 from hpdcp_runner.dcp.offline.transforms import import_checkpoint, shard_dim0
 from hpdcp_runner.dcp.tools import verify
@@ -88,7 +88,7 @@ def test_any_grid_layout_loads_bitwise_reading_few_rows(tmp_path, seed, monkeypa
     the sort dimension times the cells of the other dimensions."""
     monkeypatch.setattr(chunk_index, "_WHOLE_BELOW", 0 if seed % 2 else 1 << 30)  # both ways of reading
     if seed % 2:  # bisect every tensor (by default tensors of <= 16 chunks are scanned whole)
-        monkeypatch.setattr(metadata, "_SCAN_ROWS", 0)
+        monkeypatch.setattr(indexed_chunks, "_SCAN_ROWS", 0)
     rng = random.Random(seed)
     dtypes = [torch.float32, torch.bfloat16, torch.int16, torch.uint8, torch.float64]
     full, parts = {}, {}
@@ -116,7 +116,7 @@ def test_any_grid_layout_loads_bitwise_reading_few_rows(tmp_path, seed, monkeypa
         bands = (offs[dim] + sizes[dim] - 1) // step - offs[dim] // step + 1
         bound = (bands + 1) * math.prod(len(range(0, n, -(-n // p)))
                                         for d, (n, p) in enumerate(zip(t.shape, parts[key])) if d != dim)
-        assert len(chunks._cache) <= (bound if len(chunks) > metadata._SCAN_ROWS else len(chunks))
+        assert len(chunks._cache) <= (bound if len(chunks) > indexed_chunks._SCAN_ROWS else len(chunks))
         load({key: LocalShard(got, offs, t.shape)}, checkpoint_id=ck, strict=False)
         want = t[tuple(slice(o, o + z) for o, z in zip(offs, sizes))]
         assert torch.equal(got, want), (seed, key, offs, sizes)
