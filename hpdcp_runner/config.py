@@ -560,7 +560,7 @@ def _train_problems(c: Config) -> list[str]:
 
 
 def _tier_problems(c: Config) -> list[str]:
-    from .dcp.tools import is_local
+    from .dcp.tools import locate
 
     t, out = c.checkpoint.fast_tier, []
     if t.keep_last < 0:
@@ -571,16 +571,28 @@ def _tier_problems(c: Config) -> list[str]:
         out.append(f"checkpoint.fast_tier.replicas: must be >= 0, got {t.replicas}")
     if t.dir is None:
         return out
-    if not is_local(t.dir):
-        out.append(f"checkpoint.fast_tier.dir: {t.dir} is not a local directory (the fast tier is a local NVMe or "
-                   f"RAM disk; the store goes in checkpoint.dir, the durable tier)")
+    try:
+        fast = locate(t.dir)
+        fast.local_dir("not a local directory (the fast tier is a local NVMe or RAM disk; the store goes in "
+                       "checkpoint.dir, the durable tier)")
+    except ConfigError as e:
+        out.append(f"checkpoint.fast_tier.dir: {e}")
+        fast = None
     if c.job is not None and c.job.name != "train":
         out.append(f"checkpoint.fast_tier.dir: only the train job saves through tiers (this is the {c.job.name} job); "
                    f"drop the key")
-    if c.checkpoint.dir and is_local(c.checkpoint.dir) and is_local(t.dir) and \
-            os.path.abspath(c.checkpoint.dir) == os.path.abspath(t.dir):
+    if c.checkpoint.dir and fast is not None and _same_place(c.checkpoint.dir, fast):
         out.append("checkpoint.fast_tier.dir: the same directory as checkpoint.dir (the durable tier); pick another")
     return out
+
+
+def _same_place(path: str, loc: Any) -> bool:
+    from .dcp.tools import locate
+
+    try:
+        return locate(path).url == loc.url
+    except ConfigError:  # (a scheme no store serves: named by its own check)
+        return False
 
 
 def _checkpoint_problems(c: Config) -> list[str]:

@@ -218,12 +218,10 @@ def read_model_config(path: str | None) -> tuple[dict | None, str | None]:
     from .dcp.tools import locate, parse_json, read_side_file
 
     loc = locate(path)
-    if path.endswith(".json") or (loc.local_path and loc.is_file()):
+    if path.endswith(".json") or loc.is_file():
         where, name = loc.parent(), loc.name
     else:
-        where, name = loc, "config.json"
-    if where.local_path and not where.is_dir():
-        return None, None
+        where, name = loc, "config.json"  # (a directory that is not there holds none: None below)
     f = f"{where.url.rstrip('/')}/{name}"
 
     try:

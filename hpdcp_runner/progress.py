@@ -11,11 +11,12 @@ operation waits for and for how long instead of a rate.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
 import time
-from typing import Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 #: seconds a phase runs before its line appears (short saves print nothing)
 SHOW_AFTER_S = 2.0
@@ -184,3 +185,80 @@ class ProgressLine:
                 self.stream.write(f"\r{text}\x1b[K")
                 self.stream.flush()
                 self._drawn = True
+
+
+class Bars:
+    """A job's progress display: bars and lines on rank 0, on a terminal only (never in logs or
+    under CI), each shown once its phase has run for 2 s."""
+
+    def __init__(self, rank: int, world_size: int, enabled: bool) -> None:
+        self.world_size = world_size
+        self.shown = rank == 0 and enabled and sys.stderr.isatty() and not os.environ.get("CI")
+
+    def progress(self, iterable: Any, desc: str, total: int | None = None) -> Any:
+        """A progress bar over ``iterable`` (see ``show_progress``), once the phase ran 2 s."""
+        if not self.shown:
+            return iterable
+        from tqdm import tqdm
+
+        return tqdm(iterable, desc=desc, total=total, leave=False, delay=2.0, **terminal_size())
+
+    @contextlib.contextmanager
+    def byte_progress(self, desc: str, done: Callable[[], tuple[int, int]],
+                      counters: Any = None) -> Iterator[None]:
+        """While the body runs, one line (see :mod:`hpdcp_runner.progress`) of rank 0's bytes done
+        of the total (once ``counters`` or the body says it: ``expected_bytes``), polled from
+        ``done() -> (bytes, files)``, with what the operation waits for once bytes stop
+        (``counters.stage``); shown only once the phase has run for 2 s."""
+        if not self.shown:
+            yield
+            return
+
+        def poll() -> tuple[int, int, int, str]:
+            nbytes, files = done()
+            total = counters.expected_bytes if counters is not None else 0
+            stage = counters.stage if counters is not None else ""
+            if stage == "writing" and total and nbytes >= total and self.world_size > 1:
+                stage = "waiting for the other ranks"
+            return nbytes, files, total, stage
+
+        with ProgressLine(f"{desc} (rank 0)", poll):
+            yield
+
+    @contextlib.contextmanager
+    def bytes_bar(self, desc: str) -> Iterator[Callable[[int, int], None] | None]:
+        """A bar of bytes done of a total that the body reports through the callback it gets,
+        ``(done, total)`` (None when no bar is shown): for walks that know their total, such as a
+        verify reading every tensor."""
+        if not self.shown:
+            yield None
+            return
+        bar = byte_bar(desc)
+
+        def report(done: int, total: int) -> None:
+            if bar.total != total:
+                bar.total = total
+            bar.update(done - bar.n)
+
+        try:
+            yield report
+        finally:
+            bar.close()
+
+
+def byte_bar(desc: str) -> Any:
+    """A tqdm bar of bytes (KiB, MiB... of a total when it is set), shown once it ran for 2 s."""
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False, **terminal_size())
+
+
+def terminal_size() -> dict:
+    """A terminal that reports no size (a pseudo-terminal nobody sized: ``script`` run without a
+    terminal, some CI runners and container consoles) makes tqdm print nothing at all (0 rows):
+    such a one gets 80 x 24; a real size is left to tqdm (which follows resizes)."""
+    try:
+        cols, rows = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return {}
+    return {} if cols > 0 and rows > 0 else {"ncols": cols or 80, "nrows": rows or 24}

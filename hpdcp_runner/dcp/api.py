@@ -25,8 +25,7 @@ from .protocol import LoadSteps, SaveSteps, metadata_source
 from .state_dict import restore_stateful, stateful_to_state_dict
 from .storage.filesystem import DEFAULT_FILES_KEPT
 from .storage.checkpoint_io import open_reader, open_writer
-from .storage.location import is_local, spelled
-from .core.rafile import open_regular
+from .storage.location import locate, spelled
 from .storage.uri import join
 from .storage.interfaces import StorageReader, StorageWriter
 
@@ -120,8 +119,8 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: str | os.PathLike | No
         raise
     source = join(path, METADATA_FILE) if path else METADATA_FILE
     opener = writer.committed_opener()
-    if opener is None and path and is_local(path):  # a writer of the caller's own, to a local directory
-        opener = (lambda name: open_regular(os.path.join(path, name)))
+    if opener is None and path:  # a writer of the caller's own: the location's files, where it can open them
+        opener = locate(path).file_opener()
     metadata = steps.committed if comm.rank == 0 else DeferredMetadata(text, source=source, open_file=opener)
     # (nothing here may touch ``metadata``'s fields on other ranks: that would parse it)
     log.debug("saved %s: %d bytes written here", path, writer.counters.bytes_written)

@@ -32,7 +32,7 @@ from .format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name
 from .format.safetensors_io import parse_header
 from .storage.checkpoint_io import open_reader, open_writer
 from .storage.interfaces import StorageWriter
-from .storage.location import is_local
+from .storage.location import locate
 
 log = get_logger(__name__)
 
@@ -94,10 +94,7 @@ def _check_apart(src: str, dst: str | os.PathLike) -> None:
     """A copy into its own source (``src/copy``) would add files the source's metadata does not
     name, so the source no longer verifies; a source inside its destination would be replaced
     by an overwrite. Both refused before anything is written (links resolved)."""
-    if not is_local(dst):
-        return
-    a, b = os.path.realpath(src), os.path.realpath(os.fspath(dst))
-    if a == b or b.startswith(a.rstrip(os.sep) + os.sep) or a.startswith(b.rstrip(os.sep) + os.sep):
+    if locate(src).overlaps(locate(dst)):
         raise ConfigError(f"copy_checkpoint: the destination {dst} is, lies inside, or holds the source {src}; "
                           f"copy it somewhere outside")
 
@@ -110,9 +107,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str, *, process_group: Any = No
     Each file is verified against its recorded checksum while it is copied; ``dst`` is committed
     by its storage's commit, so it is either the whole verified checkpoint or not there. Returns
     the copied checkpoint's metadata."""
-    src = os.fspath(src)
-    if not is_local(src):
-        raise MetadataError(f"copy_checkpoint reads a local directory, not {src}")
+    src = locate(os.fspath(src)).local_dir("copy_checkpoint reads a local directory", MetadataError)
     _check_apart(src, dst)
     comm = Comm.create(process_group, timeout)
     writer = writer or open_writer(dst, fsync=fsync, store_options=store_options)

@@ -231,13 +231,9 @@ class WriterSpec:
 
     @classmethod
     def of(cls, writer: StorageWriter) -> "WriterSpec":
-        from .storage.filesystem import FileSystemWriter
-        from .storage.object_checkpoint import ObjectStoreWriter
-
-        if type(writer) is FileSystemWriter:
-            return cls(writer.path, writer.fsync)
-        if type(writer) is ObjectStoreWriter:
-            return cls(writer.uri, True, writer.bucket.options)
+        args = writer.reopen_args()
+        if args is not None:
+            return cls(**args)
         raise ConfigError(f"async_save mode=process rebuilds the storage writer in the persisting process and knows "
                           f"FileSystemWriter and ObjectStoreWriter (from a path or URI); got {type(writer).__name__}: "
                           f"use mode='thread' for a writer of your own")

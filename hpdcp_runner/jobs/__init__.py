@@ -94,13 +94,13 @@ def _saving_to_a_store() -> bool:
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        from ..dcp.tools import is_local
+        from ..dcp.tools import locate
 
         overrides = HydraConfig.get().overrides.task
-    except Exception:
+        return any(not locate(o.split("=", 1)[1]).capabilities.atomic_rename for o in overrides if "=" in o and
+                   o.lstrip("+~").split("=", 1)[0] in ("checkpoint.dir", "checkpoint.path", "job.output"))
+    except Exception:  # (no Hydra run, or a path the job itself refused: nothing more to say)
         return False
-    return any(not is_local(o.split("=", 1)[1]) for o in overrides if "=" in o and
-               o.lstrip("+~").split("=", 1)[0] in ("checkpoint.dir", "checkpoint.path", "job.output"))
 
 
 def _hydra_run_dir() -> str | None:

@@ -3,8 +3,6 @@ side by side in the same run (``job.peer=true``, needs numpy for torch.distribut
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import statistics
 import time
@@ -14,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ..dcp import ConfigError, HpdcpError
-from ..dcp.tools import (ObjectStoreOptions, fsspec_package, get_logger, is_local, join_location, locate,
-                         location_dirname, remove_checkpoint, resolve_location)
+from ..dcp.tools import (fsspec_package, get_logger, join_location, locate, location_dirname, remove_checkpoint,
+                         resolve_location)
 from ..layouts import place_state
 from ..targets import state_from_metadata
 from ..workloads import reference_state, zeros_like_state
@@ -23,43 +21,32 @@ from .context import JobContext, compare_state, section_overrides
 from .load import select
 
 log = get_logger(__name__)
-#: dcp.storage keys that only a file system uses, and those only an object store uses
-FILE_SYSTEM_KEYS = ("files_kept", "fsync", "shared", "max_read_bytes_per_s", "read_gap_bytes")
-OBJECT_STORE_KEYS = tuple(f.name for f in dataclasses.fields(ObjectStoreOptions))
 
 
 def _scratch(ctx: JobContext) -> tuple[str, str | None]:
-    """(where the timed checkpoints go, the local folder the bench made for it or None). The
-    place: ``checkpoint.dir`` when set; else beside a ``job.source.path`` in a store (the store
-    the user's checkpoint lives on is the one timed); else the run directory's ``checkpoints``.
-    The checkpoints go into a new prefix of the bench's own under it (``hpdcp-bench-<run>-<id>``,
-    found empty), so that removing them afterwards removes nothing that was there before: a
+    """(where the timed checkpoints go, the folder the bench made for it or None). The place:
+    ``checkpoint.dir`` when set; else beside a ``job.source.path`` in a store (the store the
+    user's checkpoint lives on is the one timed); else the run directory's ``checkpoints``. The
+    checkpoints go into a new directory of the bench's own under it (``hpdcp-bench-<run>-<id>``,
+    claimed empty), so that removing them afterwards removes nothing that was there before: a
     user's ``bench_0``, or any checkpoint of theirs, in that directory is never touched."""
     src = ctx.cfg.job.source.path
-    if not ctx.cfg.checkpoint.dir and src and not is_local(src):
-        base = location_dirname(resolve_location(src))
+    if not ctx.cfg.checkpoint.dir and src and locate(src).capabilities.conditional_write:
+        base = locate(location_dirname(resolve_location(src)))
     else:
-        base = ctx.checkpoint_dir
-    made = base if is_local(base) and not os.path.lexists(base) else None
+        base = locate(ctx.checkpoint_dir)
+    made = None if base.is_dir() else base.url
     for _ in range(3):
-        name = f"hpdcp-bench-{os.path.basename(ctx.run_dir.rstrip('/'))}-{uuid.uuid4().hex[:8]}"
-        scratch = join_location(base, name)
-        if is_local(scratch):
-            os.makedirs(base, exist_ok=True)
-            try:
-                os.mkdir(scratch, 0o700)  # exclusive: a folder that was there is not ours
-                return scratch, made
-            except FileExistsError:
-                continue
-        if not locate(scratch).is_dir():
-            return scratch, made
-    raise HpdcpError(f"bench: could not find an unused scratch name under {base}")
+        scratch = base.claim(f"hpdcp-bench-{os.path.basename(ctx.run_dir.rstrip('/'))}-{uuid.uuid4().hex[:8]}")
+        if scratch is not None:
+            return scratch.url, made
+    raise HpdcpError(f"bench: could not find an unused scratch name under {base.url}")
 
 
 def _without_effect(scratch: str) -> list[str]:
     """The ``dcp.storage.*`` overrides that do not apply to the storage timed (an object-store
     knob swept on a local directory times nothing it changes)."""
-    unused = OBJECT_STORE_KEYS if is_local(scratch) else FILE_SYSTEM_KEYS
+    unused = locate(scratch).inert_options
     keys = [o.lstrip("+~").split("=", 1)[0] for o in section_overrides("dcp.storage")]
     return [k for k in keys if k.rsplit(".", 1)[-1] in unused]
 
@@ -94,12 +81,12 @@ def _stats(xs: list[float]) -> dict:
 
 def _peer(ctx: JobContext, state, target, path: str) -> tuple[float, float]:
     import torch.distributed.checkpoint as tdcp  # numpy checked by the config validation
-    if not is_local(path):  # the peer's own object-store path: its fsspec writer and reader (s3fs, ...)
+    package = fsspec_package(path)
+    if package is not None:  # the peer's own object-store path: its fsspec writer and reader (s3fs, ...)
         import importlib
 
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-        package = fsspec_package(path)
         try:
             importlib.import_module(package)
         except ImportError:
@@ -128,12 +115,12 @@ def run(ctx: JobContext) -> dict:
     if job.source.path:  # a user's checkpoint, loaded once under layout=, is the state timed
         path = ctx.abspath(job.source.path)
         md = ctx.source_metadata(path)
-        only = ctx.key_filter()  # job.include / job.exclude: time part of it
+        only = ctx.keys.only  # job.include / job.exclude: time part of it
         with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-            state = select(ctx.target_from_metadata(md, path, only, copies=2), only, ctx.filter_keys_named())
+            state = select(ctx.target_from_metadata(md, path, only, copies=2), only, ctx.keys.named)
             # placed as the first (target_from_metadata found the config and made layout=auto concrete)
             target = select(state_from_metadata(md, ctx.placer(keys=md.tensors), strict=ctx.cfg.layout.strict, only=only), only,
-                            ctx.filter_keys_named())
+                            ctx.keys.named)
         ctx.load(state, path, phase="source_load", key="job.source.path", foreign=True, strict=only is None)
         _copy_objects(state, target)
     else:
@@ -149,9 +136,8 @@ def run(ctx: JobContext) -> dict:
     scratch, made = ctx.comm.agree_root("bench: where the timed checkpoints go", lambda: list(_scratch(ctx)))
     ignored = _without_effect(scratch)
     if ignored and ctx.info.rank == 0:
-        log.warning("%s: no effect on what this bench times (%s, %s)", ", ".join(ignored),
-                    "a local directory" if is_local(scratch) else "an object store", scratch)
-    for i in ctx.progress(range(job.warmup + job.repeats), "bench"):
+        log.warning("%s: no effect on what this bench times (%s)", ", ".join(ignored), locate(scratch).describe())
+    for i in ctx.bars.progress(range(job.warmup + job.repeats), "bench"):
         path = join_location(scratch, f"bench_{i}")
         # warm-up runs are timed under their own phases, which the summary table leaves out
         tag = "warmup." if i < job.warmup else ""
@@ -174,13 +160,12 @@ def run(ctx: JobContext) -> dict:
             if job.peer:
                 times["peer_save"].append(ps)
                 times["peer_load"].append(pl)
-    if ctx.info.rank == 0 and is_local(scratch):  # its own folder goes with them, and the one it made for it
+    if ctx.info.rank == 0:  # its own folder goes with them, and the one it made for it
         for folder in (scratch, made):
             if folder:
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
+                locate(folder).remove_if_empty()
     result = {k: _stats(v) for k, v in times.items() if v}
-    result["store_timed"] = scratch if not is_local(scratch) else f"local directory {scratch}"
+    result["store_timed"] = locate(scratch).describe()
     if ignored:
         result["no_effect"] = ignored
     if job.peer:

@@ -4,10 +4,10 @@ with the configured knobs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
-import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,8 +22,29 @@ from ..dcp.tools import (apply_retention, check_together, Comm, detect_format, g
 from ..dcp import open_reader, open_writer, rename_keys
 from ..layouts import Placer, problems as layout_problems, read_model_config, resolve_auto
 from ..metrics import Metrics
-from ..progress import ProgressLine
+from ..progress import Bars
 from ..runtime import RankInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySelection:
+    """``job.include`` / ``job.exclude`` (regexes, ``re.search``): ``only``, one predicate on a
+    key (None when the job sets neither), and ``named``, how messages name the filter
+    (``job.include='...'``)."""
+
+    only: Callable[[str], bool] | None
+    named: str
+
+    @classmethod
+    def of(cls, job: Any) -> "KeySelection":
+        inc, exc = getattr(job, "include", None), getattr(job, "exclude", None)
+        named = " ".join(f"job.{k}={getattr(job, k)!r}" for k in ("include", "exclude")
+                         if getattr(job, k, None) is not None)
+        if inc is None and exc is None:
+            return cls(None, named)
+        i = re.compile(inc).search if inc is not None else None
+        x = re.compile(exc).search if exc is not None else None
+        return cls(lambda k: (i is None or bool(i(k))) and not (x is not None and x(k)), named)
 
 
 class JobContext:
@@ -33,6 +54,10 @@ class JobContext:
         #: every engine knob, parsed once by the config validation; jobs read them from here
         self.engine = engine or engine_options(cfg)
         self.metrics = Metrics()
+        #: the keys the job keeps (``job.include`` / ``job.exclude``) and how messages name them
+        self.keys = KeySelection.of(cfg.job)
+        #: the progress bars and lines (rank 0, a terminal: ``runtime.progress``)
+        self.bars = Bars(info.rank, info.world_size, cfg.runtime.progress)
         self.comm = Comm.create(None, self.engine.timeout_s)
         #: checkpoints named like the series that are not its members (name -> why), from retention
         self.outsiders: dict[str, str] = {}
@@ -74,61 +99,6 @@ class JobContext:
         if self.cfg.checkpoint.path and name is None:
             return self.abspath(self.cfg.checkpoint.path)
         return join_location(self.checkpoint_dir, name or self.series[0])
-
-    def show_progress(self) -> bool:
-        """Progress bars on rank 0, on a terminal only (never in logs or under CI)."""
-        return (self.info.rank == 0 and self.cfg.runtime.progress and sys.stderr.isatty()
-                and not os.environ.get("CI"))
-
-    def progress(self, iterable: Any, desc: str, total: int | None = None) -> Any:
-        """A progress bar over ``iterable`` (see ``show_progress``), once the phase ran 2 s."""
-        if not self.show_progress():
-            return iterable
-        from tqdm import tqdm
-
-        return tqdm(iterable, desc=desc, total=total, leave=False, delay=2.0, **_terminal_size())
-
-    @contextlib.contextmanager
-    def byte_progress(self, desc: str, done: Callable[[], tuple[int, int]],
-                      counters: Any = None) -> Iterator[None]:
-        """While the body runs, one line (see :mod:`hpdcp_runner.progress`) of rank 0's bytes done
-        of the total (once ``counters`` or the body says it: ``expected_bytes``), polled from
-        ``done() -> (bytes, files)``, with what the operation waits for once bytes stop
-        (``counters.stage``); shown only once the phase has run for 2 s."""
-        if not self.show_progress():
-            yield
-            return
-
-        def poll() -> tuple[int, int, int, str]:
-            nbytes, files = done()
-            total = counters.expected_bytes if counters is not None else 0
-            stage = counters.stage if counters is not None else ""
-            if stage == "writing" and total and nbytes >= total and self.info.world_size > 1:
-                stage = "waiting for the other ranks"
-            return nbytes, files, total, stage
-
-        with ProgressLine(f"{desc} (rank 0)", poll):
-            yield
-
-    @contextlib.contextmanager
-    def bytes_bar(self, desc: str) -> Iterator[Callable[[int, int], None] | None]:
-        """A bar of bytes done of a total that the body reports through the callback it gets,
-        ``(done, total)`` (None when no bar is shown): for walks that know their total, such as a
-        verify reading every tensor."""
-        if not self.show_progress():
-            yield None
-            return
-        bar = _byte_bar(desc)
-
-        def report(done: int, total: int) -> None:
-            if bar.total != total:
-                bar.total = total
-            bar.update(done - bar.n)
-
-        try:
-            yield report
-        finally:
-            bar.close()
 
     def placer(self, layout: Any = None, keys: Any = None) -> Placer:
         return Placer(layout or self.cfg.layout, self.info.rank, self.info.world_size, self.info.device,
@@ -200,7 +170,7 @@ class JobContext:
         writer = writer or open_writer(path, fsync=e.fsync, store_options=e.store)
         c = writer.counters
         with self.metrics.phase(phase), self.user_errors(key), \
-                self.byte_progress(phase, lambda: (c.bytes_written, c.files_written), c):
+                self.bars.byte_progress(phase, lambda: (c.bytes_written, c.files_written), c):
             md = dcp.save(state, storage_writer=writer, checkpoint_id=path,
                           planner=dcp.SAVE_PLANNERS[e.planner](),
                           overwrite=self.cfg.checkpoint.overwrite if overwrite is None else overwrite,
@@ -281,22 +251,6 @@ class JobContext:
             raise dcp.ConfigError(f"{key}: no config.json at {self.abspath(where)} (needed to name the Megatron "
                                   f"checkpoint's weights)")
         return raw, found or where
-
-    def key_filter(self) -> Callable[[str], bool] | None:
-        """``job.include`` / ``job.exclude`` (regexes, ``re.search``) as one predicate on a key;
-        None when the job sets neither."""
-        inc, exc = getattr(self.cfg.job, "include", None), getattr(self.cfg.job, "exclude", None)
-        if inc is None and exc is None:
-            return None
-        i = re.compile(inc).search if inc is not None else None
-        x = re.compile(exc).search if exc is not None else None
-        return lambda k: (i is None or bool(i(k))) and not (x is not None and x(k))
-
-    def filter_keys_named(self) -> str:
-        """How the filter is named in messages: ``job.include='...'``, ``job.exclude='...'``."""
-        job = self.cfg.job
-        return " ".join(f"job.{k}={getattr(job, k)!r}" for k in ("include", "exclude")
-                        if getattr(job, k, None) is not None)
 
     def source_renames(self) -> list:
         source = getattr(self.cfg.job, "source", None)
@@ -395,7 +349,7 @@ class JobContext:
         reader = reader or self.reader(path, foreign)
         c = reader.counters
         with self.metrics.phase(phase), self.user_errors(key), \
-                self.byte_progress(phase, lambda: (reader.bytes_moved() + c.extra.get("bytes_received", 0),
+                self.bars.byte_progress(phase, lambda: (reader.bytes_moved() + c.extra.get("bytes_received", 0),
                                                    c.files_opened), c):
             res = dcp.load(state, storage_reader=reader, checkpoint_id=path, planner=dcp.LOAD_PLANNERS[e.planner](),
                            strict=strict, allow_pickle=e.allow_pickle, allow_cast=e.allow_cast, timeout=e.timeout_s,
@@ -450,24 +404,6 @@ def layout_overrides() -> list[str]:
     """The ``layout.*`` overrides that change the layout (rules, mesh...), for the summary."""
     return section_overrides("layout", ("layout.strict", "layout.config", "layout.parallel", "layout.family",
                                         "layout.file"))
-
-
-def _byte_bar(desc: str) -> Any:
-    """A tqdm bar of bytes (KiB, MiB... of a total when it is set), shown once it ran for 2 s."""
-    from tqdm import tqdm
-
-    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, leave=False, **_terminal_size())
-
-
-def _terminal_size() -> dict:
-    """A terminal that reports no size (a pseudo-terminal nobody sized: ``script`` run without a
-    terminal, some CI runners and container consoles) makes tqdm print nothing at all (0 rows):
-    such a one gets 80 x 24; a real size is left to tqdm (which follows resizes)."""
-    try:
-        cols, rows = os.get_terminal_size(sys.stderr.fileno())
-    except (OSError, ValueError):
-        return {}
-    return {} if cols > 0 and rows > 0 else {"ncols": cols or 80, "nrows": rows or 24}
 
 
 def _first_line(e: BaseException) -> str:

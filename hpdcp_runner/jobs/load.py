@@ -38,7 +38,7 @@ def run(ctx: JobContext) -> dict:
         return _load_source(ctx)
     placer = ctx.placer()
     with ctx.metrics.phase("build"):
-        ref = select(reference_state(ctx.cfg.model), ctx.key_filter(), ctx.filter_keys_named())
+        ref = select(reference_state(ctx.cfg.model), ctx.keys.only, ctx.keys.named)
         target = place_state(zeros_like_state(ref), placer)
     path = ctx.checkpoint_path()
     try:
@@ -77,9 +77,9 @@ def _load_source(ctx: JobContext) -> dict:
     job = ctx.cfg.job
     path = ctx.abspath(job.source.path)
     md = ctx.source_metadata(path)
-    only = ctx.key_filter()
+    only = ctx.keys.only
     with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
-        target = select(ctx.target_from_metadata(md, path, only), only, ctx.filter_keys_named())
+        target = select(ctx.target_from_metadata(md, path, only), only, ctx.keys.named)
     try:
         res = ctx.load(target, path, strict=job.strict and only is None, key="job.source.path", foreign=True)
     except KeyMismatchError as e:

@@ -29,11 +29,11 @@ from ..experts import copy_objects, load_state_for, restacked_metadata, stack_pl
 def run(ctx: JobContext) -> dict:
     job = ctx.cfg.job
     foreign = bool(job.source.path)
-    only = ctx.key_filter()
+    only = ctx.keys.only
     if foreign:
         source = ctx.abspath(job.source.path)
     else:
-        ref = select(reference_state(ctx.cfg.model), only, ctx.filter_keys_named())
+        ref = select(reference_state(ctx.cfg.model), only, ctx.keys.named)
         source = ctx.checkpoint_path("source")
         with ctx.metrics.phase("build"):
             state = place_state(ref, ctx.placer(load_preset(job.source.layout)))
@@ -58,7 +58,7 @@ def run(ctx: JobContext) -> dict:
                 md_out = restacked_metadata(md, split, job.experts)
             with ctx.metrics.phase("build"), ctx.user_errors("job.source.path"):
                 target = select(ctx.target_from_metadata(md_out if split else md, source, only), only,
-                                ctx.filter_keys_named())
+                                ctx.keys.named)
             reading = load_state_for(target, split, job.experts, md_out) if split else target
         else:
             with ctx.metrics.phase("build"):
@@ -155,7 +155,7 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dic
     cast = dtype_from_name(ctx.cfg.job.dtype) if ctx.cfg.job.output_format == "hf" and ctx.cfg.job.dtype else None
 
     # the verify reads both checkpoints whole: it can take a while, so each has a bar of its bytes
-    with ctx.bytes_bar(f"verify: reading the source {os.path.basename(source)}") as bar:
+    with ctx.bars.bytes_bar(f"verify: reading the source {os.path.basename(source)}") as bar:
         a = {rename_key(k, rules): v for k, v in full_tensor_digests(
             source, ctx.reader(source, foreign), cast=cast, keep=_keep_renamed(rules, names), progress=bar,
             split=split if stacking == "unstack" else None).items()}
@@ -164,7 +164,7 @@ def _verify(ctx: JobContext, source: str, output: str, foreign: bool, names: dic
     out_format = "hf" if ctx.cfg.job.output_format == "hf" else "hpdcp"
     from ..dcp import open_reader
 
-    with ctx.bytes_bar(f"verify: reading the output {os.path.basename(output)}") as bar:
+    with ctx.bars.bytes_bar(f"verify: reading the output {os.path.basename(output)}") as bar:
         b = full_tensor_digests(output, open_reader(output, out_format), progress=bar,
                                 split=split if stacking == "stack" else None)
     bad = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))

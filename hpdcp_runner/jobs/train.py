@@ -266,7 +266,7 @@ def _loop(ctx: JobContext, tr: Trainer, losses: dict[int, float], ckdir: str, ti
     pending: dcp.AsyncSaveResponse | None = None
     kill_rank = job.kill_rank if job.kill_rank is not None else ws - 1
     start = tr.step
-    for _ in ctx.progress(range(start, job.steps), "train", total=job.steps - start):
+    for _ in ctx.bars.progress(range(start, job.steps), "train", total=job.steps - start):
         busy = _busy(tiers)
         hook = tr.before_update
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ def run(ctx: JobContext) -> dict:
     rename = [(r["pattern"], r["replace"]) for r in t.rename]
 
     def progress(it: Any, total: int, desc: str) -> Any:
-        return ctx.progress(it, desc, total=total)
+        return ctx.bars.progress(it, desc, total=total)
 
     with ctx.metrics.phase("transform"), _existing_dst():
         if t.kind == "merge_hf":

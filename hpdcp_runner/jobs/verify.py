@@ -44,7 +44,7 @@ def run(ctx: JobContext) -> dict:
         return {"checkpoint": path, "tensors_read": n, "format": reader.format_name, "checksums": bool(crcs or stored),
                 "records_crc_checked": crcs, "store_digests_matched": stored}
     reader.close()
-    with ctx.metrics.phase("verify"), ctx.bytes_bar(f"verify {path}") as bar, ctx.user_errors(key):
+    with ctx.metrics.phase("verify"), ctx.bars.bytes_bar(f"verify {path}") as bar, ctx.user_errors(key):
         report = verify(path, on_bytes=bar)
     if not report.ok:
         raise CorruptCheckpointError(f"{report.path}: {len(report.problems)} problem(s):\n  - "

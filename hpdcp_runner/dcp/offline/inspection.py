@@ -21,27 +21,18 @@ from ..core.rafile import open_regular_file
 from ..format import jsondoc
 from ..format import objects as objcodec
 from ..core.errors import CheckpointNotFoundError, HpdcpError, MetadataError, PickleNotAllowedError, StorageAccessError
-from ..storage.commit import STAGING_MARK, TRASH_MARK
 from ..storage.filesystem import FileSystemReader
 from ..core.geometry import Box, narrow
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from ..storage.interfaces import ReadRequest, StorageReader
 from ..storage.checkpoint_io import open_reader
-from ..storage.location import is_local, resolve
+from ..storage.location import locate, resolve
 from ..storage.uri import join
 
 
 def commit_state(path: str | os.PathLike) -> str:
     """'committed', 'uncommitted' (a staging dir or a dir without metadata) or 'missing'."""
-    if not is_local(path):
-        return "committed"  # described through its commit object: nothing else is readable
-    path = os.path.abspath(os.fspath(path))
-    name = os.path.basename(path)
-    if os.path.isfile(os.path.join(path, METADATA_FILE)):
-        return "committed"
-    if os.path.isdir(path) or STAGING_MARK in name or TRASH_MARK in name:
-        return "uncommitted"
-    return "missing"
+    return locate(path).commit_state()
 
 
 def describe(path: str | os.PathLike, reader: StorageReader | None = None, md: Metadata | None = None) -> dict:
@@ -256,8 +247,9 @@ def verify(path: str | os.PathLike, on_file: Callable[[str, int], None] | None =
     """Recompute every checksum and cross-check files against the metadata; collect all problems.
     ``on_file(name, size)`` is called after each file; ``on_bytes(done, total)`` as bytes are
     checked (progress)."""
-    if not is_local(path):  # a store: every byte through the verifying reader
-        return _verify_in_store(resolve(path), on_file, on_bytes)
+    if not locate(path).capabilities.atomic_rename:  # committed by its commit object (a store): every
+        return _verify_in_store(resolve(path), on_file, on_bytes)  # byte through the verifying reader
+    # renamed into place whole (a file system): file by file, and nothing there the metadata does not name
     problems: list[str] = []
     abspath = os.path.abspath(os.fspath(path))
     if not os.path.isfile(os.path.join(abspath, METADATA_FILE)):

@@ -321,8 +321,7 @@ def open_source(path: str | os.PathLike, fmt: str = "auto", *, allow_pickle: boo
             raise CheckpointNotFoundError(f"{loc.url}: cannot tell the checkpoint format (no {HF_INDEX}, {HF_SINGLE} "
                                           f"or .metadata)")
     if fmt in ("pt", "hyper_parallel"):
-        if loc.local_path is None:
-            raise ConfigError(f"{loc.url}: a {fmt} source is read from a local path (download it first); Hugging Face, "
-                              f"torch DCP and our checkpoints are read in place from any store")
-        return TorchFileSource(loc.url) if fmt == "pt" else HyperParallelSource(loc.url, allow_pickle=allow_pickle)
+        path = loc.local_dir(f"a {fmt} source is read from a local path (download it first); Hugging Face, torch "
+                             f"DCP and our checkpoints are read in place from any store")
+        return TorchFileSource(path) if fmt == "pt" else HyperParallelSource(path, allow_pickle=allow_pickle)
     return ReaderSource(loc.url, "hf" if fmt == "safetensors" else fmt, allow_pickle=allow_pickle)

@@ -30,7 +30,7 @@ import torch
 from ..format import objects as objcodec
 from ..core.errors import ConfigError
 from ..storage.location import locate, resolve
-from ..storage.outputs import RenameOutput, open_output
+from ..storage.outputs import open_output
 from ..storage.uri import join
 from ..storage.filesystem import FileSystemReader, FileSystemWriter
 from ..core.geometry import Box, split_piece, whole
@@ -217,7 +217,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source_
     source = open_source(src, source_format, allow_pickle=allow_pickle)
     args = (world_size, boxes or shard_dim0(world_size), allow_pickle, rename, include, exclude)
     try:
-        if out.local_path is not None:
+        if out.capabilities.atomic_rename:  # rank files written in place, the directory renamed into view
             return _import(source, out.url, *args, overwrite, fsync, progress or _no_progress)
         return _import_to_store(source, out.url, args, overwrite, progress or _no_progress)
     finally:
@@ -308,8 +308,6 @@ def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: 
     """Write our checkpoint as a ``torch.distributed.checkpoint`` directory (full tensors,
     loadable by ``torch.distributed.checkpoint.load`` under any sharding). Holds the whole
     checkpoint in memory: torch's writer takes a single state dict."""
-    import tempfile
-
     import torch.distributed.checkpoint as tdcp
 
     reader, md = _read_our_metadata(src)
@@ -327,14 +325,9 @@ def export_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, rename: 
     out.begin()
     written: list[str] = []
     try:
-        if isinstance(out, RenameOutput):  # torch writes into the staging directory itself
-            tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(out.staging), no_dist=True)
-        else:  # torch writes locally (TMPDIR), the files go up with its .metadata last
-            with tempfile.TemporaryDirectory(prefix="hpdcp-export-") as tmp:
-                tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(tmp), no_dist=True)
-                for name in sorted(os.listdir(tmp), key=lambda n: (n == ".metadata", n)):
-                    written.append(name)
-                    out.put_file(name, os.path.join(tmp, name))
+        # torch writes through its own FileSystemWriter; into a store its files go up with .metadata last
+        out.write_local(lambda directory: tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(directory), no_dist=True),
+                        written, last=(".metadata",))
         out.commit(written)
     except BaseException:
         out.abort(written)

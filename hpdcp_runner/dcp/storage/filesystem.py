@@ -214,6 +214,10 @@ class FileSystemWriter(StorageWriter):
     def open_sink(self, name: str, size: int) -> "FileSink":
         return FileSink(os.path.join(self.staging, check_file_name(name)), self.fsync, self.counters)
 
+    def reopen_args(self) -> dict[str, Any] | None:
+        # (exactly this class: a subclass may do what a plain writer reopened elsewhere would not)
+        return {"path": self.path, "fsync": self.fsync} if type(self) is FileSystemWriter else None
+
     def committed_opener(self) -> Callable[[str], Any]:
         path = self.path
         return lambda name: open_regular(os.path.join(path, check_file_name(name)))

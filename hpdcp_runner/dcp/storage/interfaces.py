@@ -124,6 +124,12 @@ class StorageWriter(ABC):
         file: ``body`` (its ``metadata.json`` as it is) last, then visible atomically."""
         raise NotImplementedError(f"{type(self).__name__} cannot commit copied checkpoints")
 
+    def reopen_args(self) -> dict[str, Any] | None:
+        """``open_writer``'s arguments that open this same writer in another process (an async
+        save persisted by a process of its own), or None: a writer of the caller's own, which
+        only its own process can run."""
+        return None
+
     def committed_opener(self) -> Callable[[str], Any] | None:
         """How every rank opens a file of the committed checkpoint by name (a format-v2 chunk
         index is read lazily, the rows each rank needs); None: the storage cannot."""

@@ -18,11 +18,15 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
+from ..core.errors import ConfigError
 from ..core.rafile import RandomAccessFile
+from ..core.utils import get_logger
 from .stores import is_remote, kind_of
-from .uri import check_uri, normalize, split
+from .uri import check_uri, join, normalize, split
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from .checkpoint_files import CheckpointFiles
@@ -36,6 +40,14 @@ class Capabilities:
     atomic_rename: bool
     #: a create-if-absent / replace-if-unchanged write (object stores with preconditions)
     conditional_write: bool
+
+
+def _store_option_names() -> tuple[str, ...]:
+    import dataclasses
+
+    from .object_store import ObjectStoreOptions
+
+    return tuple(f.name for f in dataclasses.fields(ObjectStoreOptions))
 
 
 class Location(ABC):
@@ -104,11 +116,71 @@ class Location(ABC):
     def delete(self, names: Iterable[str]) -> None:
         """Remove these files (those already gone are not an error)."""
 
+    # -- what callers ask instead of telling local from remote -----------------------------------
+    def local_dir(self, needs: str, error: type[Exception] = ConfigError) -> str:
+        """This directory's POSIX path, for what only a file system serves (a tool that reads
+        with torch's own file reader); a store raises ``error`` saying so (``needs``)."""
+        raise error(f"{self.url}: {needs}")
+
+    def overlaps(self, other: "Location") -> bool:
+        """Whether this directory and ``other`` are the same or one lies inside the other (a copy
+        into its own source, two tiers in one place)."""
+        a, b = self.url.rstrip("/") + "/", other.url.rstrip("/") + "/"
+        return a.startswith(b) or b.startswith(a)
+
+    def commit_state(self) -> str:
+        """'committed', 'uncommitted' (a save that did not finish) or 'missing', from what is
+        here: a store's checkpoint is described through its commit object alone."""
+        return "committed"
+
+    def file_opener(self) -> Callable[[str], int] | None:
+        """``name -> a read-only descriptor`` of a regular file here (how a format-v2 chunk index
+        is opened after a save through a writer of the caller's own), None in a store (its
+        files are read through its reader)."""
+        return None
+
+    def describe(self) -> str:
+        """What a person reads this location as ("local directory /x", "s3://b/p")."""
+        return self.url
+
+    #: the storage options (``ReaderOptions`` / ``ObjectStoreOptions`` field names) that change
+    #: nothing here: an object-store knob on a local directory, a file-system one on a store
+    inert_options: tuple[str, ...] = ()
+
+    def claim(self, name: str) -> "Location | None":
+        """A new directory ``name`` here for this caller alone, or None when one is there: a
+        store has no exclusive create, so it is a prefix nothing is stored under yet."""
+        loc = locate(join(self.url, name))
+        return None if loc.is_dir() else loc
+
+    def remove_if_empty(self) -> None:
+        """Remove this directory if nothing is left in it (a store keeps no empty prefix)."""
+
+    def read_files(self, keep: Callable[[str], bool], max_bytes: int, *, names_only: bool = False) -> dict[str, bytes]:
+        """The regular files here whose names ``keep`` admits, each read whole (``names_only``:
+        empty); one over ``max_bytes`` is left out, with a warning. The small files that travel
+        with a model (config, tokenizer)."""
+        out = {}
+        for name, size in self.files().items():
+            if not keep(name):
+                continue
+            if size > max_bytes:
+                log.warning("not copying %s: over %d bytes", join(self.url, name), max_bytes)
+                continue
+            got = b"" if names_only else self.read_small(name, max_bytes)
+            if got is not None:
+                out[name] = got
+        return out
+
 
 class PosixLocation(Location):
     """A local directory."""
 
     capabilities = Capabilities(atomic_rename=True, conditional_write=False)
+
+    @property
+    def inert_options(self) -> tuple[str, ...]:  # type: ignore[override]
+        return _store_option_names()
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.url = os.path.abspath(os.fspath(path))
@@ -166,11 +238,79 @@ class PosixLocation(Location):
             except FileNotFoundError:
                 pass
 
+    def local_dir(self, needs: str, error: type[Exception] = ConfigError) -> str:
+        return self.url
+
+    def file_opener(self) -> Callable[[str], int]:
+        from ..core.rafile import open_regular
+
+        return lambda name: open_regular(os.path.join(self.url, name))
+
+    def describe(self) -> str:
+        return f"local directory {self.url}"
+
+    def claim(self, name: str) -> Location | None:
+        os.makedirs(self.url, exist_ok=True)
+        try:
+            os.mkdir(os.path.join(self.url, name), 0o700)  # exclusive: a folder that was there is not ours
+        except FileExistsError:
+            return None
+        return PosixLocation(os.path.join(self.url, name))
+
+    def remove_if_empty(self) -> None:
+        try:
+            os.rmdir(self.url)
+        except OSError:
+            pass
+
+    def overlaps(self, other: Location) -> bool:
+        if not isinstance(other, PosixLocation):
+            return False
+        a, b = os.path.realpath(self.url), os.path.realpath(other.url)  # (links resolved)
+        return a == b or b.startswith(a.rstrip(os.sep) + os.sep) or a.startswith(b.rstrip(os.sep) + os.sep)
+
+    def commit_state(self) -> str:
+        from ..format.metadata import METADATA_FILE
+        from .commit import STAGING_MARK, TRASH_MARK
+
+        if os.path.isfile(os.path.join(self.url, METADATA_FILE)):
+            return "committed"
+        if os.path.isdir(self.url) or STAGING_MARK in self.name or TRASH_MARK in self.name:
+            return "uncommitted"
+        return "missing"
+
+    def read_files(self, keep: Callable[[str], bool], max_bytes: int, *, names_only: bool = False) -> dict[str, bytes]:
+        """Each file opened inside the directory's own descriptor without following links and
+        checked on that descriptor, then read from it: a link swapped in after the listing is
+        refused, never followed (what is read is what was checked)."""
+        from ..core.errors import HpdcpError
+        from ..core.rafile import open_regular_file
+
+        out = {}
+        dfd = os.open(self.url, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for name in sorted(os.listdir(dfd)):
+                if not keep(name):
+                    continue
+                try:
+                    f = open_regular_file(os.path.join(self.url, name), dfd, what="side file")
+                except (FileNotFoundError, HpdcpError):
+                    continue  # a link, a directory, a device, or gone: not read
+                with f:
+                    if os.fstat(f.fileno()).st_size > max_bytes:
+                        log.warning("not copying %s: over %d bytes", os.path.join(self.url, name), max_bytes)
+                        continue
+                    out[name] = b"" if names_only else f.read(max_bytes + 1)[:max_bytes]
+        finally:
+            os.close(dfd)
+        return out
+
 
 class ObjectLocation(Location):
     """A key prefix in a bucket (``s3://``, ``gs://``, ``az://``) through the object-store client."""
 
     capabilities = Capabilities(atomic_rename=False, conditional_write=True)
+    inert_options = ("files_kept", "fsync", "shared", "max_read_bytes_per_s", "read_gap_bytes")
 
     def __init__(self, uri: str, options: object = None) -> None:
         from .object_store import Bucket

@@ -521,6 +521,11 @@ class ObjectStoreWriter(StorageWriter):
             self._lease.release()
             self._lease = None
 
+    def reopen_args(self) -> dict[str, Any] | None:
+        # (exactly this class: a subclass may do what a plain writer reopened elsewhere would not)
+        return {"path": self.uri, "fsync": True, "store_options": self.bucket.options} \
+            if type(self) is ObjectStoreWriter else None
+
     def committed_opener(self) -> Callable[[str], Any]:
         """How other ranks open the committed checkpoint's files (the index, lazily)."""
         bucket, prefix = self.bucket, f"{self.name_key}/{self.save_id}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -111,6 +111,17 @@ class DirectoryOutput(ABC):
         with open(local_path, "rb") as f:
             self.put(name, f.read())
 
+    def write_local(self, write: Callable[[str], None], written: list[str], last: Sequence[str] = ()) -> None:
+        """What a tool of another library writes into a local directory (``write(directory)``:
+        torch's own ``FileSystemWriter``) made files of this output: written in a scratch
+        directory (``TMPDIR``), then each put here, the ``last`` ones last (a format's index),
+        their names added to ``written``."""
+        with tempfile.TemporaryDirectory(prefix="hpdcp-export-") as tmp:
+            write(tmp)
+            for name in sorted(os.listdir(tmp), key=lambda n: (n in last, n)):
+                written.append(name)
+                self.put_file(name, os.path.join(tmp, name))
+
     @abstractmethod
     def commit(self, written: Sequence[str]) -> None:
         """Coordinator: make the output visible; ``written`` names every file this export wrote."""
@@ -158,6 +169,9 @@ class RenameOutput(DirectoryOutput):
     def put(self, name: str, data: bytes) -> None:
         with open(os.path.join(self.staging, name), "xb") as f:
             f.write(data)
+
+    def write_local(self, write: Callable[[str], None], written: list[str], last: Sequence[str] = ()) -> None:
+        write(self.staging)  # (the tool writes into the staging directory itself; the rename publishes it all)
 
     def commit(self, written: Sequence[str]) -> None:
         self._begun().publish(fsync=self.fsync)
