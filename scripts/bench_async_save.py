@@ -27,7 +27,7 @@ from bench_vs_torch_dcp import check, timed, workload, zeros_like_sd
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpdcp_runner import dcp
-from hpdcp_runner.dcp.async_persist import _BUFFERS
+from hpdcp_runner.dcp.background.saver import _BUFFERS
 
 
 def _status_kib(field: str) -> int:

@@ -8,10 +8,10 @@ No Hydra, no OmegaConf: usable from any training script.
 """
 
 from .api import LoadResult, load, read_metadata, save
-from .async_persist import (AsyncSaveResponse, async_save, release_staging_buffers, start_async_persist,
+from .background.saver import (AsyncSaveResponse, async_save, release_staging_buffers, start_async_persist,
                             wait_for_async_saves)
 from .comm.broadcast import BroadcastOptions, release_broadcast_groups
-from .drain import Drainer, copy_checkpoint
+from .background.drain import Drainer, copy_checkpoint
 from .core import faults  # noqa: F401  test-only fault points (HPDCP_FAULTS): hpdcp_runner.dcp.faults
 from .core.errors import (CheckpointChangedError, CheckpointExistsError, CheckpointNotFoundError, CommitDurabilityError, CollectiveTimeoutError, ConfigError, PeerLostError,
                      CorruptCheckpointError, CoverageError, DistributedError, HpdcpError, InsufficientMemoryError,

@@ -37,7 +37,7 @@ from .comm.broadcast import node_id
 from .comm.collectives import Comm, gloo_group
 from .core.errors import ConfigError, CorruptCheckpointError, HpdcpError, MetadataError
 from .core.utils import get_logger
-from .drain import SerialWorker, copy_verified
+from .background.drain import SerialWorker, copy_verified
 from .format.metadata import METADATA_FILE, FileMeta, check_file_name, file_table
 from .storage.commit import clear_abandoned, fsync_dir, publish_dir
 from .storage.filesystem import FileSystemReader

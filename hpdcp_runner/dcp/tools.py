@@ -4,7 +4,7 @@
 the offline transforms. Programs import these from here, never from the layer modules, so the
 layers can change without breaking them (``tests/unit/test_layers.py`` checks the runner)."""
 
-from .async_persist import save_in_flight
+from .background.saver import save_in_flight
 from .comm.broadcast import node_id
 from .comm.collectives import Comm
 from .core.memory import available_bytes, check_allocation, check_together

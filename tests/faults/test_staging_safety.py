@@ -31,7 +31,7 @@ def _run(code: str, cwd: str, env: dict | None = None, timeout: float = 240) -> 
 
 
 def test_segments_are_private_and_unguessable(tmp_path, monkeypatch, fault_row):
-    from hpdcp_runner.dcp import persister
+    from hpdcp_runner.dcp.background import process as persister
 
     monkeypatch.setenv("HPDCP_SHM_DIR", str(tmp_path))
     victim = tmp_path / "victim"
@@ -57,7 +57,7 @@ def test_segments_are_private_and_unguessable(tmp_path, monkeypatch, fault_row):
 
 @pytest.mark.parametrize("what", ["missing", "read-only"])
 def test_a_bad_shm_dir_is_one_line_naming_the_variable(tmp_path, monkeypatch, what, fault_row):
-    from hpdcp_runner.dcp import persister
+    from hpdcp_runner.dcp.background import process as persister
     from hpdcp_runner.dcp.core.errors import ConfigError
 
     d = tmp_path / "shm"
@@ -102,7 +102,8 @@ def test_staging_space_smaller_than_the_state_is_an_error_not_a_sigbus(tmp_path,
 def test_a_stopped_persisting_process_fails_the_save_within_its_timeout(tmp_path, fault_row):
     r = _run(f"""
         import os, signal, time, torch
-        from hpdcp_runner.dcp import async_save, persister, start_async_persist
+        from hpdcp_runner.dcp import async_save, start_async_persist
+        from hpdcp_runner.dcp.background import process as persister
         from hpdcp_runner.dcp.core.errors import PersistProcessError
         assert start_async_persist("process", wait_s=120)
         pid = persister.persister().proc.pid

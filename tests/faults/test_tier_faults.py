@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpdcp_runner import dcp
-from hpdcp_runner.dcp import persister
+from hpdcp_runner.dcp.background import process as persister
 from hpdcp_runner.dcp.storage.uri import join
 
 

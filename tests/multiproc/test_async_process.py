@@ -15,7 +15,7 @@ import torch
 from tests.multiproc.harness import run_ranks
 
 from hpdcp_runner.dcp import ConfigError, FileSystemWriter, async_save, faults, load, start_async_persist
-from hpdcp_runner.dcp import persister
+from hpdcp_runner.dcp.background import process as persister
 
 
 def _ready() -> None:

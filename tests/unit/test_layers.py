@@ -11,7 +11,7 @@ import hpdcp_runner.dcp as dcp
 
 ROOT = os.path.dirname(dcp.__file__)
 # lower number = lower layer; a module may import its own layer and those below
-LAYERS = {"core": 0, "format": 1, "planning": 2, "storage": 3, "comm": 4, "api": 5, "protocol": 5, "async_persist": 5, "persister": 5, "staging": 5, "drain": 5, "node_tier": 5,
+LAYERS = {"core": 0, "format": 1, "planning": 2, "storage": 3, "comm": 4, "api": 5, "protocol": 5, "background": 5, "node_tier": 5,
           "state_dict": 5, "offline": 6, "__init__": 7, "tools": 7}
 FORBIDDEN = ("hydra", "omegaconf")
 
@@ -158,6 +158,42 @@ def test_only_storage_looks_at_a_uris_scheme():
                 [node.attr] if isinstance(node, ast.Attribute) else [node.id] if isinstance(node, ast.Name) else []
             found += [f"{os.path.relpath(path, _RUNNER)}:{node.lineno} {n}" for n in names if n in _SCHEME_NAMES]
     assert not found, found
+
+
+def test_the_tools_and_the_runner_ask_the_location_instead_of_branching():
+    """Outside dcp/storage/, no local-or-remote predicate (is_local, is_remote, is_uri), no
+    ``.local_path``, and no isinstance or ``type(...) is`` test of a class the storage layer
+    defines: what differs between storages is a method or a capability of the location, the
+    writer or the output (docs/architecture.md, the storage seam)."""
+    storage = os.path.join(_RUNNER, "dcp", "storage")
+    found = []
+    for path in _python_files(_RUNNER):
+        if path.startswith(storage + os.sep):
+            continue
+        tree = ast.parse(open(path).read())
+        classes = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                   and ".storage" in f".{n.module}" for a in n.names if a.name[:1].isupper()}
+        where = lambda n: f"{os.path.relpath(path, _RUNNER)}:{n.lineno}"  # noqa: E731
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in ("is_local", "is_remote", "is_uri"):
+                found.append(f"{where(node)} {node.id}")
+            elif isinstance(node, ast.Attribute) and node.attr in ("local_path", "is_local", "is_remote", "is_uri"):
+                found.append(f"{where(node)} .{node.attr}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                    and len(node.args) == 2:
+                named = [e.id for e in (node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]])
+                         if isinstance(e, ast.Name)]
+                found += [f"{where(node)} isinstance(..., {c})" for c in named if c in classes]
+            elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                found += [f"{where(node)} type(...) is {c.id}" for c in node.comparators
+                          if isinstance(c, ast.Name) and c.id in classes]
+    assert not found, found
+
+
+def test_no_module_is_over_800_lines():
+    long = [f"{os.path.relpath(p, _RUNNER)}: {n}" for p in _python_files(_RUNNER)
+            if (n := sum(1 for _ in open(p))) > 800]
+    assert not long, long
 
 
 def test_no_function_is_over_80_lines():

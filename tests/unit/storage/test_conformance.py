@@ -364,7 +364,7 @@ def test_a_committed_checkpoint_is_copied_verified_and_committed_there(store, tm
 def test_a_process_mode_async_save_writes_from_its_persisting_process(store):
     """``async_save(mode="process")`` on every store: the persisting process rebuilds the store's
     writer from the URI (and the process's credentials) and its files load bitwise."""
-    from hpdcp_runner.dcp import persister
+    from hpdcp_runner.dcp.background import process as persister
 
     path = join(store.root, "proc")
     try:

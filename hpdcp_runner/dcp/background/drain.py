@@ -21,18 +21,18 @@ from typing import Any, Callable
 
 import xxhash
 
-from .async_persist import AsyncSaveResponse
-from .comm.collectives import Comm, gloo_group
-from .core import faults
-from .core.errors import ConfigError, CorruptCheckpointError, MetadataError
-from .core.rafile import open_regular
-from .core.utils import get_logger
-from .format.checksums import digest, file_checksum
-from .format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name
-from .format.safetensors_io import parse_header
-from .storage.checkpoint_io import open_reader, open_writer
-from .storage.interfaces import StorageWriter
-from .storage.location import locate
+from .saver import AsyncSaveResponse
+from ..comm.collectives import Comm, gloo_group
+from ..core import faults
+from ..core.errors import ConfigError, CorruptCheckpointError, MetadataError
+from ..core.rafile import open_regular
+from ..core.utils import get_logger
+from ..format.checksums import digest, file_checksum
+from ..format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name
+from ..format.safetensors_io import parse_header
+from ..storage.checkpoint_io import open_reader, open_writer
+from ..storage.interfaces import StorageWriter
+from ..storage.location import locate
 
 log = get_logger(__name__)
 

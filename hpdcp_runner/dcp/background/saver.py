@@ -1,10 +1,12 @@
-"""async_save: stage a host copy synchronously, persist it in a background thread.
+"""async_save: copy the state to the host (``host_copies``), then persist it in the background.
 
-Why a thread and not a child process: the staged tensors stay in this process (no pickling of
-the state, no second CUDA context, no re-rendezvous), and file writes and fsync release the GIL.
-The background save runs the ordinary ``save`` protocol on a dedicated gloo group (created once
-per set of ranks), never on the training group, so its collectives cannot interleave with the
-training loop's and deadlock.
+The save's protocol (planning, the commit) runs in a background thread of this process, on a
+dedicated gloo group (created once per set of ranks), never on the training group, so its
+collectives cannot interleave with the training loop's and deadlock. Who writes the rank's files
+is the mode: ``thread`` (the default) writes them in that thread too (file writes and fsync
+release the GIL; no pickling, no second CUDA context); ``process`` hands them to a persisting
+process of the rank's own (``process``), so serialising, hashing and uploads never take this
+process's GIL either.
 
 Rules a caller can rely on:
 
@@ -13,8 +15,8 @@ Rules a caller can rely on:
   background thread: the caller must not change the state's tensors until
   ``response.wait_staged()`` returned (a training loop calls it just before its optimizer step,
   so the copy overlaps the forward and backward passes). Staging buffers are reused between
-  saves (pinned host memory for CUDA sources), so steady-state extra memory is one copy of the rank's local shards (``release_staging_buffers``
-  frees it).
+  saves (pinned host memory for CUDA sources), so steady-state extra memory is one copy of the
+  rank's local shards (``release_staging_buffers`` frees it).
 * At most one async save is in flight per process: a second ``async_save`` first waits for the
   previous one to finish (its outcome stays with its own response). Every rank must issue the
   same sequence of async saves, as with ``save``.
@@ -37,16 +39,16 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from .comm.collectives import gloo_group
-from .core import faults
-from .core.errors import CollectiveTimeoutError, ConfigError, StateDictError
-from .format.metadata import Metadata
-from .core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
-from .planning.interfaces import SavePlanner
-from .planning.standard import StandardSavePlanner, local_pieces
-from .staging import DeferredCopies, StagingBuffers
-from .state_dict import stateful_to_state_dict
-from .core.utils import TENSOR_LEAVES, gc_paused, get_logger, is_dtensor, rank_of_env
+from ..comm.collectives import gloo_group
+from ..core import faults
+from ..core.errors import CollectiveTimeoutError, ConfigError, StateDictError
+from ..format.metadata import Metadata
+from ..core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
+from ..planning.interfaces import SavePlanner
+from ..planning.standard import StandardSavePlanner, local_pieces
+from .host_copies import DeferredCopies, HostCopies
+from ..state_dict import stateful_to_state_dict
+from ..core.utils import TENSOR_LEAVES, gc_paused, get_logger, is_dtensor, rank_of_env
 
 log = get_logger(__name__)
 
@@ -54,10 +56,10 @@ _LOCK = threading.Lock()
 _IN_FLIGHT: "AsyncSaveResponse | None" = None
 
 
-_BUFFERS = StagingBuffers()
+_BUFFERS = HostCopies()
 
 
-def _stage_leaf(v: Any, key: tuple, bufs: StagingBuffers) -> Any:
+def _stage_leaf(v: Any, key: tuple, bufs: HostCopies) -> Any:
     """A host copy of one tensor leaf, in a form the save planner understands without a mesh."""
     if isinstance(v, FlatShard):
         return FlatShard(bufs.copy(key, v.local), v.global_shape, v.start)
@@ -75,7 +77,7 @@ def _stage_leaf(v: Any, key: tuple, bufs: StagingBuffers) -> Any:
     return bufs.copy(key, v)
 
 
-def stage_state_dict(state_dict: Any, bufs: StagingBuffers | None = None, _path: tuple = ()) -> Any:
+def stage_state_dict(state_dict: Any, bufs: HostCopies | None = None, _path: tuple = ()) -> Any:
     """Copy every tensor leaf into host staging buffers and every other leaf by ``deepcopy``,
     keeping the nesting (so keys and paths in the checkpoint are the same as a direct save)."""
     bufs = _BUFFERS if bufs is None else bufs
@@ -95,7 +97,7 @@ def release_staging_buffers() -> None:
     process-mode save's persisting process."""
     wait_for_async_saves()
     _BUFFERS.clear()
-    from . import persister
+    from . import process as persister
 
     persister.shutdown()
 
@@ -222,7 +224,7 @@ def start_async_persist(mode: str, wait_s: float = 0.0, nice: int | None = None)
         raise ConfigError(f"start_async_persist: nice must be an integer from 0 to 19, got {nice!r}")
     if mode != "process":
         return True
-    from . import persister
+    from . import process as persister
 
     if nice is not None:
         persister.persister().nice = nice
@@ -239,14 +241,14 @@ def _process_writer(mode: str, checkpoint_id: Any, timeout: Any, save_kwargs: di
     thread-mode one. Returns the mode that writes and its staging buffers (None: this process's)."""
     if mode != "process":
         return mode, None
-    from . import persister
+    from . import process as persister
 
     bufs = persister.prepare()
     if not persister.persister().ready():  # still starting: its start-up must not land on this loop
         log.info("async save of %s: the persisting process is still starting; this save is written by a "
                  "thread of this process", checkpoint_id)
         return "thread", None
-    from .storage.checkpoint_io import open_writer
+    from ..storage.checkpoint_io import open_writer
 
     writer = save_kwargs.get("storage_writer")
     if writer is None:
@@ -277,7 +279,7 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Any = None, proc
     statistics, count as changes). Returns an ``AsyncSaveResponse``.
     """
     global _IN_FLIGHT
-    from .api import _check_extra, save  # api imports this module's names lazily; avoid a cycle at import time
+    from ..api import _check_extra, save  # api imports this module's names lazily; avoid a cycle at import time
 
     if "timer" in save_kwargs:
         raise ConfigError("async_save takes no timer (the save runs in another thread)")

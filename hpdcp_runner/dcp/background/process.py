@@ -2,7 +2,7 @@
 persisting process of its own, so serialising, hashing and uploading never take the training
 process's GIL.
 
-Division of work. The training process stages the state into shared memory (``SharedStaging``:
+Division of work. The training process stages the state into shared memory (``SharedHostCopies``:
 segments of a file on ``/dev/shm``, reused between saves) and runs the save protocol's small
 steps (planning, the commit) in its background thread, as the thread mode does. Only the writer's
 ``write`` crosses over (``ProcessWriter``): the persisting process receives the segments once
@@ -38,13 +38,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .core import faults
-from .core.errors import ConfigError, HpdcpError, InsufficientMemoryError, PersistProcessError
-from .core.utils import get_logger
-from .format.metadata import WriteResult, dtype_from_name, dtype_name
-from .staging import StagingBuffers
-from .storage.commit import pid_alive
-from .storage.interfaces import StorageWriter
+from ..core import faults
+from ..core.errors import ConfigError, HpdcpError, InsufficientMemoryError, PersistProcessError
+from ..core.utils import get_logger
+from ..format.metadata import WriteResult, dtype_from_name, dtype_name
+from .host_copies import HostCopies
+from ..storage.commit import pid_alive
+from ..storage.interfaces import StorageWriter
 
 log = get_logger(__name__)
 
@@ -150,8 +150,8 @@ class _Segment:
         return self.base.untyped_storage().data_ptr()
 
 
-class SharedStaging(StagingBuffers):
-    """``StagingBuffers`` in shared-memory segments another process maps: same reuse rule (one
+class SharedHostCopies(HostCopies):
+    """``HostCopies`` in shared-memory segments another process maps: same reuse rule (one
     buffer per leaf path, kept while its shape and dtype stay), bump-allocated, 64-byte aligned."""
 
     def __init__(self) -> None:
@@ -243,11 +243,11 @@ class WriterSpec:
 #: -m`` and ``-c`` put it first, so a module planted there would run inside it, shadowing an
 #: installed one such as xxhash); this package's own location goes last (found even when it is
 #: not installed, never before the installed modules)
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _CHILD = ("import os, sys; here = os.getcwd(); "
           "sys.path[:] = [p for p in sys.path if p not in ('', '.', here)]; "
           f"sys.path.append({_PACKAGE_PARENT!r}); "
-          "from hpdcp_runner.dcp.persister import main; main(sys.argv[1:])")
+          "from hpdcp_runner.dcp.background.process import main; main(sys.argv[1:])")
 #: how often a persisting process that is writing says it is alive, and how long the training
 #: process waits on one that says nothing before it calls it hung (SIGSTOP, a wedged mount)
 HEARTBEAT_S = 1.0
@@ -392,7 +392,7 @@ class Persister:
 def _error_from(kind: str, text: str) -> BaseException:
     """The persisting process's failure, as the same ``HpdcpError`` class where one takes a
     message (rebuilt from its name and text: nothing is unpickled), else one naming it."""
-    from .core import errors
+    from ..core import errors
 
     cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, errors.HpdcpError):
@@ -404,34 +404,34 @@ def _error_from(kind: str, text: str) -> BaseException:
 
 
 _PERSISTER = Persister()
-_STAGING = SharedStaging()
+_HOST_COPIES = SharedHostCopies()
 
 
 def persister() -> Persister:
     return _PERSISTER
 
 
-def shared_staging() -> SharedStaging:
-    return _STAGING
+def shared_host_copies() -> SharedHostCopies:
+    return _HOST_COPIES
 
 
-def prepare() -> SharedStaging:
+def prepare() -> SharedHostCopies:
     """Before staging a process-mode save: a dead persisting process's staging is dropped (its
     segments were handed to it and unlinked) and a fresh process is started."""
     if not _PERSISTER.alive():
         if _PERSISTER.proc is not None or _PERSISTER.dead:
-            _STAGING.clear()
+            _HOST_COPIES.clear()
         _PERSISTER.start()
-    elif _STAGING.wasteful():
-        _STAGING.clear()
+    elif _HOST_COPIES.wasteful():
+        _HOST_COPIES.clear()
         _PERSISTER.call(("forget",), "dropping old staging segments")
-    return _STAGING
+    return _HOST_COPIES
 
 
 def shutdown() -> None:
     """Stop the persisting process and free the shared staging (after any in-flight save)."""
     _PERSISTER.stop()
-    _STAGING.clear()
+    _HOST_COPIES.clear()
 
 
 atexit.register(shutdown)
@@ -441,14 +441,14 @@ class ProcessWriter(StorageWriter):
     """A storage writer whose ``write`` runs in the persisting process; everything else (begin,
     attach, commit, abort) runs here on the wrapped writer, which the protocol calls as usual."""
 
-    def __init__(self, inner: StorageWriter, staging: SharedStaging | None = None,
+    def __init__(self, inner: StorageWriter, staging: SharedHostCopies | None = None,
                  process: Persister | None = None, silence_s: float | None = None) -> None:
         """``silence_s``: how long a write waits on a persisting process that says nothing (the
         save's timeout; default :data:`DEFAULT_SILENCE_S`)."""
         self.inner = inner
         self.silence_s = silence_s
         self.spec = WriterSpec.of(inner)
-        self.staging = staging or _STAGING
+        self.staging = staging or _HOST_COPIES
         self.process = process or _PERSISTER
         self.counters = inner.counters
         self._attached: tuple[str, int, int] | None = None
@@ -546,7 +546,7 @@ def _tensor(segments: Mapping[str, torch.Tensor], path: str, off: int, dtype: st
 
 
 def _serve(conn: Connection) -> None:
-    from .storage.checkpoint_io import open_writer
+    from ..storage.checkpoint_io import open_writer
 
     segments: dict[str, torch.Tensor] = {}
     writer: StorageWriter | None = None
@@ -622,7 +622,7 @@ def main(argv: Sequence[str]) -> None:
     torch.set_num_threads(1)
     if len(argv) > 2 and int(argv[2]) > 0:  # a lower priority than training's: steps come first
         os.nice(int(argv[2]))
-    from .storage import checkpoint_io  # noqa: F401  (what the first write needs, imported before "ready")
+    from ..storage import checkpoint_io  # noqa: F401  (what the first write needs, imported before "ready")
 
     conn = Connection(fd)
     conn.send(("ready",))

@@ -1,5 +1,5 @@
-"""Host staging buffers for async saves, reused between saves (the thread mode's, and the base of
-the process mode's shared-memory staging in ``persister.py``)."""
+"""Host copies of an async save's state, reused between saves: the thread mode's buffers, and the
+base of the process mode's shared-memory ones (``process.SharedHostCopies``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 
-class StagingBuffers:
+class HostCopies:
     """Host buffers reused across saves, keyed by the leaf's path; pinned when the source is CUDA."""
 
     def __init__(self) -> None:
@@ -38,13 +38,13 @@ class StagingBuffers:
 
 
 class DeferredCopies:
-    """Stands in for ``StagingBuffers`` while a state is staged in the background: ``copy``
+    """Stands in for ``HostCopies`` while a state is staged in the background: ``copy``
     hands out the buffer now (so the staged structure exists at once) and only records the copy;
     ``run`` makes them all later, in another thread. CUDA sources are copied on a stream of
     their own, after an event recorded where ``async_save`` was called (every write the caller
     queued before it is in the copy), and ``run`` returns once they landed."""
 
-    def __init__(self, bufs: StagingBuffers) -> None:
+    def __init__(self, bufs: HostCopies) -> None:
         self.bufs = bufs
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.event = None
