@@ -144,15 +144,19 @@ def _python_files(root: str):
                 yield os.path.join(dirpath, f)
 
 
-def test_only_storage_looks_at_a_uris_scheme():
-    """One seam: outside dcp/storage/, a path reaches a store through location.locate (or asks
-    is_local); nothing else names the scheme functions or the store registry."""
+def _outside_storage():
+    """(path, parsed module) of every module of the package outside dcp/storage/."""
     storage = os.path.join(_RUNNER, "dcp", "storage")
-    found = []
     for path in _python_files(_RUNNER):
-        if path.startswith(storage + os.sep):
-            continue
-        tree = ast.parse(open(path).read())
+        if not path.startswith(storage + os.sep):
+            yield path, ast.parse(open(path).read())
+
+
+def test_only_storage_looks_at_a_uris_scheme():
+    """One seam: outside dcp/storage/, a path reaches a store through location.locate; nothing
+    else names the scheme functions or the store registry."""
+    found = []
+    for path, tree in _outside_storage():
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else \
                 [node.attr] if isinstance(node, ast.Attribute) else [node.id] if isinstance(node, ast.Name) else []
@@ -165,12 +169,8 @@ def test_the_tools_and_the_runner_ask_the_location_instead_of_branching():
     ``.local_path``, and no isinstance or ``type(...) is`` test of a class the storage layer
     defines: what differs between storages is a method or a capability of the location, the
     writer or the output (docs/architecture.md, the storage seam)."""
-    storage = os.path.join(_RUNNER, "dcp", "storage")
     found = []
-    for path in _python_files(_RUNNER):
-        if path.startswith(storage + os.sep):
-            continue
-        tree = ast.parse(open(path).read())
+    for path, tree in _outside_storage():
         classes = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                    and ".storage" in f".{n.module}" for a in n.names if a.name[:1].isupper()}
         where = lambda n: f"{os.path.relpath(path, _RUNNER)}:{n.lineno}"  # noqa: E731

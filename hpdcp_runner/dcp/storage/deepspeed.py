@@ -41,7 +41,7 @@ from ..core.ragged import decompose_flat_interval
 from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
 from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERSAL_TRACKER as UNIVERSAL_TRACKER,
                            is_deepspeed_step, is_deepspeed_universal)
-from .deepspeed_plain import describe_plain, mapped_sizes
+from .deepspeed_plain import describe_plain, mapped_sizes, whole_tensor
 from .deepspeed_pipe import join_pipeline, layer_files, layer_name, parallel_dimensions
 from .deepspeed_tp import join_model_parallel
 from .foreign import _DescribedReader
@@ -189,6 +189,7 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
             names = sorted(os.listdir(files)) if os.path.isdir(files) else []
         self._names = set(names)
         self._param_names: set[str] = set()  # the parameters every model-parallel rank's description named
+        self._layer_archives: dict[str, ArchiveIndex] = {}  # a pipeline's layer files, indexed once
         super().__init__(files, **kwargs)
         if weights not in WEIGHTS:
             raise MetadataError(f"DeepSpeed weights {weights!r}: one of {', '.join(WEIGHTS)}")
@@ -240,9 +241,7 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
                 name = layer_name(idx, str(key), params | buffers, a.where)
                 if not isinstance(t, TensorRef) or name in tensors or (name in params and self.weights == "fp32"):
                     continue  # (a tied layer: every stage holding it wrote it; the first is read)
-                off, _ = a.flat(t, str(key))
-                tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size, fname,
-                                                                                   name, off, a.crc_of(t)),), (name,))
+                tensors[name] = whole_tensor(a, fname, name, t, (name,))
                 files[fname] = FileMeta(fname, self._size_of(fname), "", 0)
         missing = sorted(params - set(tensors))
         if missing:
@@ -313,10 +312,9 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
 
     def _layer_archive(self, fname: str) -> ArchiveIndex:
         """A pipeline layer file, indexed once (every stage's description reads them)."""
-        cache = self.__dict__.setdefault("_layer_archives", {})
-        if fname not in cache:
-            cache[fname] = self._archive(fname)
-        return cache[fname]
+        if fname not in self._layer_archives:
+            self._layer_archives[fname] = self._archive(fname)
+        return self._layer_archives[fname]
 
     def _describe_plain(self, model: ArchiveIndex, model_name: str) -> Metadata:
         """A checkpoint saved without ZeRO (``deepspeed_plain``): one file, the module's weights
@@ -414,10 +412,7 @@ class DeepSpeedReader(ArchiveFiles, _DescribedReader):
         for name in wanted:
             t = module.get(name) if isinstance(module, dict) else None
             if isinstance(t, TensorRef) and name not in tensors:
-                off, _ = model.flat(t, name)
-                tensors[name] = TensorMeta(dtype_name(t.dtype), t.size, (ChunkMeta((0,) * len(t.size), t.size,
-                                                                                   model_name, name, off,
-                                                                                   model.crc_of(t)),), (name,))
+                tensors[name] = whole_tensor(model, model_name, name, t, (name,))
 
     def _scalar(self, archive: ArchiveIndex, name: str, t: Any, what: str) -> float | None:
         """The value of a one-element tensor of ``archive`` (a step count), or a plain number."""
