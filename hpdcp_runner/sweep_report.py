@@ -40,6 +40,18 @@ def unescape(override: str) -> str:
     return re.sub(r"\\([\\()\[\]{}:=, ])", r"\1", override)
 
 
+#: what a rank reports of another rank's failure (its peer gone, or silent past the timeout)
+_ECHO = re.compile(r"(\[rank\d+\] )?(PeerLostError|CollectiveTimeoutError):")
+
+
+def root_cause(failed: str) -> str:
+    """The cause a point's ``FAILED`` marker gives: each failing rank appends its own line, in
+    whatever order they got there; the first line that is not a rank's report of another rank's
+    failure (a peer lost, a timeout) is the cause, else the first line."""
+    lines = [x for x in failed.strip().splitlines() if x.strip()]
+    return next((x for x in lines if not _ECHO.match(x)), lines[0] if lines else "")
+
+
 def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
     rows, knobs = [], []
     for name in sorted(os.listdir(root), key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else n)):
@@ -59,7 +71,7 @@ def collect(root: str, objective: str) -> tuple[list[dict], list[str]]:
             row["status"] = "failed"
             if os.path.isfile(marker):
                 with open(marker) as f:
-                    row["cause"] = (f.read().strip().splitlines() or [""])[0]
+                    row["cause"] = root_cause(f.read())
         else:
             with open(metrics) as f:
                 doc = json.load(f)

@@ -57,3 +57,17 @@ def test_the_report_says_what_it_timed_what_it_did_not_rank_and_no_best_inside_n
     assert "| best |" not in md and "| lowest median |" in md
     assert "Also timed, not ranked: `bench.save` (seconds, max over ranks) is lowest at point 1 (12.3) and highest at " \
            "point 0 (17.1)" in md
+
+
+def test_a_failed_point_is_reported_by_its_cause_not_by_a_peers_echo_of_it():
+    """Each failing rank appends its own line to FAILED, in the order they got there: rank 1
+    may write 'PeerLostError' (rank 0 gone) before rank 0 writes why it failed."""
+    from hpdcp_runner.sweep_report import root_cause
+
+    echo = "[rank1] PeerLostError: during 'bench: where the timed checkpoints go' a peer rank's connection closed"
+    cause = "[rank0] RuntimeError: injected failure on rank 0 (job.fail_on_rank)"
+    assert root_cause(f"{echo}\n{cause}\n") == cause
+    assert root_cause(f"{cause}\n{echo}\n") == cause
+    timeout = "[rank1] CollectiveTimeoutError: rank 0 did not reach 'save: commit' within 20 s"
+    assert root_cause(f"{timeout}\n") == timeout  # only echoes: the first is all there is
+    assert root_cause("") == ""
