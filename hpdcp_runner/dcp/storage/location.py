@@ -8,8 +8,8 @@ turns a user's path into one: it asks the store registry (``stores``), so nothin
 ``storage/`` looks at a URI's scheme.
 
 ``PosixLocation`` keeps the file system's protections: files are opened inside a pinned directory
-descriptor, never through a link. ``ObjectLocation`` is a key prefix of a bucket, through the one
-object-store client (``object_store.Bucket``).
+descriptor, never through a link. ``ObjectLocation`` is a key prefix of a store, through the
+client its registry entry names (``store_client.open_client``: obstore's clouds, an SFTP server).
 """
 
 from __future__ import annotations
@@ -307,16 +307,16 @@ class PosixLocation(Location):
 
 
 class ObjectLocation(Location):
-    """A key prefix in a bucket (``s3://``, ``gs://``, ``az://``) through the object-store client."""
+    """A key prefix in a store (``s3://``, ``gs://``, ``az://``, ``sftp://``) through its client."""
 
     capabilities = Capabilities(atomic_rename=False, conditional_write=True)
     inert_options = ("files_kept", "fsync", "shared", "max_read_bytes_per_s", "read_gap_bytes")
 
     def __init__(self, uri: str, options: object = None) -> None:
-        from .object_store import Bucket
+        from .store_client import open_client
 
         self.url = normalize(uri)
-        self.bucket = Bucket(self.url, options)  # type: ignore[arg-type]
+        self.bucket = open_client(self.url, options)  # type: ignore[arg-type]
         self._commit: tuple | None = None  # (the commit as holds_commit read it, seconds it took)
 
     def checkpoint_files(self, *, committed: bool) -> "CheckpointFiles":

@@ -53,7 +53,8 @@ from ..format.chunk_index import ChunkIndex
 from ..format.safetensors_io import SafetensorsStreamWriter, digest, index_parts
 from .filesystem import rank_file
 from .interfaces import IOCounters, StorageWriter, WriteResult
-from .object_store import Bucket, ObjectStoreOptions, RemoteFile
+from .object_store import ObjectStoreOptions, RemoteFile
+from .store_client import StoreClient as Bucket, open_client
 from .uri import is_uri, normalize
 
 log = get_logger(__name__)
@@ -211,7 +212,8 @@ def _store_identity(bucket: Bucket) -> tuple[str, str, str]:
     and the bucket. A verdict for an Azure container is never taken for an S3 bucket of the same
     name, nor one endpoint's for another's."""
     kind = bucket.kind
-    endpoint = bucket.options.endpoint or os.environ.get(kind.endpoint_env) or f"{kind.scheme}:default"
+    endpoint = (bucket.options.endpoint or (os.environ.get(kind.endpoint_env) if kind.endpoint_env else None)
+                or (f"{kind.scheme}:default" if kind.endpoint_env else f"{kind.scheme}://{bucket.bucket}"))
     return kind.scheme, endpoint, bucket.bucket
 
 
@@ -254,8 +256,9 @@ def check_conditional_writes(bucket: Bucket, probe_key: str, *, replacing: bool 
     creates, replaces = _HONOURS_CONDITIONS[ident]
     if creates and (replaces or not replacing):
         return
-    header, what = ("If-None-Match", "two saves of one name could both report success and one be lost") \
-        if not creates else ("If-Match", "two overwrites of one name could both report success and one be lost")
+    create, replace = bucket.kind.conditions
+    header, what = (create, "two saves of one name could both report success and one be lost") \
+        if not creates else (replace, "two overwrites of one name could both report success and one be lost")
     if not o.unconditional_ok:
         raise ConfigError(f"{bucket.url(probe_key.rsplit('/', 1)[0])}: the store at {ident[1]} ignores conditional "
                           f"{'creates' if not creates else 'replaces'} ({header}), so {what}; use a store that "
@@ -293,7 +296,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def __init__(self, uri: str, *, options: ObjectStoreOptions | None = None) -> None:
         self.uri = uri.rstrip("/")
-        self.bucket = Bucket(self.uri, options)
+        self.bucket = open_client(self.uri, options)
         self.name_key = self.bucket.root
         if not self.name_key:
             raise ConfigError(f"{uri}: a checkpoint needs a name under the bucket (s3://bucket/name)")
@@ -540,7 +543,7 @@ def committed_extras(directory: str, name_ok: Callable[[str], Any]) -> list[tupl
     metadata it names). A commit is not trusted alone: the save it names must hold the metadata
     it records (size and checksum), and that metadata must record the same series and step,
     else the name is left out (never latest, never counted by retention)."""
-    bucket = Bucket(directory)
+    bucket = open_client(directory)
     out = []
     for name in sorted(bucket.list_dir(bucket.root)[0]):
         if name.startswith(".") or not name_ok(name):
@@ -564,7 +567,7 @@ def committed_extras(directory: str, name_ok: Callable[[str], Any]) -> list[tupl
 
 def clean_directory_orphans(directory: str, keep: Iterable[str] = ()) -> None:
     """Abandoned and superseded saves of every checkpoint under ``directory`` (after a grace)."""
-    bucket = Bucket(directory)
+    bucket = open_client(directory)
     names = [n for n in bucket.list_dir(bucket.root)[0] if n not in set(keep)]
     if not names:
         return
@@ -579,7 +582,7 @@ def clean_directory_orphans(directory: str, keep: Iterable[str] = ()) -> None:
 
 
 def delete_checkpoint_at(uri: str) -> None:
-    bucket = Bucket(uri)
+    bucket = open_client(uri)
     delete_checkpoint(bucket, bucket.root)
 
 
@@ -588,7 +591,7 @@ def remove_checkpoint(path: str) -> None:
     peer's), wherever it is, best effort: everything under it goes. A store's commit object goes
     first, so a checkpoint there is never half present under its name."""
     if is_uri(path):
-        bucket = Bucket(normalize(path))
+        bucket = open_client(normalize(path))
         bucket.delete([bucket.key(COMMIT_OBJECT)])
         bucket.delete([o["path"] for o in bucket.list(bucket.root)])
     else:
@@ -619,7 +622,7 @@ class ObjectDirectoryOutput:
 
     def __init__(self, uri: str, overwrite: bool, source: str | None = None) -> None:
         self.uri, self.overwrite, self.source = uri.rstrip("/"), overwrite, source
-        self.bucket = Bucket(self.uri)
+        self.bucket = open_client(self.uri)
         self.prefix = self.bucket.root
         if not self.prefix:
             raise ConfigError(f"{uri}: the output needs a name under the bucket (s3://bucket/name)")

@@ -19,7 +19,8 @@ from ..format.metadata import METADATA_FILE
 from .checkpoint_files import CheckpointFiles, plain_name
 from .interfaces import IOCounters
 from .object_checkpoint import SAVE_PREFIX, check_commit_matches, read_commit
-from .object_store import Bucket, RemoteFile
+from .object_store import RemoteFile
+from .store_client import StoreClient as Bucket
 from .store_digests import StoreDigests
 
 

@@ -28,14 +28,12 @@ from ..core.errors import CheckpointNotFoundError, ConfigError, StorageAccessErr
 from .uri import redact
 from .interfaces import IOCounters
 from .store_digests import check_mode as check_digest_mode
+from .store_client import StoreClient
 from .stores import KINDS
 
 _log = logging.getLogger(__name__)
 
 INSTALL_HINT = 'pip install "hpdcp_runner[s3]" (or [gcs], [azure]: the same client)'
-
-
-MIN_UPLOAD_PART = 5 << 20  # S3's smallest multipart part (but the last)
 
 
 @dataclass(frozen=True)
@@ -94,25 +92,12 @@ class ObjectStoreOptions:
 _ENDPOINT = re.compile(r"^https?://[^/?#@\s]+(/[^?#@\s]*)?$")
 
 
-def parse_uri(uri: str) -> tuple[str, str, str]:
-    """(scheme, bucket, key prefix without slashes at either end) of ``s3://bucket/prefix``."""
-    from .uri import check_uri
-
-    check_uri(uri)  # credentials, a scheme we serve
-    scheme, _, rest = uri.partition("://")
-    bucket, _, key = rest.partition("/")
-    why = KINDS[scheme.lower()].check_container(uri, bucket)
-    if why:
-        raise ConfigError(why)
-    return scheme.lower(), bucket, key.strip("/")
-
-
 def _obstore() -> Any:
     try:
         import obstore
         import obstore.store  # noqa: F401
     except ImportError:
-        raise ConfigError(f"checkpoints in an object store ({', '.join(s + '://' for s in KINDS)}) need the "
+        raise ConfigError(f"checkpoints in an object store ({', '.join(s + '://' for s, k in KINDS.items() if k.client == '.object_store:Bucket')}) need the "
                           f"object-store client: {INSTALL_HINT}") from None
     return obstore
 
@@ -285,22 +270,14 @@ def _code(e: BaseException) -> str | None:
     return m.group(1) if m else None
 
 
-class Bucket:
-    """The objects under one URI's key prefix, and the calls the checkpoint storage makes."""
+class Bucket(StoreClient):
+    """The objects under one URI's key prefix in a cloud store obstore serves (``StoreClient``)."""
 
     def __init__(self, uri: str, options: ObjectStoreOptions | None = None) -> None:
         self.options = options or _DEFAULT[0]
-        self.scheme, self.bucket, self.root = parse_uri(uri)
-        self.kind = KINDS[self.scheme]
+        self._parse(uri)
         self.store = _store(self.scheme, self.bucket, self.options)
         self.obs = _obstore()
-
-    # -- names ----------------------------------------------------------------------------
-    def key(self, *names: str) -> str:
-        return "/".join(p.strip("/") for p in (self.root, *names) if p and p.strip("/"))
-
-    def url(self, key: str) -> str:
-        return f"{self.scheme}://{self.bucket}/{key}"
 
     # -- errors ---------------------------------------------------------------------------
     def error(self, e: BaseException, what: str, key: str) -> Exception:
@@ -387,16 +364,6 @@ class Bucket:
                 raise FileExistsError(f"{self.url(key)} changed (conditional write refused)") from None
             raise self.error(e, "writing", key) from None
 
-    def part_for(self, nbytes: int | None, smallest: int = MIN_UPLOAD_PART) -> int:
-        """The part of a transfer of ``nbytes`` (an upload's parts, a read's ranged GETs):
-        ``part_size``, or smaller when that would leave some of the ``concurrency`` connections
-        idle (a store serves each connection at a bounded rate: a 64 MiB file in 16 MiB parts uses
-        4 of 8), but not under ``smallest`` (S3 refuses multipart parts under 5 MiB)."""
-        o = self.options
-        if not nbytes:
-            return o.part_size
-        return max(min(smallest, o.part_size), min(o.part_size, -(-nbytes // o.concurrency)))
-
     def writer(self, key: str, size_hint: int | None = None) -> Any:
         """A streaming writer (multipart upload, ``concurrency`` parts in flight, of ``part_for``
         ``size_hint`` bytes when the size is known): ``write(bytes)``, ``close()`` completes the
@@ -409,19 +376,6 @@ class Bucket:
                                         max_concurrency=o.concurrency)
         except Exception as e:
             raise self.error(e, "writing", key) from None
-
-    def upload_file(self, key: str, local_path: str) -> int:
-        """Stream a local file into one object (multipart), unchanged; returns its bytes."""
-        w, n = self.writer(key, os.path.getsize(local_path)), 0
-        with open(local_path, "rb") as f:
-            while True:
-                block = f.read(8 << 20)  # a new buffer each time: the writer does not copy
-                if not block:
-                    break
-                w.write(block)
-                n += len(block)
-        w.close()
-        return n
 
     def content_md5s(self, keys: Sequence[str]) -> dict[str, str]:
         """{key: MD5 hex} of the objects whose HEAD reports a ``Content-MD5`` (Azure keeps one

@@ -2,8 +2,10 @@
 
 A checkpoint location is a local path or ``<scheme>://<bucket>/<prefix>`` of a store registered
 here. Everything else (the client, the commit, the readers, every tool) asks this registry, so
-adding a store is one entry here, its client constructor in ``object_store``, and its emulator
-fixture in the tests (see docs/architecture.md, "Adding a store").
+adding a store that obstore serves is one entry here and its client constructor in
+``object_store``; another kind of storage with the two conditional writes (an SFTP server) is one
+entry here naming its own client (``store_client.StoreClient``) in a subpackage of its own, and
+its server fixture in the tests (see docs/architecture.md, "Adding a kind of storage").
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class StoreKind:
     #: for one not composed of parts) or "content-md5" (Azure: a property a HEAD reports, kept
     #: for a blob uploaded in one request); see store_digests
     digest: str = "etag"
+    #: the class that serves it, "module:Class" relative to this package (a ``StoreClient``)
+    client: str = ".object_store:Bucket"
+    #: what its two conditional writes are called there, for messages: a create-if-absent and a
+    #: replace-if-unchanged
+    conditions: tuple[str, str] = ("If-None-Match", "If-Match")
 
     def check_container(self, uri: str, name: str) -> str | None:
         """Why ``name`` is not a valid bucket/container name here, or None."""
@@ -75,6 +82,11 @@ def kind_of(path: str | os.PathLike | None) -> StoreKind | None:
 def is_remote(path: str | os.PathLike | None) -> bool:
     """True for a URI of any scheme (supported or not): never to be used as a local path."""
     return path is not None and scheme_of(path) is not None
+
+
+def credentials_hint() -> str:
+    """Where each store's credentials come from, for the message that refuses them in a URI."""
+    return "; ".join(f"{k.scheme}://: {k.credentials}" for k in KINDS.values())
 
 
 def examples() -> str:

@@ -14,7 +14,7 @@ import re
 
 from ..core.errors import ConfigError
 
-from .stores import SCHEMES, examples, is_remote as is_uri, scheme_of  # noqa: F401  (re-exported)
+from .stores import SCHEMES, credentials_hint, examples, is_remote as is_uri, scheme_of  # noqa: F401  (re-exported)
 
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)[^/@]*@")
 _QUERY = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^?#]*[?#]")
@@ -39,8 +39,7 @@ def credentials_refused(path: str) -> str | None:
     error messages, logs and the run's saved config; the store's own environment holds them. A
     query string is refused whatever it holds: a store location has none, and it is where
     presigned signatures and SAS tokens travel."""
-    env = ("give them through the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE; "
-           "GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN)")
+    env = f"give them through the environment ({credentials_hint()})"
     if _USERINFO.match(path):
         return (f"{redact(path)}: credentials in a URI are refused (they would be recorded in logs and the run's "
                 f"config); {env}")
