@@ -1,11 +1,12 @@
 """Session-wide fixtures: real object stores on loopback: S3 (moto, tests/s3_server.py), Azure Blob
-(azurite) and GCS (fake-gcs-server) (tests/emulators.py)."""
+(azurite) and GCS (fake-gcs-server) (tests/emulators.py), and an SFTP server (OpenSSH's sshd,
+tests/sftp_server.py)."""
 
 import os
 
 import pytest
 
-from tests import emulators, s3_server
+from tests import emulators, s3_server, sftp_server
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +69,17 @@ def gcs_endpoint():
 def gcs_bucket(gcs_endpoint):
     """A fresh bucket's name (``gs://<name>``): written through the emulator's JSON API."""
     return emulators.new_gcs_bucket(gcs_endpoint)
+
+
+@pytest.fixture(scope="session")
+def sftp_endpoint():
+    """``127.0.0.1:PORT`` of a loopback OpenSSH server with our client's environment set
+    (``SFTP_USER``, ``SFTP_KEY_FILE``, ``SFTP_KNOWN_HOSTS``)."""
+    yield from _session_store(sftp_server.unavailable, sftp_server.start, sftp_server.env)
+
+
+@pytest.fixture
+def sftp_dir(sftp_endpoint, tmp_path):
+    """A fresh directory's URI on that server, ``sftp://127.0.0.1:PORT/<absolute path>`` (the
+    server runs here, so the test sees the same directory at ``tmp_path / "sftp"``)."""
+    return f"sftp://{sftp_endpoint}{tmp_path}/sftp"

@@ -2,7 +2,8 @@
 model in a bucket -> layout=auto -> ours in another store -> Hugging Face back in a third ->
 ``from_pretrained`` logits bit for bit) with source and outputs on different stores in one job,
 and the checkpoint tools on Azure Blob. Real servers on loopback: moto (S3), azurite (Azure Blob),
-fake-gcs-server (GCS, as a source: it cannot take the XML API's writes, see tests/emulators.py)."""
+fake-gcs-server (GCS, as a source: it cannot take the XML API's writes, see tests/emulators.py),
+OpenSSH's sshd (SFTP, tests/sftp_server.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import pytest
 import torch
 
-from hpdcp_runner.dcp.storage.object_store import Bucket
+from hpdcp_runner.dcp.storage.store_client import open_client as Bucket
 from tests import emulators
 from tests.e2e.conftest import metrics
 from tests.e2e.test_cli import _tail
@@ -31,7 +32,7 @@ class Place:
             self.bucket = request.getfixturevalue("gcs_bucket")
             self.uri = f"gs://{self.bucket}/{name}"
         else:
-            self.uri = f"{request.getfixturevalue({'s3': 's3_bucket', 'az': 'az_container'}[kind])}/{name}"
+            self.uri = f"{request.getfixturevalue({'s3': 's3_bucket', 'az': 'az_container', 'sftp': 'sftp_dir'}[kind])}/{name}"
 
     def upload(self, directory):
         if self.kind == "local":
@@ -103,6 +104,12 @@ def _workflow(cli, request, tmp_path, source, ours, back):
 @pytest.mark.slow  # 17-34 s of launches on 2 cores: the default tier keeps its siblings
 def test_hf_in_gcs_to_ours_in_azure_to_hf_in_azure(cli, request, tmp_path):
     _workflow(cli, request, tmp_path, "gs", "az", "az")
+
+
+def test_the_workflow_on_an_sftp_server(cli, request, tmp_path):
+    """A model on a file server reached over SSH, resharded into ours there and exported back
+    there as Hugging Face, every file through the SFTP store."""
+    _workflow(cli, request, tmp_path, "sftp", "sftp", "sftp")
 
 
 @pytest.mark.slow

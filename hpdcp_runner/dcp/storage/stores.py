@@ -64,6 +64,10 @@ KINDS: dict[str, StoreKind] = {k.scheme: k for k in (
     StoreKind("az", "Azure Blob Storage", "container", r"^[a-z0-9](?!.*--)[a-z0-9\-]{1,61}[a-z0-9]$",
               "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or Azure AD",
               "AZURE_STORAGE_ENDPOINT", "AZURE_ALLOW_HTTP", fsspec_package="adlfs", digest="content-md5"),
+    StoreKind("sftp", "SFTP", "host", r"^[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?(:[0-9]{1,5})?$",
+              "SFTP_USER with SFTP_KEY_FILE or SFTP_PASSWORD (else ssh-agent and ~/.ssh keys); the host key in "
+              "SFTP_KNOWN_HOSTS or ~/.ssh/known_hosts", "", "", fsspec_package="paramiko", digest="none",
+              client=".sftp.client:SftpBucket", conditions=("an exclusive rename", "a locked replace")),
 )}
 SCHEMES = tuple(KINDS)
 

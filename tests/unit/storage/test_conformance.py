@@ -1,6 +1,6 @@
-"""One protocol suite for every storage: a local directory, S3 (a real moto server on loopback) and
-Azure Blob (azurite on loopback). Each test states a promise of the commit protocol; both storages must
-keep it, so they cannot drift."""
+"""One protocol suite for every storage: a local directory, S3 (a real moto server on loopback),
+Azure Blob (azurite on loopback) and an SFTP server (OpenSSH's sshd on loopback). Each test states
+a promise of the commit protocol; every storage must keep it, so they cannot drift."""
 
 import os
 import threading
@@ -11,6 +11,7 @@ import torch
 from hpdcp_runner import dcp
 from hpdcp_runner.dcp import faults, tools
 from hpdcp_runner.dcp.storage import object_store
+from hpdcp_runner.dcp.storage.store_client import open_client
 from hpdcp_runner.dcp.storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
 from hpdcp_runner.dcp.storage.uri import join
 
@@ -33,18 +34,22 @@ class Local:
 
 
 class ObjectStore:
-    """A store of the registry (S3 on moto, Azure Blob on azurite), written and listed through
-    its own client so the debris is what a crashed save of that store leaves."""
+    """A store of the registry (S3 on moto, Azure Blob on azurite, SFTP on sshd) at the URI
+    ``base``, written and listed through its own client so the debris is what a crashed save of
+    that store leaves."""
 
-    def __init__(self, kind, container):
+    def __init__(self, kind, base):
         self.kind = kind
-        self.root = f"{container}/runs"
-        self.bucket = object_store.Bucket(container)
+        self.root = f"{base}/runs"
+        self.bucket = open_client(base)
+
+    def key(self, *names):
+        return self.bucket.key("runs", *names)
 
     def debris(self, name):
         """What a save killed before its commit leaves: its lease (written at begin, before any
         rank writes) and a partial rank file."""
-        base = f"runs/{name}/save-19700101T000000-deadbeef0000"
+        base = self.key(name, "save-19700101T000000-deadbeef0000")
         self.bucket.put(f"{base}/.lease", b"{}")
         self.bucket.put(f"{base}/rank00000.safetensors", b"partial")
 
@@ -52,15 +57,17 @@ class ObjectStore:
         return any("deadbeef0000" in k for k in self.keys(name))
 
     def keys(self, name):
-        return sorted(o["path"] for o in self.bucket.list(f"runs/{name}"))
+        return sorted(o["path"] for o in self.bucket.list(self.key(name)))
 
 
-@pytest.fixture(params=["local", "s3", "az"])
+_BASES = {"s3": "s3_bucket", "az": "az_container", "sftp": "sftp_dir"}
+
+
+@pytest.fixture(params=["local", "s3", "az", "sftp"])
 def store(request, tmp_path):
     if request.param == "local":
         return Local(tmp_path)
-    container = request.getfixturevalue({"s3": "s3_bucket", "az": "az_container"}[request.param])
-    return ObjectStore(request.param, container)
+    return ObjectStore(request.param, request.getfixturevalue(_BASES[request.param]))
 
 
 @pytest.fixture
@@ -273,7 +280,7 @@ def _place(store, local_dir, name):
     if store.kind == "local":
         return local_dir
     for f in sorted(os.listdir(local_dir)):
-        store.bucket.upload_file(f"runs/{name}/{f}", os.path.join(local_dir, f))
+        store.bucket.upload_file(store.key(name, f), os.path.join(local_dir, f))
     return join(store.root, name)
 
 
@@ -380,13 +387,13 @@ def test_a_process_mode_async_save_writes_from_its_persisting_process(store):
     _equal(_state(5), got)
 
 
-@pytest.mark.parametrize("kind", ["s3", "az"])  # (the GCS emulator takes no saves: see tests/emulators.py)
+@pytest.mark.parametrize("kind", ["s3", "az", "sftp"])  # (the GCS emulator takes no saves: see tests/emulators.py)
 def test_a_streamed_chunk_index_is_the_object_a_whole_put_writes(request, kind, monkeypatch):
     """A large chunk index is uploaded from its columns as they are (multipart), never joined into
     one copy first: the object is byte for byte the one a single PUT writes, and it loads."""
     from hpdcp_runner.dcp.storage import object_checkpoint
 
-    store = ObjectStore(kind, request.getfixturevalue({"s3": "s3_bucket", "az": "az_container"}[kind]))
+    store = ObjectStore(kind, request.getfixturevalue(_BASES[kind]))
     src = _state(3)
     dcp.save(src, checkpoint_id=join(store.root, "whole"))
     monkeypatch.setattr(object_checkpoint, "_JOINED_INDEX", 0)
