@@ -10,8 +10,8 @@ and what "the same checkpoint" means on that storage:
   names (the pin), a foreign one the prefix as it is. Ranges are fetched ahead concurrently,
   round by round, and later reads are served from them.
 
-Adding a store adds a location (``location.py``); a storage whose files are reached another way
-adds one of these, and every format's reader (ours, Hugging Face, torch DCP) reads from it.
+Adding a store adds a client (``store_client``), whose files ``StorePrefix`` reads; a storage whose
+files are reached in another way than a store's adds one of these, and every format's reader (ours, Hugging Face, torch DCP) reads from it.
 """
 
 from __future__ import annotations
