@@ -14,7 +14,7 @@ The persisting process is started at the first process-mode save (without waitin
 kept between saves. One that dies (killed, out of memory) makes that rank's write fail with
 ``PersistProcessError``; the protocol turns it into the same failure on every rank, rank 0
 aborts and nothing is published. The training process hears it from ``response.result()`` at
-its next save or wait, and the next save starts a fresh persisting process on fresh staging.
+its next save or wait, and the next save starts a fresh persisting process on fresh host copies.
 Segment files are unlinked as soon as the persisting process has mapped them, so a killed job
 leaves at most the segments of one save not yet handed over (removed by the next start).
 """
@@ -43,18 +43,18 @@ from ..core.errors import ConfigError, HpdcpError, InsufficientMemoryError, Pers
 from ..core.utils import get_logger
 from ..format.metadata import WriteResult, dtype_from_name, dtype_name
 from .host_copies import HostCopies
-from ..storage.commit import pid_alive
+from ..storage.posix.commit import pid_alive
 from ..storage.interfaces import StorageWriter
 
 log = get_logger(__name__)
 
 ALIGN = 64
-SEGMENT_BYTES = 256 << 20  # staging space is taken from segments of at least this size
+SEGMENT_BYTES = 256 << 20  # host-copy space is taken from segments of at least this size
 _PREFIX = "hpdcp-stage-"
 
 
 def shm_dir() -> str:
-    """Where staging segments live: ``HPDCP_SHM_DIR``, else ``/dev/shm`` (memory), else the temp dir.
+    """Where host-copy segments live: ``HPDCP_SHM_DIR``, else ``/dev/shm`` (memory), else the temp dir.
     A ``HPDCP_SHM_DIR`` that is not a writable directory is one line naming the variable."""
     d = os.environ.get("HPDCP_SHM_DIR")
     if d:
@@ -68,10 +68,10 @@ def shm_dir() -> str:
 
 
 def create_segment(nbytes: int, what: str = "") -> tuple[str, int]:
-    """A new staging file of ``nbytes``, (path, open descriptor): created exclusively, readable by
+    """A new host-copy file of ``nbytes``, (path, open descriptor): created exclusively, readable by
     this user only (0600; staged weights are nobody else's), under a name nobody can guess (a
     file planted at a predictable name can neither block nor receive a save), its space reserved
-    now: a staging directory too small for the state is an error here, not a SIGBUS when a
+    now: a host-copy directory too small for the state is an error here, not a SIGBUS when a
     tensor is copied in. ``what``: a tag in the name (scratch segments)."""
     directory = shm_dir()
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -83,10 +83,10 @@ def create_segment(nbytes: int, what: str = "") -> tuple[str, int]:
         except FileExistsError:
             continue  # (a name taken: drawn again)
         except OSError as e:
-            raise PersistProcessError(f"cannot create a staging file in {directory} ({e.strerror}); set "
+            raise PersistProcessError(f"cannot create a host-copy file in {directory} ({e.strerror}); set "
                                       f"HPDCP_SHM_DIR to a writable directory") from None
     else:
-        raise PersistProcessError(f"{directory}: 8 fresh staging names were all taken")
+        raise PersistProcessError(f"{directory}: 8 fresh host-copy names were all taken")
     try:
         _reserve(fd, nbytes, directory)
     except BaseException:
@@ -108,10 +108,10 @@ def _reserve(fd: int, nbytes: int, directory: str) -> None:
 
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise InsufficientMemoryError(
-                f"staging {nbytes / 2**20:.1f} MiB for a process-mode save: {directory} has no room for it "
+                f"copying {nbytes / 2**20:.1f} MiB to the host for a process-mode save: {directory} has no room for it "
                 f"({e.strerror}); give it more space, set HPDCP_SHM_DIR to a larger directory, or save with "
                 f"dcp.async_mode=thread") from None
-        raise PersistProcessError(f"cannot size a staging file in {directory} ({e.strerror})") from None
+        raise PersistProcessError(f"cannot size a host-copy file in {directory} ({e.strerror})") from None
 
 
 def clear_stale_segments(directory: str | None = None) -> list[str]:
@@ -416,7 +416,7 @@ def shared_host_copies() -> SharedHostCopies:
 
 
 def prepare() -> SharedHostCopies:
-    """Before staging a process-mode save: a dead persisting process's staging is dropped (its
+    """Before copying a process-mode save to the host: a dead persisting process's host copies are dropped (its
     segments were handed to it and unlinked) and a fresh process is started."""
     if not _PERSISTER.alive():
         if _PERSISTER.proc is not None or _PERSISTER.dead:
@@ -424,12 +424,12 @@ def prepare() -> SharedHostCopies:
         _PERSISTER.start()
     elif _HOST_COPIES.wasteful():
         _HOST_COPIES.clear()
-        _PERSISTER.call(("forget",), "dropping old staging segments")
+        _PERSISTER.call(("forget",), "dropping old host-copy segments")
     return _HOST_COPIES
 
 
 def shutdown() -> None:
-    """Stop the persisting process and free the shared staging (after any in-flight save)."""
+    """Stop the persisting process and free the shared host copies (after any in-flight save)."""
     _PERSISTER.stop()
     _HOST_COPIES.clear()
 
@@ -441,14 +441,14 @@ class ProcessWriter(StorageWriter):
     """A storage writer whose ``write`` runs in the persisting process; everything else (begin,
     attach, commit, abort) runs here on the wrapped writer, which the protocol calls as usual."""
 
-    def __init__(self, inner: StorageWriter, staging: SharedHostCopies | None = None,
+    def __init__(self, inner: StorageWriter, copies: SharedHostCopies | None = None,
                  process: Persister | None = None, silence_s: float | None = None) -> None:
         """``silence_s``: how long a write waits on a persisting process that says nothing (the
         save's timeout; default :data:`DEFAULT_SILENCE_S`)."""
         self.inner = inner
         self.silence_s = silence_s
         self.spec = WriterSpec.of(inner)
-        self.staging = staging or _HOST_COPIES
+        self.copies = copies or _HOST_COPIES
         self.process = process or _PERSISTER
         self.counters = inner.counters
         self._attached: tuple[str, int, int] | None = None
@@ -473,12 +473,12 @@ class ProcessWriter(StorageWriter):
         scratch: list[_Segment] = []
         descs = []
         for key, t in tensors:
-            where = self.staging.locate(t)
+            where = self.copies.locate(t)
             if where is None:  # not a staged buffer (a planner's copy): into a scratch segment
                 where = self._scratch(t, scratch)
             seg, off = where
             descs.append((key, seg.path, off, dtype_name(t.dtype), tuple(t.shape)))
-        fresh = [s for s in self.staging.segments + scratch if not s.handed]
+        fresh = [s for s in self.copies.segments + scratch if not s.handed]
         new = [(s.path, s.nbytes) for s in fresh]
 
         def mapped() -> None:  # the persisting process holds them: their names can go
