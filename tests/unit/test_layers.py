@@ -205,6 +205,19 @@ def test_no_function_is_over_80_lines():
     assert not long, long
 
 
+def test_no_class_has_over_25_methods():
+    """A class past 25 methods holds more than one job (the reader's copying, a store prefix's
+    fetching ahead were cut out along their seams)."""
+    big = []
+    for path in _python_files(_RUNNER):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ClassDef):
+                n = sum(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for f in node.body)
+                if n > 25:
+                    big.append(f"{os.path.relpath(path, _RUNNER)}:{node.lineno} {node.name} ({n} methods)")
+    assert not big, big
+
+
 def test_layouts_does_not_import_the_config():
     """config.py imports layouts.py (validation); the reverse would be a cycle."""
     tree = ast.parse(open(os.path.join(_RUNNER, "layouts.py")).read())
