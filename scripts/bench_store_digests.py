@@ -49,7 +49,7 @@ def main() -> int:
     os.environ.update({**s3_server.CREDENTIALS, "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ALLOW_HTTP": "true",
                        "AWS_REGION": "us-east-1"})
     from hpdcp_runner import dcp
-    from hpdcp_runner.dcp.storage import object_store
+    from hpdcp_runner.dcp.storage.objects import object_store
 
     try:
         rows = max(1, args.mib * (1 << 20) // (4 * 4096) // 4)

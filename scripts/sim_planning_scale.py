@@ -59,7 +59,7 @@ try:  # (absent before the index was streamed: this script also times older tree
     from hpdcp_runner.dcp.protocol import STREAM_INDEX_BYTES
 except ImportError:
     IndexStream, STREAM_INDEX_BYTES = None, 0
-from hpdcp_runner.dcp.storage.filesystem import FileSink
+from hpdcp_runner.dcp.storage.posix.filesystem import FileSink
 from hpdcp_runner.dcp.storage.interfaces import IOCounters
 from hpdcp_runner.dcp.planning.interfaces import TENSOR, SavePlan, WriteItem
 from hpdcp_runner.dcp.planning.plans import CompactPlan

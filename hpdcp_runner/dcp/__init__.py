@@ -18,11 +18,11 @@ from .core.errors import (CheckpointChangedError, CheckpointExistsError, Checkpo
                      KeyMismatchError, PersistProcessError,
                      MetadataError, PickleNotAllowedError, ReplicaMismatchError, ShapeMismatchError, StateDictError,
                      StorageAccessError)
-from .storage.filesystem import FileSystemReader, FileSystemWriter
-from .storage.foreign import HfReader, TorchDcpReader
+from .storage.posix.filesystem import FileSystemReader, FileSystemWriter
+from .storage.formats.foreign import HfReader, TorchDcpReader
 from .storage.checkpoint_io import open_reader, open_writer
-from .storage.object_checkpoint import ObjectStoreWriter
-from .storage.object_reader import ObjectStoreReader
+from .storage.objects.object_checkpoint import ObjectStoreWriter
+from .storage.objects.object_reader import ObjectStoreReader
 from .format.metadata import Metadata
 from .planning.interfaces import LoadPlanner, SavePlanner
 from .core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces

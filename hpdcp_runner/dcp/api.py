@@ -23,7 +23,7 @@ from .planning.interfaces import LoadPlanner, SavePlanner
 from .planning.standard import StandardLoadPlanner, StandardSavePlanner
 from .protocol import LoadSteps, SaveSteps, metadata_source
 from .state_dict import restore_stateful, stateful_to_state_dict
-from .storage.filesystem import DEFAULT_FILES_KEPT
+from .storage.posix.filesystem import DEFAULT_FILES_KEPT
 from .storage.checkpoint_io import open_reader, open_writer
 from .storage.location import locate, spelled
 from .storage.uri import join

@@ -39,8 +39,8 @@ from .core.errors import ConfigError, CorruptCheckpointError, HpdcpError, Metada
 from .core.utils import get_logger
 from .background.drain import SerialWorker, copy_verified
 from .format.metadata import METADATA_FILE, FileMeta, check_file_name, file_table
-from .storage.commit import clear_abandoned, fsync_dir, publish_dir
-from .storage.filesystem import FileSystemReader
+from .storage.posix.commit import clear_abandoned, fsync_dir, publish_dir
+from .storage.posix.filesystem import FileSystemReader
 from .storage.retention import list_checkpoints
 
 log = get_logger(__name__)

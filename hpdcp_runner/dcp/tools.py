@@ -20,13 +20,13 @@ from .offline.hf_export import export_hf
 from .offline.inspection import describe, full_tensor_digests, verify
 from .offline.side_files import read_side_file
 from .planning.standard import leaf_shape_dtype, local_pieces
-from .storage.filesystem import ReaderOptions
-from .storage.object_store import ObjectStoreOptions, configure as configure_object_store
+from .storage.posix.filesystem import ReaderOptions
+from .storage.objects.object_store import ObjectStoreOptions, configure as configure_object_store
 from .storage.location import Location, fsspec_package, is_local, locate, refused as location_refused, resolve as resolve_location
 from .storage.stores import SCHEMES as STORE_SCHEMES
 from .storage.uri import credentials_refused, redact, join as join_location, dirname as location_dirname
-from .storage.object_checkpoint import remove_checkpoint
-from .storage.foreign import FORMATS, detect_format
+from .storage.objects.object_checkpoint import remove_checkpoint
+from .storage.formats.foreign import FORMATS, detect_format
 from .storage.retention import (apply_retention, latest_checkpoint, list_checkpoints, series_extra, series_outsiders,
                                 unrecorded_checkpoints)
 

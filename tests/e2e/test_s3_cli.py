@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from hpdcp_runner.dcp.storage.object_store import Bucket
+from hpdcp_runner.dcp.storage.objects.object_store import Bucket
 from tests import s3_server
 from tests.e2e.conftest import metrics
 from tests.e2e.test_cli import _tail

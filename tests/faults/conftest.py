@@ -78,7 +78,7 @@ def fault_row():
 def proxied(s3_endpoint, s3_bucket):
     """(the loopback proxy in front of the S3 test server, a fresh bucket), with the object-store
     client pointed at the proxy (tests/s3_proxy.py: faults the real server will not produce)."""
-    from hpdcp_runner.dcp.storage import object_store
+    from hpdcp_runner.dcp.storage.objects import object_store
     from tests.s3_proxy import Proxy
 
     p = Proxy(s3_endpoint)
@@ -94,7 +94,7 @@ def proxied(s3_endpoint, s3_bucket):
 def proxied_store(request):
     """``proxied`` for each store whose faults the proxy can make (it forwards any HTTP; what
     it answers on its own, e.g. 503, is what every store's client retries): (proxy, container URI)."""
-    from hpdcp_runner.dcp.storage import object_store
+    from hpdcp_runner.dcp.storage.objects import object_store
     from tests.s3_proxy import Proxy
 
     if request.param == "s3":

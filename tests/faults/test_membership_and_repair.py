@@ -19,7 +19,7 @@ import pytest
 
 from hpdcp_runner.dcp import (CheckpointChangedError, CheckpointNotFoundError, FileSystemReader, Metadata, faults,
                               load, save, tools)
-from hpdcp_runner.dcp.storage import commit as fs
+from hpdcp_runner.dcp.storage.posix import commit as fs
 from hpdcp_runner.dcp.storage.retention import (apply_retention, latest_checkpoint, list_checkpoints, series_extra,
                                                 series_outsiders)
 from tests.faults.conftest import loads_bitwise, state

@@ -17,7 +17,7 @@ import torch
 
 from hpdcp_runner.dcp import (CommitDurabilityError, FileSystemReader, MetadataError, StateDictError, faults, load,
                               save)
-from hpdcp_runner.dcp.storage import commit as fs
+from hpdcp_runner.dcp.storage.posix import commit as fs
 from hpdcp_runner.dcp.format.metadata import check_file_name
 from hpdcp_runner.dcp.storage.retention import apply_retention, list_checkpoints, series_extra
 from tests.faults.conftest import loads_bitwise, state
@@ -55,7 +55,7 @@ def test_fallback_overwrite_killed_between_its_renames_is_recovered(tmp_path, fa
         save(state(k), checkpoint_id=tmp_path / f"step_{k}", extra=series_extra(SERIES, k))
     code = f"""
         from hpdcp_runner.dcp import save
-        from hpdcp_runner.dcp.storage import commit as fs
+        from hpdcp_runner.dcp.storage.posix import commit as fs
         from hpdcp_runner.dcp.storage.retention import series_extra
         from tests.faults.conftest import state
         fs._exchange = lambda a, b: False
@@ -370,7 +370,7 @@ def test_an_output_the_reader_would_refuse_is_never_reported_done(tmp_path):
 def test_an_import_header_declaring_too_many_tensors_is_refused_before_work(tmp_path, monkeypatch):
     from hpdcp_runner.dcp import CorruptCheckpointError
     from hpdcp_runner.dcp.offline.transforms import import_checkpoint
-    from hpdcp_runner.dcp.storage import foreign
+    from hpdcp_runner.dcp.storage.formats import foreign
 
     monkeypatch.setattr(foreign, "MAX_ENTRIES_PER_FILE", 100)  # the engine's reader: the import's too
     src = tmp_path / "many.safetensors"

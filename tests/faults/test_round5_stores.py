@@ -11,7 +11,7 @@ import torch
 
 from hpdcp_runner import dcp
 from hpdcp_runner.dcp import tools
-from hpdcp_runner.dcp.storage.object_store import Bucket
+from hpdcp_runner.dcp.storage.objects.object_store import Bucket
 
 
 @pytest.fixture(params=["s3", "az"])
@@ -116,7 +116,7 @@ def _loads_as(path: str, k: int) -> bool:
 
 @pytest.fixture
 def fresh_verdicts():
-    from hpdcp_runner.dcp.storage import object_checkpoint as oc
+    from hpdcp_runner.dcp.storage.objects import object_checkpoint as oc
 
     oc._HONOURS_CONDITIONS.clear()
     yield
@@ -154,7 +154,7 @@ def test_a_store_that_ignores_if_match_refuses_overwrites_not_new_saves(proxied,
     If-None-Match but ignores If-Match, two racing overwrites of one name both reported success
     and one was lost. The probe now replaces a stale version too; a new name still saves, an
     overwrite is refused unless ``dcp.storage.unconditional_ok=true``."""
-    from hpdcp_runner.dcp.storage import object_store
+    from hpdcp_runner.dcp.storage.objects import object_store
 
     p, bucket = proxied
     p.strip_conditions = "if-match"

@@ -12,7 +12,7 @@ import torch
 
 from hpdcp_runner import dcp
 from hpdcp_runner.dcp import faults
-from hpdcp_runner.dcp.storage import object_store
+from hpdcp_runner.dcp.storage.objects import object_store
 from hpdcp_runner.dcp.storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
 from tests import s3_server
 
@@ -167,7 +167,7 @@ def test_clean_up_deletes_only_what_it_can_prove_ours(s3_endpoint, s3_bucket, no
     assert all(k in keys for k in mine), keys
     assert sum(1 for k in keys if k.startswith("runs/ck/save-") and k.endswith("rank00000.safetensors")) == 1
     assert _loads_as(f"{root}/ck", 2)
-    from hpdcp_runner.dcp.storage.object_checkpoint import delete_checkpoint_at
+    from hpdcp_runner.dcp.storage.objects.object_checkpoint import delete_checkpoint_at
 
     delete_checkpoint_at(f"{root}/ck")
     keys = _keys(s3_endpoint, b, "runs/")
@@ -190,7 +190,7 @@ def test_a_cleaner_whose_clock_is_ahead_never_deletes_a_live_save(s3_endpoint, s
     an hour ahead while another save of the name begins."""
     import datetime as dt
 
-    from hpdcp_runner.dcp.storage import object_checkpoint as oc
+    from hpdcp_runner.dcp.storage.objects import object_checkpoint as oc
 
     import time
 
@@ -263,7 +263,7 @@ def test_a_store_that_ignores_conditional_writes_is_refused_unless_allowed(proxi
     """Class 3: some S3-compatible stores ignore If-None-Match/If-Match: two concurrent saves both
     reported success and one was silently lost. The proxy forwards without those headers (what
     such a store does); the first save probes once and refuses, naming the knob."""
-    from hpdcp_runner.dcp.storage import object_checkpoint as oc
+    from hpdcp_runner.dcp.storage.objects import object_checkpoint as oc
 
     p, bucket = proxied
     p.strip_conditions = True
@@ -298,7 +298,7 @@ def test_a_rank_removes_its_own_uploads_when_a_save_fails(s3_endpoint, s3_bucket
     """Class 12: Ctrl-C during a save to a bucket left a rank's 43 MB file behind when its upload
     completed after the coordinator's abort had listed the save. Each rank now removes what it
     uploaded; here the abort is made to see nothing (as when it listed before the upload landed)."""
-    from hpdcp_runner.dcp.storage import object_checkpoint as oc
+    from hpdcp_runner.dcp.storage.objects import object_checkpoint as oc
 
     monkeypatch.setattr(oc.ObjectStoreWriter, "abort", lambda self: self._stop_lease())
 

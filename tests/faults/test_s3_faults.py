@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpdcp_runner import dcp
-from hpdcp_runner.dcp.storage import object_store
+from hpdcp_runner.dcp.storage.objects import object_store
 from tests import s3_server
 from tests.s3_proxy import Proxy
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from hpdcp_runner import dcp
-from hpdcp_runner.dcp.storage.store_digests import PENDING_CAP, StoreDigests, content_md5
+from hpdcp_runner.dcp.storage.objects.store_digests import PENDING_CAP, StoreDigests, content_md5
 from tests import emulators, s3_server
 
 pytestmark = pytest.mark.usefixtures("s3_endpoint")
@@ -115,7 +115,7 @@ def test_byte_corrupted_once_is_named_as_corrupted_on_its_way(tmp_path, s3_endpo
 def test_uncalibrated_store_warns_auto_and_fails_strict(tmp_path, s3_endpoint, s3_bucket, proxied, caplog, fault_row):
     """No other object shows this bucket's ETags are MD5s (encrypted objects have other ETags):
     auto names the object as unchecked; strict fails."""
-    from hpdcp_runner.dcp.storage import object_store
+    from hpdcp_runner.dcp.storage.objects import object_store
 
     proxy, _ = proxied
     uri = f"{s3_bucket}/hf"
@@ -250,8 +250,8 @@ def _flip_in_files(root, payload: bytes, at: int) -> str:
 def on_disk_store(request, tmp_path, monkeypatch):
     """(URI of a fresh bucket/container, the server's storage directory, upload(key, bytes)) on a
     server of the test's own that keeps objects in files: GCS (fake-gcs-server) or Azure (azurite)."""
-    from hpdcp_runner.dcp.storage import object_store
-    from hpdcp_runner.dcp.storage.object_store import Bucket
+    from hpdcp_runner.dcp.storage.objects import object_store
+    from hpdcp_runner.dcp.storage.objects.object_store import Bucket
 
     gcs = request.param == "gs"
     why = emulators.gcs_unavailable() if gcs else emulators.azure_unavailable()

@@ -26,7 +26,7 @@ from ..core.errors import ConfigError
 from .side_files import check_side_dir, read_side_files, resolve_side_dir
 from ..storage.location import resolve
 from ..storage.outputs import DirectoryOutput, open_output
-from ..storage.foreign import HF_INDEX, HF_SINGLE
+from ..storage.formats.foreign import HF_INDEX, HF_SINGLE
 from ..storage.checkpoint_io import open_reader
 from ..format.metadata import Metadata, dtype_from_name, dtype_name, element_size
 from .model_weights import describe_split, split_model_weights

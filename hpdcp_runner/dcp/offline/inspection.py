@@ -21,7 +21,7 @@ from ..core.rafile import open_regular_file
 from ..format import jsondoc
 from ..format import objects as objcodec
 from ..core.errors import CheckpointNotFoundError, HpdcpError, MetadataError, PickleNotAllowedError, StorageAccessError
-from ..storage.filesystem import FileSystemReader
+from ..storage.posix.filesystem import FileSystemReader
 from ..core.geometry import Box, narrow
 from ..format.metadata import METADATA_FILE, Metadata, dtype_from_name, element_size
 from ..storage.interfaces import ReadRequest, StorageReader

@@ -26,7 +26,7 @@ import torch
 from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
 from ..core.geometry import Box, intersect, narrow, relative, whole
 from ..format.metadata import Metadata
-from ..storage.foreign import HF_INDEX, HF_SINGLE
+from ..storage.formats.foreign import HF_INDEX, HF_SINGLE
 from ..storage.interfaces import ReadRequest
 from ..storage.location import resolve
 from ..core.rafile import open_regular, open_regular_file
@@ -306,7 +306,7 @@ def open_source(path: str | os.PathLike, fmt: str = "auto", *, allow_pickle: boo
     """A source for ``path`` on any location; ``fmt`` is auto | hf | safetensors | pt | torch_dcp |
     hpdcp | hyper_parallel. Formats the engine reads go through its reader (any store); a torch
     file and a hyper-parallel checkpoint are read from a local path."""
-    from ..storage.foreign import detect_format
+    from ..storage.formats.foreign import detect_format
     from ..storage.location import locate
 
     kinds = ("auto", "hf", "safetensors", "pt", "torch_dcp", "hpdcp", "hyper_parallel")

@@ -32,7 +32,7 @@ from ..core.errors import ConfigError
 from ..storage.location import locate, resolve
 from ..storage.outputs import open_output
 from ..storage.uri import join
-from ..storage.filesystem import FileSystemReader, FileSystemWriter
+from ..storage.posix.filesystem import FileSystemReader, FileSystemWriter
 from ..core.geometry import Box, split_piece, whole
 from .inspection import iter_full_tensors
 from .model_weights import describe_split, split_model_weights

@@ -8,11 +8,11 @@ import os
 from typing import Any
 
 from ..core.errors import MetadataError
-from .filesystem import FileSystemWriter
-from .foreign import FORMATS, HfReader, TorchDcpReader, engine_format
+from .posix.filesystem import FileSystemWriter
+from .formats.foreign import FORMATS, HfReader, TorchDcpReader, engine_format
 from .interfaces import StorageReader, StorageWriter
 from .location import locate
-from .object_checkpoint import ObjectStoreWriter
+from .objects.object_checkpoint import ObjectStoreWriter
 from .reader import CheckpointReader
 from .stores import is_remote
 from .uri import check_uri, normalize
@@ -23,9 +23,9 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
     """The reader for ``path`` (a local path or a store URI) in ``format`` (auto: from what is
     there): one reader per format, over the location's files. ``store_options``: an
     ``ObjectStoreOptions`` for a store (default: the process's). ``weights``: which weights of a
-    DeepSpeed checkpoint (``fp32`` master copy or ``module``; see ``storage/deepspeed.py``).
+    DeepSpeed checkpoint (``fp32`` master copy or ``module``; see ``storage/formats/deepspeed.py``).
     ``hf_config``: a Megatron-Core checkpoint's model as a Hugging Face ``config.json`` (read from
-    ``config_source``): its weights then read under Hugging Face names (``storage/megatron.py``)."""
+    ``config_source``): its weights then read under Hugging Face names (``storage/formats/megatron.py``)."""
     if format not in FORMATS:
         raise MetadataError(f"unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})")
     loc = locate(path, options=store_options)
@@ -36,19 +36,19 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
     if fmt == "hf" and loc.url.endswith(".safetensors") and loc.is_file():  # one file: its directory, that file
         only, loc = loc.name, locate(loc.parent().url, options=store_options)
     if fmt == "deepspeed":
-        from .deepspeed import DeepSpeedReader, DeepSpeedUniversalReader, step_directory
-        from .format_marks import is_deepspeed_universal
+        from .formats.deepspeed import DeepSpeedReader, DeepSpeedUniversalReader, step_directory
+        from .formats.format_marks import is_deepspeed_universal
 
         loc = step_directory(loc, store_options)
         names = sorted(loc.files())
         cls = DeepSpeedUniversalReader if is_deepspeed_universal(set(names)) else DeepSpeedReader
         return cls(loc.checkpoint_files(committed=False), names=names, weights=weights, **reader_kwargs)
     if fmt == "megatron":
-        from .megatron import MegatronReader, step_directory as megatron_step
+        from .formats.megatron import MegatronReader, step_directory as megatron_step
 
         loc, rank_dirs = megatron_step(loc, store_options)
         if rank_dirs:  # Megatron-LM's legacy format
-            from .megatron_legacy import MegatronLegacyReader
+            from .formats.megatron_legacy import MegatronLegacyReader
 
             return MegatronLegacyReader(loc.checkpoint_files(committed=False), rank_dirs=rank_dirs,
                                         hf_config=hf_config, config_source=config_source, **reader_kwargs)

@@ -45,7 +45,7 @@ class Capabilities:
 def _store_option_names() -> tuple[str, ...]:
     import dataclasses
 
-    from .object_store import ObjectStoreOptions
+    from .objects.object_store import ObjectStoreOptions
 
     return tuple(f.name for f in dataclasses.fields(ObjectStoreOptions))
 
@@ -190,7 +190,7 @@ class PosixLocation(Location):
         return self.url
 
     def checkpoint_files(self, *, committed: bool) -> "CheckpointFiles":
-        from .posix_files import PinnedDirectory
+        from .posix.posix_files import PinnedDirectory
 
         return PinnedDirectory(self.url)  # (the rename commit: what is there is committed)
 
@@ -271,7 +271,7 @@ class PosixLocation(Location):
 
     def commit_state(self) -> str:
         from ..format.metadata import METADATA_FILE
-        from .commit import STAGING_MARK, TRASH_MARK
+        from .posix.commit import STAGING_MARK, TRASH_MARK
 
         if os.path.isfile(os.path.join(self.url, METADATA_FILE)):
             return "committed"
@@ -320,7 +320,7 @@ class ObjectLocation(Location):
         self._commit: tuple | None = None  # (the commit as holds_commit read it, seconds it took)
 
     def checkpoint_files(self, *, committed: bool) -> "CheckpointFiles":
-        from .object_files import StorePrefix
+        from .objects.object_files import StorePrefix
 
         seen, self._commit = self._commit, None  # (handed on once: a later reader reads its own)
         return StorePrefix(self.bucket, committed=committed, commit=seen if committed else None)
@@ -329,7 +329,7 @@ class ObjectLocation(Location):
         """One GET of the commit object, kept for the reader opened next: a load of ours learns
         its format and its pin from the same round trip (a listing to tell formats apart, then
         the commit, were two)."""
-        from .object_checkpoint import read_commit
+        from .objects.object_checkpoint import read_commit
 
         if not self.bucket.root:
             return False
@@ -355,7 +355,7 @@ class ObjectLocation(Location):
         return None if got is None else got[0]
 
     def open_range(self, name: str) -> RandomAccessFile:
-        from .object_store import RemoteFile
+        from .objects.object_store import RemoteFile
 
         return RemoteFile(self.bucket, self.bucket.key(name), None)
 

@@ -27,7 +27,7 @@ from ..core.errors import CorruptCheckpointError, HpdcpError
 from ..core.rafile import RandomAccessFile
 from ..format.metadata import dtype_name
 from ..format.safetensors_io import SafetensorsStreamWriter
-from .commit import RenameCommit
+from .posix.commit import RenameCommit
 from .location import Location, locate
 
 
@@ -187,7 +187,7 @@ class InPlaceOutput(DirectoryOutput):
     holds_written_buffers = True
 
     def __init__(self, location: Location, overwrite: bool, source: str | None = None) -> None:
-        from .object_checkpoint import ObjectDirectoryOutput
+        from .objects.object_checkpoint import ObjectDirectoryOutput
 
         self.url = location.url
         self._out = ObjectDirectoryOutput(self.url, overwrite, source=source)
@@ -205,7 +205,7 @@ class InPlaceOutput(DirectoryOutput):
         return SafetensorsStreamWriter(f"{self.url}/{name}", specs, meta=meta, sink=self._out.sink(name))
 
     def check_safetensors(self, name: str) -> None:
-        from .object_store import RemoteFile
+        from .objects.object_store import RemoteFile
 
         check_remote_with_safetensors(RemoteFile(self._out.bucket, self._out.key(name), None), f"{self.url}/{name}")
 

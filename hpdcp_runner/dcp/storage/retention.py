@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..core.errors import ConfigError
-from .commit import (DISPLACED_MARK, TRASH_MARK, clear_abandoned, interrupted_swap, recover_displaced,
+from .posix.commit import (DISPLACED_MARK, TRASH_MARK, clear_abandoned, interrupted_swap, recover_displaced,
                      remove_tree_safely)
-from .filesystem import open_regular
+from .posix.filesystem import open_regular
 from .uri import is_uri, join
 from ..format import jsondoc
 from ..format.metadata import METADATA_FILE
@@ -105,7 +105,7 @@ def _committed(directory: str, repair: bool = False) -> Iterable[str]:
 def _scan(directory: str, rx: re.Pattern, repair: bool = False) -> Iterable[tuple[str, str, dict | None]]:
     """(name, path, recorded extra) of each committed checkpoint named like ``rx``."""
     if is_uri(directory):
-        from .object_checkpoint import committed_extras
+        from .objects.object_checkpoint import committed_extras
 
         yield from ((n, join(directory, n), x) for n, x in committed_extras(directory, rx.fullmatch))
         return
@@ -206,7 +206,7 @@ def apply_retention(directory: str | os.PathLike, keep_last: int, *, series: str
         raise ConfigError(f"keep_last must be >= 0, got {keep_last}")
     d = os.fspath(directory)
     if is_uri(d):
-        from .object_checkpoint import clean_directory_orphans, delete_checkpoint_at
+        from .objects.object_checkpoint import clean_directory_orphans, delete_checkpoint_at
 
         clean_directory_orphans(d, keep)
     else:

@@ -43,7 +43,7 @@ class StoreKind:
     #: for a blob uploaded in one request); see store_digests
     digest: str = "etag"
     #: the class that serves it, "module:Class" relative to this package (a ``StoreClient``)
-    client: str = ".object_store:Bucket"
+    client: str = ".objects.object_store:Bucket"
     #: what its two conditional writes are called there, for messages: a create-if-absent and a
     #: replace-if-unchanged
     conditions: tuple[str, str] = ("If-None-Match", "If-Match")

@@ -190,7 +190,7 @@ def test_column_slices_read_exact_runs_through_gaps_or_slabs(tmp_path, gap, cast
     read = _rchar() - before
     assert torch.equal(local, full[:, 256:768].to(local.dtype))
     kept, span = 256 * 512 * 4, (255 * 1024 + 512) * 4
-    how = "slab" if cast else reader.strategy(256, 2048, span)[0]  # a cast cannot land in the destination
+    how = "slab" if cast else reader.copier.strategy(256, 2048, span)[0]  # a cast cannot land in the destination
     assert res.counters[f"partial_reads_{how}"] == 1
     if how == "exact":  # exactly the kept bytes, one request per row, straight into the destination
         assert res.counters["bytes_read"] == kept and res.counters["reads"] == 256

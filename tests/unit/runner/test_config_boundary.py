@@ -7,7 +7,7 @@ import pytest
 
 from hpdcp_runner.config import JOB_HELP, validate_all
 from hpdcp_runner.dcp import BroadcastOptions, ConfigError
-from hpdcp_runner.dcp.storage.filesystem import ReaderOptions
+from hpdcp_runner.dcp.storage.posix.filesystem import ReaderOptions
 from hpdcp_runner.jobs import registry
 from tests.unit.runner.test_config import _compose
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from hpdcp_runner.dcp.storage.commit import clear_abandoned, hold_staging_lock, staging_is_abandoned
+from hpdcp_runner.dcp.storage.posix.commit import clear_abandoned, hold_staging_lock, staging_is_abandoned
 
 
 def _staging(root, name, holder=None, age_s=0.0):

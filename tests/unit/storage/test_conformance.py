@@ -10,7 +10,7 @@ import torch
 
 from hpdcp_runner import dcp
 from hpdcp_runner.dcp import faults, tools
-from hpdcp_runner.dcp.storage import object_store
+from hpdcp_runner.dcp.storage.objects import object_store
 from hpdcp_runner.dcp.storage.store_client import open_client
 from hpdcp_runner.dcp.storage.retention import apply_retention, latest_checkpoint, list_checkpoints, series_extra
 from hpdcp_runner.dcp.storage.uri import join
@@ -291,7 +291,7 @@ def test_foreign_formats_are_read_in_place_by_one_reader_each(store, tmp_path):
     import torch.distributed.checkpoint as tdcp
     from safetensors.torch import save_file
 
-    from hpdcp_runner.dcp.storage.foreign import HfReader, TorchDcpReader
+    from hpdcp_runner.dcp.storage.formats.foreign import HfReader, TorchDcpReader
 
     src = {k: v for k, v in _state(4).items() if isinstance(v, torch.Tensor) and v.numel()}
     hf = tmp_path / "hf_src"
@@ -391,7 +391,7 @@ def test_a_process_mode_async_save_writes_from_its_persisting_process(store):
 def test_a_streamed_chunk_index_is_the_object_a_whole_put_writes(request, kind, monkeypatch):
     """A large chunk index is uploaded from its columns as they are (multipart), never joined into
     one copy first: the object is byte for byte the one a single PUT writes, and it loads."""
-    from hpdcp_runner.dcp.storage import object_checkpoint
+    from hpdcp_runner.dcp.storage.objects import object_checkpoint
 
     store = ObjectStore(kind, request.getfixturevalue(_BASES[kind]))
     src = _state(3)

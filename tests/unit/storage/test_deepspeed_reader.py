@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO checkpoints read in place (hpdcp_runner/dcp/storage/deepspeed.py), on files
+"""DeepSpeed ZeRO checkpoints read in place (hpdcp_runner/dcp/storage/formats/deepspeed.py), on files
 DeepSpeed 0.19.8 wrote (tests/fixtures/deepspeed, by scripts/write_deepspeed_fixtures.py): the
 weights bitwise equal to DeepSpeed's own zero_to_fp32, the Adam moments to its ds_to_universal,
 partial reads of the slices a rank keeps, and hostile files refused in one line naming the file."""
@@ -17,7 +17,7 @@ from hpdcp_runner.dcp import load, open_reader
 from hpdcp_runner.dcp.core.errors import (CheckpointNotFoundError, CorruptCheckpointError, HpdcpError,
                                           MetadataError, PickleNotAllowedError)
 from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
-from hpdcp_runner.dcp.storage.foreign import detect_format
+from hpdcp_runner.dcp.storage.formats.foreign import detect_format
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "deepspeed")
 CONFIGS = ["zero1_bf16", "zero2_fp32", "zero3_bf16"]
@@ -293,8 +293,8 @@ def test_tensor_parallel_without_an_affine_map_by_its_patterns():
     """Older DeepSpeed (and Megatron-DeepSpeed) record only the patterns: replicated, cut by
     columns (row parallelism), the vocabulary; every other parameter cut by rows. The same
     checkpoint described by them alone reads the same."""
-    from hpdcp_runner.dcp.storage.deepspeed import DeepSpeedReader
-    from hpdcp_runner.dcp.storage.deepspeed_tp import join_model_parallel
+    from hpdcp_runner.dcp.storage.formats.deepspeed import DeepSpeedReader
+    from hpdcp_runner.dcp.storage.formats.deepspeed_tp import join_model_parallel
 
     run = os.path.join(FIXTURES, "zero1_bf16_tp2", "global_step2")
     r = DeepSpeedReader(run)
@@ -421,7 +421,7 @@ def test_a_tied_layer_is_the_same_on_every_stage_that_holds_it():
     """Why the first stage's copy stands for the tied layer: DeepSpeed sums its gradients across
     the stages holding it, so the last stage's fp32 master and moments (its own files) are the
     same values as the first stage's."""
-    from hpdcp_runner.dcp.storage.deepspeed import DeepSpeedReader
+    from hpdcp_runner.dcp.storage.formats.deepspeed import DeepSpeedReader
 
     run = os.path.join(FIXTURES, "pipe_zero1_bf16_pp2_dp2", "global_step2")
     _, first = _read_all(run)

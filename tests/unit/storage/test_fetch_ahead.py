@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("obstore")
 
 from hpdcp_runner.dcp.core.errors import CheckpointNotFoundError  # noqa: E402
-from hpdcp_runner.dcp.storage import object_store  # noqa: E402
-from hpdcp_runner.dcp.storage.object_files import StorePrefix  # noqa: E402
+from hpdcp_runner.dcp.storage.objects import object_store  # noqa: E402
+from hpdcp_runner.dcp.storage.objects.object_files import StorePrefix  # noqa: E402
 from tests.s3_proxy import Proxy  # noqa: E402
 
 MiB = 1 << 20

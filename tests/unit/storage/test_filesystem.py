@@ -10,7 +10,7 @@ import torch
 
 from hpdcp_runner.dcp import CorruptCheckpointError, FileSystemReader, FileSystemWriter, HpdcpError, load, read_metadata, save
 from hpdcp_runner.dcp.core.geometry import Box
-from hpdcp_runner.dcp.storage.commit import STAGING_LOCK, RenameCommit
+from hpdcp_runner.dcp.storage.posix.commit import STAGING_LOCK, RenameCommit
 from hpdcp_runner.dcp.storage.interfaces import ReadRequest
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from hpdcp_runner.dcp import (CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError, MetadataError,
                               PickleNotAllowedError, load, read_metadata, save)
-from hpdcp_runner.dcp.storage.foreign import detect_format
+from hpdcp_runner.dcp.storage.formats.foreign import detect_format
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Megatron-LM's legacy checkpoints (``--ckpt-format torch``) read in place
-(hpdcp_runner/dcp/storage/megatron_legacy.py), on files Megatron-LM's own ``save_checkpoint``
+(hpdcp_runner/dcp/storage/formats/megatron_legacy.py), on files Megatron-LM's own ``save_checkpoint``
 wrote (megatron-core 0.19.2's ``megatron.training``; tests/fixtures/megatron/legacy_*, by
 scripts/write_megatron_fixtures.py): a ``torch.save`` archive per tensor-, pipeline- and
 expert-parallel rank. Under Hugging Face names every tensor is bitwise Megatron's own mapped by
@@ -21,7 +21,7 @@ from hpdcp_runner.dcp import load, open_reader
 from hpdcp_runner.dcp.core.errors import (CheckpointNotFoundError, CorruptCheckpointError, HpdcpError,
                                           PickleNotAllowedError)
 from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
-from hpdcp_runner.dcp.storage.foreign import detect_format
+from hpdcp_runner.dcp.storage.formats.foreign import detect_format
 from tests.megatron_reference import FIXTURES, expected_hf
 
 LEGACY = ["legacy_tp2", "legacy_tp2_pp2", "legacy_moe_ep2", "legacy_tp2_pp2_vp2"]
@@ -175,7 +175,7 @@ def test_a_pickle_with_another_class_is_refused_and_never_run(tmp_path):
 
 def test_in_a_bucket(s3_bucket):
     """On S3 (a real server on loopback): the rank directories are the prefix's common prefixes."""
-    from hpdcp_runner.dcp.storage.object_store import Bucket
+    from hpdcp_runner.dcp.storage.objects.object_store import Bucket
 
     src = os.path.join(FIXTURES, "legacy_tp2_pp2")
     b = Bucket(f"{s3_bucket}/runs/legacy")

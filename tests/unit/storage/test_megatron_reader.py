@@ -1,4 +1,4 @@
-"""Megatron-Core torch_dist checkpoints read in place (hpdcp_runner/dcp/storage/megatron.py), on
+"""Megatron-Core torch_dist checkpoints read in place (hpdcp_runner/dcp/storage/formats/megatron.py), on
 files megatron-core 0.19.2 wrote (tests/fixtures/megatron, by scripts/write_megatron_fixtures.py):
 under Hugging Face names (layers un-stacked, QKV cut per query group, fc1 into gate and up) every
 tensor bitwise equal to Megatron's own tensors mapped by hand, at tensor-parallel 1 and 2,
@@ -19,7 +19,7 @@ import torch
 from hpdcp_runner.dcp import load, open_reader
 from hpdcp_runner.dcp.core.errors import CheckpointNotFoundError, HpdcpError, MetadataError
 from hpdcp_runner.dcp.format.metadata import Metadata, dtype_from_name
-from hpdcp_runner.dcp.storage.foreign import detect_format
+from hpdcp_runner.dcp.storage.formats.foreign import detect_format
 from tests.megatron_reference import FIXTURES, expected_hf
 
 

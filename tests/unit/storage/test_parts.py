@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("obstore")
 
-from hpdcp_runner.dcp.storage.object_store import Bucket, ObjectStoreOptions  # noqa: E402
+from hpdcp_runner.dcp.storage.objects.object_store import Bucket, ObjectStoreOptions  # noqa: E402
 from hpdcp_runner.dcp.storage.store_client import MIN_UPLOAD_PART  # noqa: E402
 
 MiB = 1 << 20

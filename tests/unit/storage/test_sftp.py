@@ -15,7 +15,7 @@ import torch
 
 from hpdcp_runner import dcp
 from hpdcp_runner.dcp.core.errors import ConfigError, StorageAccessError
-from hpdcp_runner.dcp.storage import object_store
+from hpdcp_runner.dcp.storage.objects import object_store
 from hpdcp_runner.dcp.storage.sftp import client as sftp_client
 from hpdcp_runner.dcp.storage.store_client import open_client
 from tests import emulators, sftp_server

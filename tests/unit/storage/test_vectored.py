@@ -155,7 +155,7 @@ def test_verified_column_reads_catch_a_flipped_byte_anywhere_and_bound_the_scrat
 
     t, res, reader = cols(100, 612)
     assert torch.equal(t, full[:, 100:612])
-    assert reader._scratch.numel() <= window + 2 * BLOCK_BYTES
+    assert reader.copier._scratch.numel() <= window + 2 * BLOCK_BYTES
     assert res.counters["bytes_read"] == 768 * 4096  # each block read once, though windows share blocks
     for at in (0, BLOCK_BYTES + 4 * 100 + 1, 3 * BLOCK_BYTES - 1):
         _flip(ck / "rank00000.safetensors", byte0 + at)

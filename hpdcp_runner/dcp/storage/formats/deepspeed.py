@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.errors import CheckpointNotFoundError, MetadataError
-from ..core.ragged import decompose_flat_interval
-from ..format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
+from ...core.errors import CheckpointNotFoundError, MetadataError
+from ...core.ragged import decompose_flat_interval
+from ...format.metadata import ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
 from .format_marks import (DS_OPTIM as _OPTIM, DS_TRACKER as TRACKER, DS_UNIVERSAL_TRACKER as UNIVERSAL_TRACKER,
                            is_deepspeed_step, is_deepspeed_universal)
 from .deepspeed_plain import describe_plain, mapped_sizes, whole_tensor
@@ -48,8 +48,8 @@ from .foreign import _DescribedReader
 from .torch_archive import Archive, ArchiveFiles, ArchiveIndex, Record, TensorRef
 
 if TYPE_CHECKING:
-    from .checkpoint_files import CheckpointFiles
-    from .location import Location
+    from ..checkpoint_files import CheckpointFiles
+    from ..location import Location
 
 WEIGHTS = ("fp32", "module")
 
@@ -57,8 +57,8 @@ WEIGHTS = ("fp32", "module")
 def step_directory(loc: "Location", options: object = None) -> "Location":
     """``loc`` itself when it is a step directory, else the step its ``latest`` file names (a run
     directory), checked to be a plain name inside it."""
-    from .location import locate
-    from .uri import join
+    from ..location import locate
+    from ..uri import join
 
     names = set(loc.files())
     name = TRACKER if TRACKER in names else UNIVERSAL_TRACKER  # (a run's own step first)

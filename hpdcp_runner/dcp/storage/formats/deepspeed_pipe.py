@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..core.errors import MetadataError
-from ..format.metadata import Metadata, TensorMeta
+from ...core.errors import MetadataError
+from ...format.metadata import Metadata, TensorMeta
 
 LAYER_FILE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
 _TIED = "tied_modules."

@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ..core.errors import MetadataError
-from ..format.metadata import ChunkMeta, ObjectMeta, TensorMeta, dtype_name
+from ...core.errors import MetadataError
+from ...format.metadata import ChunkMeta, ObjectMeta, TensorMeta, dtype_name
 from .torch_archive import ArchiveIndex, Record, TensorRef
 
 log = logging.getLogger(__name__)

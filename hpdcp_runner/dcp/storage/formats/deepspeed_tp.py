@@ -24,9 +24,9 @@ import math
 import re
 from typing import Any
 
-from ..core.errors import MetadataError
-from ..core.geometry import row_major_strides
-from ..format.metadata import ChunkMeta, Metadata, TensorMeta, element_size
+from ...core.errors import MetadataError
+from ...core.geometry import row_major_strides
+from ...format.metadata import ChunkMeta, Metadata, TensorMeta, element_size
 from .torch_archive import ArchiveIndex
 
 _MOMENT = re.compile(r"optim\.state\.(.+)\.(exp_avg|exp_avg_sq)")

@@ -31,19 +31,19 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..core.rafile import RandomAccessFile
-from ..format import jsondoc
-from ..format.safetensors_io import parse_header
-from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from .checkpoint_files import CheckpointFiles
-from .posix_files import PinnedDirectory
-from .reader import CheckpointReader
-from ..format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
-from ..core.utils import byte_view
-from .interfaces import ReadRequest
+from ...core.rafile import RandomAccessFile
+from ...format import jsondoc
+from ...format.safetensors_io import parse_header
+from ...core.errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from ..checkpoint_files import CheckpointFiles
+from ..posix.posix_files import PinnedDirectory
+from ..reader import CheckpointReader
+from ...format.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, ObjectMeta, TensorMeta, check_file_name, dtype_name
+from ...core.utils import byte_view
+from ..interfaces import ReadRequest
 
 if TYPE_CHECKING:
-    from .location import Location
+    from ..location import Location
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -58,8 +58,8 @@ def detect_format(path: "str | os.PathLike | Location") -> str:
     """``hpdcp`` | ``hf`` | ``torch_dcp`` | ``deepspeed`` | ``megatron`` | ``hyper_parallel`` | ``pt`` from what is there, on any
     location (one listing of a store's prefix): the one format detector of the engine and the
     offline tools."""
-    from .location import locate
-    from .object_checkpoint import COMMIT_OBJECT
+    from ..location import locate
+    from ..objects.object_checkpoint import COMMIT_OBJECT
 
     loc = locate(path)
     if loc.url.endswith(".safetensors") and (loc.local_path is None or loc.is_file()):
@@ -131,11 +131,11 @@ class _DescribedReader(CheckpointReader):
         fd = self._fd(name)
         dest = r.dest
         direct = dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
-        buf = dest if direct else self._scratch_view(nbytes)
+        buf = dest if direct else self.copier.scratch_view(nbytes)
         view = byte_view(buf)
-        self._check_bounds(fd, name, r, offset, nbytes)
-        self._pread(fd, offset, view, name=name)
-        self._count(nbytes, 1)
+        self.copier.check_bounds(fd, name, r, offset, nbytes)
+        self.copier.pread(fd, offset, view, name=name)
+        self.copier.count(nbytes, 1)
         if f"crc32:{zlib.crc32(view):08x}" != crc:
             raise CorruptCheckpointError(f"{self.full(name)}: the record of {r.chunk.key!r} at offset "
                                          f"{offset} fails its zip CRC-32 (corrupted data)")
@@ -469,10 +469,10 @@ class TorchDcpReader(_DescribedReader):
             if not (isinstance(loc, list) and len(loc) == 2 and all(type(x) is int and x >= 0 for x in loc)):
                 raise MetadataError(f"{self.path}: no location recorded for object {fqn!r}")
             fd = self._fd(om.file)
-            if loc[0] + loc[1] > self._file_size(fd):
+            if loc[0] + loc[1] > self.copier.file_size(fd):
                 raise CorruptCheckpointError(f"{self.full(om.file)}: object {fqn!r} is truncated")
             data = bytearray(loc[1])
-            self._pread(fd, loc[0], memoryview(data), name=om.file)
+            self.copier.pread(fd, loc[0], memoryview(data), name=om.file)
             self.counters.bytes_read += len(data)
             try:  # weights_only: plain containers, numbers, strings and tensors, never code
                 _check_stored(data)

@@ -9,7 +9,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .location import Location
+    from ..location import Location
 
 #: DeepSpeed: the run directory's tracker, naming the newest step directory (``global_step<N>``),
 #: and the one ``ds_to_universal`` writes beside it, naming the universal checkpoint it made

@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.errors import CheckpointNotFoundError, ConfigError, MetadataError
-from ..format.metadata import ChunkMeta, Metadata, TensorMeta, dtype_from_name
+from ...core.errors import CheckpointNotFoundError, ConfigError, MetadataError
+from ...format.metadata import ChunkMeta, Metadata, TensorMeta, dtype_from_name
 from .foreign import TorchDcpReader
 from .format_marks import MEGATRON_MARKER as MARKER, MEGATRON_TRACKER as TRACKER, backend_of, megatron_rank_dirs
 
 if TYPE_CHECKING:
-    from .checkpoint_files import CheckpointFiles
-    from .location import Location
+    from ..checkpoint_files import CheckpointFiles
+    from ..location import Location
 
 _LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
 
@@ -49,8 +49,8 @@ def step_directory(loc: "Location", options: object = None) -> "tuple[Location, 
     """``loc`` when it is an iteration directory, else the one its tracker file names
     (``iter_<7 digits>`` or ``release``), and its legacy rank directories (``mp_rank_*``; none
     for a ``torch_dist`` checkpoint, the only other backend read)."""
-    from .location import locate
-    from .uri import join
+    from ..location import locate
+    from ..uri import join
 
     names = set(loc.files())
     if TRACKER in names and MARKER not in names:

@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.errors import CheckpointNotFoundError, MetadataError
-from ..core.utils import get_logger
-from ..format.metadata import ChunkMeta, FileMeta, Metadata, TensorMeta, dtype_name
+from ...core.errors import CheckpointNotFoundError, MetadataError
+from ...core.utils import get_logger
+from ...format.metadata import ChunkMeta, FileMeta, Metadata, TensorMeta, dtype_name
 from .foreign import _DescribedReader
 from .format_marks import MEGATRON_RANK_DIR, MEGATRON_RANK_FILE
 from .megatron import Shape, to_hf
 from .torch_archive import Archive, ArchiveFiles, ArchiveIndex, Record, TensorRef
 
 if TYPE_CHECKING:
-    from .checkpoint_files import CheckpointFiles
+    from ..checkpoint_files import CheckpointFiles
 
 log = get_logger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.errors import CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from ..core.rafile import RandomAccessFile
+from ...core.errors import CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from ...core.rafile import RandomAccessFile
 from .foreign import _Window, _bounded_read, _entry_data, _row_major, _STORAGE_DTYPES
 
 MAX_PICKLE = 64 << 20  # a data.pkl holds names, shapes and configs: megabytes at most

@@ -41,21 +41,21 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..core import faults
-from ..core.errors import (CheckpointChangedError, CheckpointExistsError, ConfigError, CorruptCheckpointError,
+from ...core import faults
+from ...core.errors import (CheckpointChangedError, CheckpointExistsError, ConfigError, CorruptCheckpointError,
                            HpdcpError, MetadataError, StorageAccessError)
-from ..core.utils import get_logger
-from ..format import jsondoc
-from ..format.chunk_index import INDEX_FILE
-from ..format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name, dtype_name
-from ..format.objects import encode_object_file
-from ..format.chunk_index import ChunkIndex
-from ..format.safetensors_io import SafetensorsStreamWriter, digest, index_parts
-from .filesystem import rank_file
-from .interfaces import IOCounters, StorageWriter, WriteResult
+from ...core.utils import get_logger
+from ...format import jsondoc
+from ...format.chunk_index import INDEX_FILE
+from ...format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name, dtype_name
+from ...format.objects import encode_object_file
+from ...format.chunk_index import ChunkIndex
+from ...format.safetensors_io import SafetensorsStreamWriter, digest, index_parts
+from ..posix.filesystem import rank_file
+from ..interfaces import IOCounters, StorageWriter, WriteResult
 from .object_store import ObjectStoreOptions, RemoteFile
-from .store_client import StoreClient as Bucket, open_client
-from .uri import is_uri, normalize
+from ..store_client import StoreClient as Bucket, open_client
+from ..uri import is_uri, normalize
 
 log = get_logger(__name__)
 COMMIT_OBJECT = "hpdcp-commit.json"

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .location import ObjectLocation
+from ..location import ObjectLocation
 from .object_store import ObjectStoreOptions
-from .reader import CheckpointReader
+from ..reader import CheckpointReader
 
 
 class ObjectStoreReader(CheckpointReader):

@@ -24,12 +24,12 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from ..core.errors import CheckpointNotFoundError, ConfigError, StorageAccessError
-from .uri import redact
-from .interfaces import IOCounters
+from ...core.errors import CheckpointNotFoundError, ConfigError, StorageAccessError
+from ..uri import redact
+from ..interfaces import IOCounters
 from .store_digests import check_mode as check_digest_mode
-from .store_client import StoreClient
-from .stores import KINDS
+from ..store_client import StoreClient
+from ..stores import KINDS
 
 _log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _obstore() -> Any:
         import obstore
         import obstore.store  # noqa: F401
     except ImportError:
-        raise ConfigError(f"checkpoints in an object store ({', '.join(s + '://' for s, k in KINDS.items() if k.client == '.object_store:Bucket')}) need the "
+        raise ConfigError(f"checkpoints in an object store ({', '.join(s + '://' for s, k in KINDS.items() if k.client == '.objects.object_store:Bucket')}) need the "
                           f"object-store client: {INSTALL_HINT}") from None
     return obstore
 

@@ -38,8 +38,8 @@ import re
 import threading
 from typing import Any, Callable
 
-from ..core.errors import ConfigError, CorruptCheckpointError
-from .stores import KINDS
+from ...core.errors import ConfigError, CorruptCheckpointError
+from ..stores import KINDS
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import socket
 import time
 import uuid
 
-from ..core import faults
-from ..core.errors import CheckpointExistsError, CommitDurabilityError, HpdcpError, StorageAccessError
-from ..core.utils import get_logger
-from ..format.metadata import METADATA_FILE
+from ...core import faults
+from ...core.errors import CheckpointExistsError, CommitDurabilityError, HpdcpError, StorageAccessError
+from ...core.utils import get_logger
+from ...format.metadata import METADATA_FILE
 
 log = get_logger(__name__)
 STAGING_MARK = ".tmp-"

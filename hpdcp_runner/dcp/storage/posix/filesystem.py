@@ -21,17 +21,17 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..core import faults
-from ..core.rafile import open_regular  # noqa: F401  (re-exported: api, retention)
-from ..core.utils import get_logger
-from ..format import objects as objcodec
-from ..format.chunk_index import INDEX_FILE
-from ..format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name, dtype_name
-from ..format.safetensors_io import SafetensorsStreamWriter, digest, naming, write_index
+from ...core import faults
+from ...core.rafile import open_regular  # noqa: F401  (re-exported: api, retention)
+from ...core.utils import get_logger
+from ...format import objects as objcodec
+from ...format.chunk_index import INDEX_FILE
+from ...format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name, dtype_name
+from ...format.safetensors_io import SafetensorsStreamWriter, digest, naming, write_index
 from .commit import USER_FIXES, RenameCommit, storage_access_error
-from .interfaces import IOCounters, StorageWriter, WriteResult
+from ..interfaces import IOCounters, StorageWriter, WriteResult
 from .posix_files import PinnedDirectory
-from .reader import DEFAULT_FILES_KEPT, CheckpointReader, ReaderOptions  # noqa: F401  (re-exported)
+from ..reader import DEFAULT_FILES_KEPT, CheckpointReader, ReaderOptions  # noqa: F401  (re-exported)
 
 log = get_logger(__name__)
 CHECKPOINT_EXISTS = ("checkpoint {path} already exists; pass overwrite=True to replace it (the old one stays loadable "
@@ -100,7 +100,7 @@ class FileSink:
 
 class FileSystemWriter(StorageWriter):
     """Per-rank safetensors files in a staging directory beside the checkpoint, committed by one
-    rename (see ``storage/commit.py``)."""
+    rename (see ``storage/posix/commit.py``)."""
 
     @property
     def checkpoint_id(self) -> str:  # type: ignore[override]

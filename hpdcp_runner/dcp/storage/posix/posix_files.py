@@ -8,11 +8,11 @@ import stat
 import threading
 from typing import Any, Iterable
 
-from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, HpdcpError, MetadataError
-from ..core.rafile import FdFile, RandomAccessFile, open_regular, open_regular_file
-from ..format.metadata import METADATA_FILE
-from ..format.safetensors_io import pread_into
-from .checkpoint_files import CheckpointFiles, plain_name
+from ...core.errors import CheckpointNotFoundError, CorruptCheckpointError, HpdcpError, MetadataError
+from ...core.rafile import FdFile, RandomAccessFile, open_regular, open_regular_file
+from ...format.metadata import METADATA_FILE
+from ...format.safetensors_io import pread_into
+from ..checkpoint_files import CheckpointFiles, plain_name
 from .commit import STAGING_MARK, interrupted_swap, storage_access_error
 
 _FOREIGN_HINTS = {

@@ -159,7 +159,7 @@ class SftpBucket(StoreClient):
     server, the directories made as objects are written and removed when they empty."""
 
     def __init__(self, uri: str, options: Any = None) -> None:
-        from ..object_store import default_options
+        from ..objects.object_store import default_options
 
         self.options = options or default_options()
         self._parse(uri)
