@@ -225,16 +225,22 @@ class SftpBucket(StoreClient):
                 "last_modified": _dt.datetime.fromtimestamp(attr.st_mtime or 0, _dt.timezone.utc)}
 
     # -- reads --------------------------------------------------------------------------------
+    def _object(self, s: Any, key: str) -> Any:
+        """The attributes of the regular file at ``key``, or None (missing; a directory or a link
+        is no object)."""
+        try:
+            attr = s.lstat(self._path(key))
+        except OSError as e:
+            if _is_missing(e):
+                return None
+            raise
+        return attr if stat.S_ISREG(attr.st_mode or 0) else None
+
     def head(self, key: str) -> dict | None:
         with self._sftp("reading", key) as s:
-            try:
-                attr = s.lstat(self._path(key))
-            except OSError as e:
-                if _is_missing(e):
-                    return None
-                raise
-            if not stat.S_ISREG(attr.st_mode or 0):
-                return None  # a directory or a link is no object
+            attr = self._object(s, key)
+            if attr is None:
+                return None
             body = None
             if attr.st_size <= _ETAG_BYTES:  # small: its digest is the version a replace names
                 with s.open(self._path(key), "rb") as f:
@@ -243,13 +249,8 @@ class SftpBucket(StoreClient):
 
     def get(self, key: str, max_bytes: int | None = None) -> tuple[bytes, dict] | None:
         with self._sftp("reading", key) as s:
-            try:
-                attr = s.lstat(self._path(key))
-            except OSError as e:
-                if _is_missing(e):
-                    return None
-                raise
-            if not stat.S_ISREG(attr.st_mode or 0):
+            attr = self._object(s, key)
+            if attr is None:
                 return None
             if max_bytes is not None and attr.st_size > max_bytes:
                 raise StorageAccessError(f"{self.url(key)} is {attr.st_size} bytes, over the {max_bytes}-byte limit")
