@@ -39,6 +39,7 @@ import contextlib
 import datetime as _dt
 import getpass
 import hashlib
+import logging
 import os
 import posixpath
 import queue
@@ -69,6 +70,9 @@ def _paramiko() -> Any:
         import paramiko
     except ImportError:
         raise ConfigError(f"checkpoints on an SFTP server (sftp://) need paramiko: {INSTALL_HINT}") from None
+    quiet = logging.getLogger("paramiko")
+    if quiet.level == logging.NOTSET:  # (one INFO line per channel opened, unless the user asked for them)
+        quiet.setLevel(logging.WARNING)
     return paramiko
 
 
