@@ -449,7 +449,7 @@ class SftpBucket(StoreClient):
                 parents.add(posixpath.dirname(k.strip("/")))
             root = self.root.strip("/")
             for d in sorted(parents, key=lambda p: -p.count("/")):
-                while d and d != root and (not root or d.startswith(root + "/")):
+                while root and d.startswith(root + "/"):  # (never above the location: sftp://host alone prunes none)
                     try:
                         s.rmdir(self._path(d))
                     except OSError:
