@@ -167,9 +167,9 @@ def test_clean_up_deletes_only_what_it_can_prove_ours(s3_endpoint, s3_bucket, no
     assert all(k in keys for k in mine), keys
     assert sum(1 for k in keys if k.startswith("runs/ck/save-") and k.endswith("rank00000.safetensors")) == 1
     assert _loads_as(f"{root}/ck", 2)
-    from hpdcp_runner.dcp.storage.objects.object_checkpoint import delete_checkpoint_at
+    from hpdcp_runner.dcp.storage.location import locate
 
-    delete_checkpoint_at(f"{root}/ck")
+    locate(root).catalog().delete("ck")
     keys = _keys(s3_endpoint, b, "runs/")
     assert all(k in keys for k in mine) and not any(k.endswith(".safetensors") for k in keys), keys
     fault_row(

@@ -623,6 +623,8 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 2 and int(argv[2]) > 0:  # a lower priority than training's: steps come first
         os.nice(int(argv[2]))
     from ..storage import checkpoint_io  # noqa: F401  (what the first write needs, imported before "ready")
+    from ..storage.objects import object_checkpoint  # noqa: F401
+    from ..storage.posix import filesystem  # noqa: F401
 
     conn = Connection(fd)
     conn.send(("ready",))

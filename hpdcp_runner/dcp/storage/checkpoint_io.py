@@ -8,14 +8,10 @@ import os
 from typing import Any
 
 from ..core.errors import MetadataError
-from .posix.filesystem import FileSystemWriter
 from .formats.foreign import FORMATS, HfReader, TorchDcpReader, engine_format
 from .interfaces import StorageReader, StorageWriter
 from .location import locate
-from .objects.object_checkpoint import ObjectStoreWriter
 from .reader import CheckpointReader
-from .stores import is_remote
-from .uri import check_uri, normalize
 
 def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: bool = False,
                 store_options: object = None, weights: str = "fp32", hf_config: dict | None = None,
@@ -61,8 +57,6 @@ def open_reader(path: str | os.PathLike, format: str = "auto", *, allow_pickle: 
 
 
 def open_writer(path: str | os.PathLike, *, fsync: bool = True, store_options: object = None) -> StorageWriter:
-    """The writer of a checkpoint at ``path``: the rename commit on a file system, the commit object
-    on a store (``object_checkpoint``)."""
-    if is_remote(path):
-        return ObjectStoreWriter(normalize(check_uri(os.fspath(path))), options=store_options)  # type: ignore[arg-type]
-    return FileSystemWriter(path, fsync=fsync)
+    """The writer of a checkpoint at ``path``, as its location makes it (``Location.open_writer``:
+    the rename commit on a file system, the commit object on a store)."""
+    return locate(path, options=store_options).open_writer(fsync=fsync)

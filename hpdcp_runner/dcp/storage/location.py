@@ -29,7 +29,9 @@ from .uri import check_uri, join, normalize, split
 log = get_logger(__name__)
 
 if TYPE_CHECKING:
+    from .catalog import Catalog
     from .checkpoint_files import CheckpointFiles
+    from .interfaces import StorageWriter
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,16 @@ class Location(ABC):
     def remove_if_empty(self) -> None:
         """Remove this directory if nothing is left in it (a store keeps no empty prefix)."""
 
+    # -- a directory of checkpoints: saves, retention, "latest" -----------------------------------
+    @abstractmethod
+    def open_writer(self, *, fsync: bool = True) -> "StorageWriter":
+        """The writer of a checkpoint here: the rename commit on a file system (``fsync``: its
+        durability), the commit object on a store."""
+
+    @abstractmethod
+    def catalog(self) -> "Catalog":
+        """The committed checkpoints right under this directory, for retention and "latest"."""
+
     def read_files(self, keep: Callable[[str], bool], max_bytes: int, *, names_only: bool = False) -> dict[str, bytes]:
         """The regular files here whose names ``keep`` admits, each read whole (``names_only``:
         empty); one over ``max_bytes`` is left out, with a warning. The small files that travel
@@ -279,6 +291,16 @@ class PosixLocation(Location):
             return "uncommitted"
         return "missing"
 
+    def open_writer(self, *, fsync: bool = True) -> "StorageWriter":
+        from .posix.filesystem import FileSystemWriter
+
+        return FileSystemWriter(self.url, fsync=fsync)
+
+    def catalog(self) -> "Catalog":
+        from .posix.series import PosixCatalog
+
+        return PosixCatalog(self.url)
+
     def read_files(self, keep: Callable[[str], bool], max_bytes: int, *, names_only: bool = False) -> dict[str, bytes]:
         """Each file opened inside the directory's own descriptor without following links and
         checked on that descriptor, then read from it: a link swapped in after the listing is
@@ -364,6 +386,16 @@ class ObjectLocation(Location):
 
     def delete(self, names: Iterable[str]) -> None:
         self.bucket.delete([self.bucket.key(n) for n in names])
+
+    def open_writer(self, *, fsync: bool = True) -> "StorageWriter":
+        from .objects.object_checkpoint import ObjectStoreWriter
+
+        return ObjectStoreWriter(self.url, options=self.bucket.options)  # (a store's writes are durable when acknowledged)
+
+    def catalog(self) -> "Catalog":
+        from .objects.object_checkpoint import StoreCatalog
+
+        return StoreCatalog(self.bucket)
 
 
 def locate(path: str | os.PathLike | Location, base: str | None = None, *, options: object = None) -> Location:

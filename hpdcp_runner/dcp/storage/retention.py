@@ -24,17 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..core.errors import ConfigError
-from .posix.commit import (DISPLACED_MARK, TRASH_MARK, clear_abandoned, interrupted_swap, recover_displaced,
-                     remove_tree_safely)
-from .posix.filesystem import open_regular
-from .uri import is_uri, join
-from ..format import jsondoc
-from ..format.metadata import METADATA_FILE
 from ..core.utils import get_logger
+from .location import locate
+from .uri import join
 
 log = get_logger(__name__)
 STEP_FIELD = "{step}"
-_MAX_SCAN_BYTES = 256 << 20  # a metadata.json larger than this is not read while scanning
 
 
 @dataclass(frozen=True)
@@ -64,55 +59,10 @@ def series_regex(series: str) -> re.Pattern:
                               for p in re.split(r"(\{step\})", series) if p))
 
 
-def _recorded_extra(path: str) -> dict | None:
-    """``extra`` of a committed checkpoint's metadata, or None if it cannot be read (read where
-    an overwrite between its renames left it, if it is not under its name)."""
-    full = os.path.join(path if os.path.lexists(path) else (interrupted_swap(path) or path), METADATA_FILE)
-    try:
-        fd = open_regular(full)
-    except Exception:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            text = f.read(_MAX_SCAN_BYTES + 1)
-        if len(text) > _MAX_SCAN_BYTES:
-            return None
-        extra = jsondoc.parse(text, "metadata").get("extra")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return extra if isinstance(extra, dict) else None
-
-
-def _committed(directory: str, repair: bool = False) -> Iterable[str]:
-    """Committed checkpoint names in ``directory``. ``repair`` (writers only: retention after a
-    save) finishes overwrites a crash interrupted between their two renames; without it (readers:
-    latest, listing) a name whose overwrite is between its renames still counts, read in place."""
-    if not os.path.isdir(directory):
-        return []
-    displaced = [n for n in os.listdir(directory) if n.startswith(".") and DISPLACED_MARK in n and TRASH_MARK not in n]
-    if repair:
-        for n in displaced:
-            recover_displaced(os.path.join(directory, n[1:n.rindex(DISPLACED_MARK)]))
-    names = {n for n in os.listdir(directory)
-             if not n.startswith(".") and os.path.isfile(os.path.join(directory, n, METADATA_FILE))}
-    for n in displaced:
-        base = n[1:n.rindex(DISPLACED_MARK)]
-        if base not in names and interrupted_swap(os.path.join(directory, base)):
-            names.add(base)
-    return sorted(names)
-
-
 def _scan(directory: str, rx: re.Pattern, repair: bool = False) -> Iterable[tuple[str, str, dict | None]]:
     """(name, path, recorded extra) of each committed checkpoint named like ``rx``."""
-    if is_uri(directory):
-        from .objects.object_checkpoint import committed_extras
-
-        yield from ((n, join(directory, n), x) for n, x in committed_extras(directory, rx.fullmatch))
-        return
-    for name in _committed(directory, repair):
-        if rx.fullmatch(name):
-            path = os.path.join(directory, name)
-            yield name, path, _recorded_extra(path)
+    loc = locate(directory)
+    return [(n, join(loc.url, n), x) for n, x in loc.catalog().checkpoints(rx.fullmatch, repair=repair)]
 
 
 def series_name(series: str, step: int | None) -> str | None:
@@ -138,7 +88,7 @@ def why_not_member(name: str, path: str, series: str, extra: dict | None) -> str
     checkpoint copied in under a series name, e.g. another run's final step as ``step_0``, would
     otherwise sort by its recorded step and make retention delete real ones). A symbolic link is
     never a member: what it points to belongs to another directory (or run)."""
-    if not is_uri(path) and os.path.islink(path):
+    if locate(path).parent().catalog().is_link(name):
         return "it is a symbolic link (what it points to is not this directory's to order or delete)"
     if extra is None or "series" not in extra:
         return "its metadata records no series (another tool or an older version wrote it)"
@@ -189,14 +139,6 @@ def latest_checkpoint(directory: str | os.PathLike, series: str) -> str | None:
     return entries[-1].path if entries else None
 
 
-def clear_trash(directory: str | os.PathLike) -> None:
-    """Delete trash left by a deletion or overwrite that crashed half-way, and the staging
-    directories of saves whose coordinator died; saves in progress keep theirs."""
-    d = os.fspath(directory)
-    if os.path.isdir(d):
-        clear_abandoned(d)
-
-
 def apply_retention(directory: str | os.PathLike, keep_last: int, *, series: str,
                     keep: Iterable[str] = ()) -> list[str]:
     """Delete all but the newest ``keep_last`` checkpoints of ``series`` (0 keeps all); names in
@@ -204,22 +146,15 @@ def apply_retention(directory: str | os.PathLike, keep_last: int, *, series: str
     names removed. Call it only after a save committed."""
     if keep_last < 0:
         raise ConfigError(f"keep_last must be >= 0, got {keep_last}")
-    d = os.fspath(directory)
-    if is_uri(d):
-        from .objects.object_checkpoint import clean_directory_orphans, delete_checkpoint_at
-
-        clean_directory_orphans(d, keep)
-    else:
-        clear_trash(d)
+    loc = locate(directory)
+    catalog = loc.catalog()
+    catalog.tidy(keep)
     if keep_last == 0:
         return []
-    entries = list_checkpoints(d, series, repair=True)
+    entries = list_checkpoints(loc.url, series, repair=True)
     protected = set(keep)
     removed = [e.name for e in entries[:-keep_last] if e.name not in protected] if len(entries) > keep_last else []
     for n in removed:
-        log.info("retention (keep_last=%d, series %s): removing %s", keep_last, series, join(d, n))
-        if is_uri(d):
-            delete_checkpoint_at(join(d, n))
-        else:
-            remove_tree_safely(os.path.join(d, n))
+        log.info("retention (keep_last=%d, series %s): removing %s", keep_last, series, join(loc.url, n))
+        catalog.delete(n)
     return removed

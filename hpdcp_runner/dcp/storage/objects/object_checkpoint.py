@@ -54,6 +54,7 @@ from ...format.safetensors_io import SafetensorsStreamWriter, digest, index_part
 from ..posix.filesystem import rank_file
 from ..interfaces import IOCounters, StorageWriter, WriteResult
 from .object_store import ObjectStoreOptions, RemoteFile
+from ..catalog import Catalog
 from ..store_client import StoreClient as Bucket, open_client
 from ..uri import is_uri, normalize
 
@@ -537,13 +538,12 @@ class ObjectStoreWriter(StorageWriter):
 
 # -- directories of checkpoints (retention, latest) ----------------------------------------------
 
-def committed_extras(directory: str, name_ok: Callable[[str], Any]) -> list[tuple[str, dict | None]]:
-    """(name, the ``extra`` its commit records) of each committed checkpoint under ``directory``
-    whose name passes ``name_ok``: one listing, then two GETs per candidate (the commit, the
+def committed_extras(bucket: Bucket, name_ok: Callable[[str], Any]) -> list[tuple[str, dict | None]]:
+    """(name, the ``extra`` its commit records) of each committed checkpoint under ``bucket``'s
+    prefix whose name passes ``name_ok``: one listing, then two GETs per candidate (the commit, the
     metadata it names). A commit is not trusted alone: the save it names must hold the metadata
     it records (size and checksum), and that metadata must record the same series and step,
     else the name is left out (never latest, never counted by retention)."""
-    bucket = open_client(directory)
     out = []
     for name in sorted(bucket.list_dir(bucket.root)[0]):
         if name.startswith(".") or not name_ok(name):
@@ -565,9 +565,8 @@ def committed_extras(directory: str, name_ok: Callable[[str], Any]) -> list[tupl
     return out
 
 
-def clean_directory_orphans(directory: str, keep: Iterable[str] = ()) -> None:
-    """Abandoned and superseded saves of every checkpoint under ``directory`` (after a grace)."""
-    bucket = open_client(directory)
+def clean_directory_orphans(bucket: Bucket, keep: Iterable[str] = ()) -> None:
+    """Abandoned and superseded saves of every checkpoint under ``bucket``'s prefix (after a grace)."""
     names = [n for n in bucket.list_dir(bucket.root)[0] if n not in set(keep)]
     if not names:
         return
@@ -581,9 +580,21 @@ def clean_directory_orphans(directory: str, keep: Iterable[str] = ()) -> None:
             log.warning("retention skipped %s: %s", bucket.url(bucket.key(name)), e)
 
 
-def delete_checkpoint_at(uri: str) -> None:
-    bucket = open_client(uri)
-    delete_checkpoint(bucket, bucket.root)
+class StoreCatalog(Catalog):
+    """The committed checkpoints under a store prefix: each name whose commit object names a
+    save holding the metadata it records."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+
+    def checkpoints(self, name_ok: Callable[[str], Any], *, repair: bool = False) -> list[tuple[str, dict | None]]:
+        return committed_extras(self.bucket, name_ok)
+
+    def tidy(self, keep: Iterable[str] = ()) -> None:
+        clean_directory_orphans(self.bucket, keep)
+
+    def delete(self, name: str) -> None:
+        delete_checkpoint(self.bucket, self.bucket.key(name))
 
 
 def remove_checkpoint(path: str) -> None:
