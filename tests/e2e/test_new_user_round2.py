@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hpdcp_runner.dcp import read_metadata
+from hpdcp_runner.dcp.storage.stores import examples
 
 from tests.e2e.conftest import _env
 
@@ -122,7 +123,8 @@ def test_errors_point_the_right_way(cli, tmp_path, s3_endpoint, s3_bucket):
     r = _hpdcp(["--nproc-per-node=2", "+job=verify", "checkpoint.path=hdfs://b/x"], tmp_path)
     assert r.returncode == 2 and _lines(r.stderr) == [
         "error: ConfigError: checkpoint.path=hdfs://b/x: the hdfs:// scheme is not supported; a checkpoint location is a "
-        "local directory or s3://bucket/prefix / gs://bucket/prefix / az://container/prefix"], r.stderr
+        f"local directory or {examples()}"], r.stderr  # (every store of the registry, sftp:// included)
+    assert "sftp://host/prefix" in examples()
     assert not (tmp_path / "outputs").exists()
 
 
