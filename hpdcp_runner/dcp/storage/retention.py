@@ -59,10 +59,12 @@ def series_regex(series: str) -> re.Pattern:
                               for p in re.split(r"(\{step\})", series) if p))
 
 
-def _scan(directory: str, rx: re.Pattern, repair: bool = False) -> Iterable[tuple[str, str, dict | None]]:
-    """(name, path, recorded extra) of each committed checkpoint named like ``rx``."""
+def _scan(directory: str, rx: re.Pattern, repair: bool = False) -> Iterable[tuple[str, str, dict | None, bool]]:
+    """(name, path, recorded extra, is a link) of each committed checkpoint named like ``rx``:
+    one catalog for the directory, not a location per entry."""
     loc = locate(directory)
-    return [(n, join(loc.url, n), x) for n, x in loc.catalog().checkpoints(rx.fullmatch, repair=repair)]
+    catalog = loc.catalog()
+    return [(n, join(loc.url, n), x, catalog.is_link(n)) for n, x in catalog.checkpoints(rx.fullmatch, repair=repair)]
 
 
 def series_name(series: str, step: int | None) -> str | None:
@@ -81,14 +83,14 @@ def _step_in_name(series: str, name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def why_not_member(name: str, path: str, series: str, extra: dict | None) -> str | None:
+def why_not_member(name: str, path: str, series: str, extra: dict | None, *, link: bool | None = None) -> str | None:
     """Why a committed checkpoint named like ``series`` is not one of its members (None: it is).
     Membership is claimed by the metadata and confirmed by the name: the recorded series must be
     this one, and the name exactly the series pattern formatted with the recorded step (a
     checkpoint copied in under a series name, e.g. another run's final step as ``step_0``, would
     otherwise sort by its recorded step and make retention delete real ones). A symbolic link is
     never a member: what it points to belongs to another directory (or run)."""
-    if locate(path).parent().catalog().is_link(name):
+    if link if link is not None else locate(path).parent().catalog().is_link(name):
         return "it is a symbolic link (what it points to is not this directory's to order or delete)"
     if extra is None or "series" not in extra:
         return "its metadata records no series (another tool or an older version wrote it)"
@@ -109,7 +111,7 @@ def series_outsiders(directory: str | os.PathLike, series: str) -> list[tuple[st
     """(name, why) of the committed checkpoints named like ``series`` that are not its members:
     never picked as latest, never deleted by retention; summaries and inspect say why."""
     d = os.fspath(directory)
-    return [(n, why) for n, p, x in _scan(d, series_regex(series)) if (why := why_not_member(n, p, series, x))]
+    return [(n, why) for n, p, x, ln in _scan(d, series_regex(series)) if (why := why_not_member(n, p, series, x, link=ln))]
 
 
 def list_checkpoints(directory: str | os.PathLike, series: str, *, repair: bool = False) -> list[CheckpointEntry]:
@@ -117,8 +119,8 @@ def list_checkpoints(directory: str | os.PathLike, series: str, *, repair: bool 
     (see :func:`why_not_member`). ``repair``: writers only (see ``_committed``)."""
     d, rx = os.fspath(directory), series_regex(series)
     out = []
-    for name, path, extra in _scan(d, rx, repair):
-        if extra is None or why_not_member(name, path, series, extra) is not None:
+    for name, path, extra, link in _scan(d, rx, repair):
+        if extra is None or why_not_member(name, path, series, extra, link=link) is not None:
             continue
         step, when = extra.get("step"), extra.get("committed_at_ns")
         out.append(CheckpointEntry(name, path, step if type(step) is int else None,
@@ -130,7 +132,7 @@ def unrecorded_checkpoints(directory: str | os.PathLike, series: str) -> list[st
     """Committed checkpoints whose name fits ``series`` but whose metadata records no series
     (written before series were recorded, or by another tool): never used or deleted by name."""
     d, rx = os.fspath(directory), series_regex(series)
-    return [n for n, _, extra in _scan(d, rx) if "series" not in (extra or {})]
+    return [n for n, _, extra, _ in _scan(d, rx) if "series" not in (extra or {})]
 
 
 def latest_checkpoint(directory: str | os.PathLike, series: str) -> str | None:

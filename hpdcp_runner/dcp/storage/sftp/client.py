@@ -87,6 +87,11 @@ def _read(f: Any, start: int, stop: int) -> bytes:
     return bytes(out)
 
 
+def _temp_name(path: str) -> str:
+    """A fresh temporary name beside ``path`` (``.NAME.put-<id>``), renamed onto it when whole."""
+    return posixpath.join(posixpath.dirname(path), f".{posixpath.basename(path)}{_TMP}{uuid.uuid4().hex[:12]}")
+
+
 def _etag(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()[:32]
 
@@ -97,7 +102,7 @@ class _Server:
     def __init__(self, host: str, port: int, timeout: float, channels: int) -> None:
         pm = _paramiko()
         self.host, self.port, self.timeout = host, port, timeout
-        self.user = os.environ.get("SFTP_USER") or getpass.getuser()
+        self.user = _user()
         self.ssh = pm.SSHClient()
         self.ssh.load_system_host_keys()
         known = os.environ.get("SFTP_KNOWN_HOSTS")
@@ -158,6 +163,10 @@ def _server(host: str, port: int, options: Any) -> _Server:
         return got
 
 
+def _user() -> str:
+    return os.environ.get("SFTP_USER") or getpass.getuser()
+
+
 def _is_missing(e: BaseException) -> bool:
     return isinstance(e, FileNotFoundError) or getattr(e, "errno", None) == 2
 
@@ -200,7 +209,7 @@ class SftpBucket(StoreClient):
         if _is_missing(e):
             return CheckpointNotFoundError(f"{what}: {where} does not exist")
         if isinstance(e, pm.AuthenticationException):
-            return StorageAccessError(f"{what}: the SFTP server {server} refused user {self._user()!r} ({e}); "
+            return StorageAccessError(f"{what}: the SFTP server {server} refused user {_user()!r} ({e}); "
                                       f"check {self.kind.credentials}")
         if isinstance(e, pm.SSHException) and "known_hosts" in str(e):
             return StorageAccessError(f"{what}: the host key of {server} is not known, so the server is not trusted; "
@@ -216,9 +225,6 @@ class SftpBucket(StoreClient):
         if isinstance(e, PermissionError) or getattr(e, "errno", None) == 13:
             return StorageAccessError(f"{what}: access to {where} was refused by the server (permissions)")
         return StorageAccessError(f"{what}: {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-
-    def _user(self) -> str:
-        return os.environ.get("SFTP_USER") or getpass.getuser()
 
     @staticmethod
     def _path(key: str) -> str:
@@ -314,7 +320,7 @@ class SftpBucket(StoreClient):
 
     def _write_temp(self, s: Any, path: str, data: Any) -> str:
         """``data`` in a new file beside ``path``, flushed; returns its name."""
-        tmp = posixpath.join(posixpath.dirname(path), f".{posixpath.basename(path)}{_TMP}{uuid.uuid4().hex[:12]}")
+        tmp = _temp_name(path)
         self._mkdirs(s, posixpath.dirname(path))
         with s.open(tmp, "wb") as f:
             f.set_pipelined(True)
@@ -468,7 +474,7 @@ class _Upload:
         try:
             path = bucket._path(key)
             bucket._mkdirs(self._s, posixpath.dirname(path))
-            self.tmp = posixpath.join(posixpath.dirname(path), f".{posixpath.basename(path)}{_TMP}{uuid.uuid4().hex[:12]}")
+            self.tmp = _temp_name(path)
             self._f = self._s.open(self.tmp, "wb")
             self._f.set_pipelined(True)
         except BaseException as e:
