@@ -23,6 +23,7 @@ move between the nodes' leaders (their lowest rank) by point-to-point sends of 8
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import threading
@@ -37,8 +38,9 @@ from .comm.broadcast import node_id
 from .comm.collectives import Comm, gloo_group
 from .core.errors import ConfigError, CorruptCheckpointError, HpdcpError, MetadataError
 from .core.utils import get_logger
-from .background.drain import SerialWorker, copy_verified
+from .background.drain import SerialWorker
 from .format.metadata import METADATA_FILE, FileMeta, check_file_name, file_table
+from .format.stream_digest import FileDigest
 from .storage.posix.commit import clear_abandoned, fsync_dir, publish_dir
 from .storage.posix.filesystem import FileSystemReader
 from .storage.retention import list_checkpoints
@@ -120,6 +122,14 @@ def check_sharing(comm: Comm, nodes: Nodes, directory: str, node_local: bool, ke
 
 
 # -- moving files between node leaders ------------------------------------------------------
+# Both sides keep one block in flight while they work on the next (two buffers each): the sender
+# reads block i+1 while block i is sent, the receiver writes and hashes block i while block i+1
+# arrives. The receiver computes the file's checksum from the blocks as they pass, so a file is
+# verified without being read again once it has landed.
+def _blocks(size: int) -> list[tuple[int, int]]:
+    return [(pos, min(BLOCK, size - pos)) for pos in range(0, size, BLOCK)]
+
+
 def _send_file(path: str, size: int, dst: int, group: Any) -> None:
     """Send ``size`` bytes of ``path`` in blocks. A file that cannot be read to its end still
     sends every block (zeros for what is missing: the receiver's checksum refuses them) and then
@@ -129,12 +139,11 @@ def _send_file(path: str, size: int, dst: int, group: Any) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         fd, err = None, e
-    buf = torch.empty(min(BLOCK, size), dtype=torch.uint8)  # read into, sent from: no copy between
+    bufs = [torch.empty(min(BLOCK, size), dtype=torch.uint8) for _ in range(min(2, len(_blocks(size))))]
+    sending = None
     try:
-        pos = 0
-        while pos < size:
-            n = min(BLOCK, size - pos)
-            view = buf[:n]
+        for i, (pos, n) in enumerate(_blocks(size)):
+            view = bufs[i % 2][:n]  # read into, sent from: no copy between
             got = 0
             if err is None:
                 try:
@@ -145,8 +154,11 @@ def _send_file(path: str, size: int, dst: int, group: Any) -> None:
                     err = e
             if got < n:
                 view[got:].zero_()
-            dist.send(view, dst=dst, group=group)
-            pos += n
+            if sending is not None:
+                sending.wait()
+            sending = dist.isend(view, dst=dst, group=group)
+        if sending is not None:
+            sending.wait()
     finally:
         if fd is not None:
             os.close(fd)
@@ -154,9 +166,27 @@ def _send_file(path: str, size: int, dst: int, group: Any) -> None:
         raise err
 
 
-def _recv_file(path: str | None, size: int, src: int, group: Any, fsync: bool) -> None:
-    """Receive ``size`` bytes into the new file ``path`` (None: discard them). Every block is
-    received even when writing fails (the error is raised at the end), for the same reason."""
+class _Sha256:
+    """``metadata.json``'s checksum in ``_expected``: its SHA-256, as the coordinator wrote it."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def update(self, block: Any) -> None:
+        self._h.update(block)
+
+    def hexdigest(self) -> str:
+        return "sha256:" + self._h.hexdigest()
+
+
+def _checker(name: str, size: int) -> Any:
+    return _Sha256() if name == METADATA_FILE else FileDigest(name, size)
+
+
+def _recv_file(path: str | None, size: int, src: int, group: Any, check: Any = None, fsync: bool = False) -> None:
+    """Receive ``size`` bytes into the new file ``path`` (None: discard them), each block given to
+    ``check.update`` as it arrives (``fsync``: the file synced once whole). Every block is received even when writing fails (the error is
+    raised at the end), for the same reason as in ``_send_file``."""
     err: BaseException | None = None
     f = None
     if path is not None:
@@ -164,17 +194,22 @@ def _recv_file(path: str | None, size: int, src: int, group: Any, fsync: bool) -
             f = open(path, "xb")
         except OSError as e:
             err = e
+    blocks = _blocks(size)
+    bufs = [torch.empty(min(BLOCK, size), dtype=torch.uint8) for _ in range(min(2, len(blocks)))]
     try:
-        pos = 0
-        while pos < size:
-            buf = torch.empty(min(BLOCK, size - pos), dtype=torch.uint8)
-            dist.recv(buf, src=src, group=group)
+        coming = dist.irecv(bufs[0][:blocks[0][1]], src=src, group=group) if blocks else None
+        for i, (_, n) in enumerate(blocks):
+            coming.wait()
+            if i + 1 < len(blocks):
+                coming = dist.irecv(bufs[(i + 1) % 2][:blocks[i + 1][1]], src=src, group=group)
+            data = memoryview(bufs[i % 2][:n].numpy())
             if f is not None and err is None:
                 try:
-                    f.write(memoryview(buf.numpy()))
-                except OSError as e:
+                    f.write(data)
+                    if check is not None:
+                        check.update(data)
+                except (OSError, HpdcpError) as e:
                     err = e
-            pos += buf.numel()
         if f is not None and err is None:
             f.flush()
             if fsync:
@@ -184,17 +219,6 @@ def _recv_file(path: str | None, size: int, src: int, group: Any, fsync: bool) -
             f.close()
     if err is not None:
         raise err
-
-
-class _NullSink:
-    def write(self, data: bytes) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -225,23 +249,19 @@ def _expected(table: "Table") -> dict[str, tuple[int, str]]:
     return out
 
 
-def _verify(path: str, name: str, size: int, checksum: str) -> None:
-    """``path`` (a file received as ``name``) holds what the checkpoint records, or it is refused."""
-    if name == METADATA_FILE:
-        with open(path, "rb") as f:
-            body = f.read()
-        if len(body) != size or "sha256:" + hashlib.sha256(body).hexdigest() != checksum:
-            raise CorruptCheckpointError(f"{path}: the metadata.json received differs from the one agreed")
-        return
-    copy_verified(os.path.dirname(path), os.path.basename(path), size, checksum, _NullSink(), as_name=name)
-
-
 def _land(directory: str, name: str, size: int, checksum: str, receive: Any, fsync: bool) -> None:
-    """Receive one file into ``directory`` under a hidden name, verify it, then give it its name."""
+    """Receive one file into ``directory`` under a hidden name (``receive(path, check)`` writes it,
+    giving every byte to ``check``), compare its checksum with the recorded one, then give it its
+    name: a file that differs never takes it."""
     part = os.path.join(directory, f".{name}.part-{uuid.uuid4().hex[:8]}")
     try:
-        receive(part)
-        _verify(part, name, size, checksum)
+        check = _checker(name, size)
+        receive(part, check)
+        got = check.hexdigest()
+        if got != checksum:
+            what = "the metadata.json agreed" if name == METADATA_FILE else "metadata.json"
+            raise CorruptCheckpointError(f"{os.path.join(directory, name)}: checksum {got} of the copy received "
+                                         f"differs from the {checksum} {what} records; not kept")
         os.rename(part, os.path.join(directory, check_file_name(name)))
     except BaseException:
         with contextlib.suppress(OSError):
@@ -332,12 +352,12 @@ def replicate(comm: Comm, nodes: Nodes, path: str, table: Table, k: int, group: 
                             stats["bytes_sent"] += size
                         elif comm.rank == dst:
                             if failed is not None or os.path.exists(os.path.join(path, name)):
-                                _recv_file(None, size, src, group, fsync)
+                                _recv_file(None, size, src, group)
                                 if failed is None:
                                     failed = MetadataError(f"{path}/{name} already exists on {nodes.names[dst_node]}")
                                 continue
-                            _land(path, name, *expected[name], lambda p: _recv_file(p, size, src, group, fsync),
-                                  fsync)
+                            _land(path, name, *expected[name],
+                                  lambda p, check: _recv_file(p, size, src, group, check, fsync), fsync)
                             stats["files_received"] += 1
                             stats["bytes_received"] += size
                     except (HpdcpError, OSError) as e:
@@ -500,12 +520,9 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
                 if src is not None and comm.rank == src:
                     _send_file(os.path.join(path, name), size, dst, group)
                 elif comm.rank == dst:
-                    if src is None:
-                        _land(target["dir"], name, size, checksum, lambda p: _copy_from(durable, name, size, p, False),
-                              False)
-                    else:
-                        _land(target["dir"], name, size, checksum, lambda p: _recv_file(p, size, src, group, False),
-                              False)
+                    receive = (functools.partial(_copy_from, durable, name, size) if src is None else
+                               lambda p, check: _recv_file(p, size, src, group, check))
+                    _land(target["dir"], name, size, checksum, receive, False)
 
             comm.agree(f"node tier: restore {name} to {nodes.names[dst_node]}", move)
 
@@ -525,7 +542,7 @@ def _metadata_from(comm: Comm, nodes: Nodes, holder: int, path: str) -> str:
                       lambda: _read(os.path.join(path, METADATA_FILE)).decode() if comm.rank == src else None)[src]
 
 
-def _copy_from(durable: Any, name: str, size: int, dest: str, fsync: bool) -> None:
+def _copy_from(durable: Any, name: str, size: int, dest: str, check: Any) -> None:
     if durable is None:
         raise MetadataError(f"{name}: no node holds it and there is no durable copy to read it from")
     fh = durable.open_file(name)
@@ -540,10 +557,8 @@ def _copy_from(durable: Any, name: str, size: int, dest: str, fsync: bool) -> No
                 if not block:
                     raise CorruptCheckpointError(f"{durable.checkpoint_id}/{name}: ended at {pos} of {size} bytes")
                 f.write(block)
+                check.update(block)
                 pos += len(block)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
     finally:
         raf.close()
 

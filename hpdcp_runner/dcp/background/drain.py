@@ -19,17 +19,14 @@ import threading
 import time
 from typing import Any, Callable
 
-import xxhash
-
 from .saver import AsyncSaveResponse
 from ..comm.collectives import Comm, gloo_group
 from ..core import faults
 from ..core.errors import ConfigError, CorruptCheckpointError, MetadataError
 from ..core.rafile import open_regular
 from ..core.utils import get_logger
-from ..format.checksums import digest, file_checksum
 from ..format.metadata import METADATA_FILE, FileMeta, Metadata, check_file_name
-from ..format.safetensors_io import parse_header
+from ..format.stream_digest import FileDigest
 from ..storage.checkpoint_io import open_reader, open_writer
 from ..storage.interfaces import StorageWriter
 from ..storage.location import locate
@@ -53,31 +50,17 @@ def copy_verified(src_dir: str, name: str, size: int, checksum: str, sink: Any, 
         actual = os.fstat(fd).st_size
         if actual != size:
             raise CorruptCheckpointError(f"{full}: {actual} bytes, metadata.json records {size}; not copied")
-        if (as_name or name).endswith(".safetensors"):
-            raw, entries = parse_header(as_name or name, size, lambda n, off: os.pread(fd, n, off))
-            spans = [(e.byte_offset, e.byte_offset + e.nbytes) for e in entries]
-        else:
-            raw, spans = None, [(0, size)]
-        hashers = [xxhash.xxh3_64() for _ in spans]
-        pos, i = 0, 0
+        check = FileDigest(as_name or name, size)
+        pos = 0
         try:
             while pos < size:
                 block = os.pread(fd, min(COPY_BLOCK, size - pos), pos)
                 if not block:
                     raise CorruptCheckpointError(f"{full}: ended at {pos} of {size} bytes while being copied")
-                end = pos + len(block)
-                j = i
-                while j < len(spans) and spans[j][0] < end:  # every entry this block touches
-                    lo, hi = max(spans[j][0], pos), min(spans[j][1], end)
-                    if hi > lo:
-                        hashers[j].update(memoryview(block)[lo - pos: hi - pos])
-                    if spans[j][1] <= end:
-                        i = j + 1
-                    j += 1
+                check.update(block)
                 sink.write(block)
-                pos = end
-            digests = [h.hexdigest() for h in hashers]
-            got = file_checksum(raw, digests) if raw is not None else (digests[0] if digests else digest(b""))
+                pos += len(block)
+            got = check.hexdigest()
             if got != checksum:
                 raise CorruptCheckpointError(f"{full}: checksum {got} differs from the {checksum} metadata.json "
                                              f"records (changed since it was committed); not copied")
