@@ -160,3 +160,61 @@ def test_plan_restore_ignores_a_node_whose_metadata_is_of_another_save():
             2: node_tier.Holding("s", 3, "new", {"a": 1}, ())}
     plan = node_tier.plan_restore(held, nodes, False)
     assert plan.digest == "new" and plan.moves == {0: (("a", 1),), 2: (("a", 1),)}
+
+
+def _three_nodes_body(rank, world, base, lost):
+    """3 nodes of one rank, 2 replicas each (the ring: node n's part on n+1 and n+2); the nodes
+    in ``lost`` lose their disks at once, the survivor's copy restores them. Blocks of 1,000
+    bytes, so every file moves in many (the last one short) through both sides' double buffers."""
+    from hpdcp_runner import dcp
+    from hpdcp_runner.dcp.tools import Comm, node_tier, series_extra
+
+    os.environ["GROUP_RANK"] = str(rank)
+    fast = os.path.join(base, f"node{rank}", "fast")
+    node_tier.BLOCK = 1000
+    comm = Comm.create()
+    nodes = node_tier.Nodes.discover(comm)
+    assert nodes.count == 3 and nodes.partners(2, 2) == [0, 1]
+    state, w, b = _state(rank, world)
+    path = os.path.join(fast, "step_3")
+    writer = dcp.FileSystemWriter(path, node_local=True)
+    dcp.save(state, checkpoint_id="fast/step_3", storage_writer=writer, extra=series_extra("step_{step}", 3))
+    worker = node_tier.Background(30)
+    out = {}
+
+    def spread(c):
+        table = node_tier.publish_parts(c, nodes, path, writer.staging_token)
+        out["moved"] = node_tier.replicate(c, nodes, path, table, 2, c.group)
+
+    worker.submit(spread)
+    assert worker.close() == []
+    held = sorted(n for n in os.listdir(path) if n.startswith("rank"))
+    comm.agree("barrier", lambda: None)
+    if rank in lost:
+        shutil.rmtree(os.path.dirname(fast))
+    comm.agree("lost", lambda: None)
+    found = node_tier.survey(comm, nodes, fast, "step_{step}")
+    plan = node_tier.plan_restore(found["step_3"], nodes, durable_has=False)
+    fetcher = node_tier.Background(30)
+    fetcher.submit(lambda c: node_tier.fetch(c, nodes, fast, plan, c.group))
+    assert fetcher.close() == []
+    full = {"w": torch.zeros(64, 24), "b": torch.zeros(10, dtype=torch.bfloat16), "step": 0}
+    dcp.load(full, checkpoint_id="fast/step_3", storage_reader=node_tier.NodeLocalReader(path))
+    return {"held": held, "moves": {n: sorted(m) for n, m in plan.moves.items()}, "moved": out["moved"],
+            "equal": torch.equal(full["w"], w) and torch.equal(full["b"], b) and full["step"] == 3,
+            "files": sorted(os.listdir(path))}
+
+
+@pytest.mark.parametrize("lost", [(1, 2), (0, 1)])
+def test_three_nodes_two_replicas_survive_two_lost_disks(tmp_path, lost):
+    results = run_ranks(3, _three_nodes_body, str(tmp_path), lost)
+    ranks = ["rank00000.safetensors", "rank00001.safetensors", "rank00002.safetensors"]
+    # with k=2 every node held every part (the rank files, and the objects file of the plain values)
+    assert all(r["held"] == results[0]["held"] and set(ranks) <= set(r["held"]) for r in results), results
+    sent = [r["moved"]["files_sent"] for r in results]
+    assert sum(sent) == 2 * (len(results[0]["held"])) and all(r["moved"]["files_received"] >= 2 for r in results)
+    survivor = ({0, 1, 2} - set(lost)).pop()
+    moves = results[0]["moves"]
+    assert sorted(moves) == sorted(lost) and all(src == survivor for n in lost for _, src in moves[n])
+    assert all(r["equal"] and set(results[0]["held"]) <= set(r["files"]) for r in results)
+    assert not any(f.startswith(".") for r in results for f in r["files"])
