@@ -175,30 +175,28 @@ class Tiers:
     def _fetch(self, comm: Comm, plan: Any, reader: Any) -> Any:
         """Make every node's copy of ``plan``'s checkpoint readable: first what every copy needs
         (metadata.json, the chunk index), then, when ``probe`` can tell, only the files each
-        node's ranks will read (else every file it lacks). Returns the plan carried out."""
+        node's ranks will read (else every file it lacks), a file they read little of only in
+        the ranges they read. Returns the plan carried out."""
         fsync, group = self.ctx.engine.fsync, self.drainer.group
         t0 = time.perf_counter()
         first = plan.restrict({n: () for n in range(self.nodes.count)}, always=plan.essential)
         node_tier.fetch(comm, self.nodes, self.fast, first, group, durable=reader, fsync=fsync)
         t1 = time.perf_counter()
         wanted: dict[int, Any] = {}
-        if self.probe is not None:
-            names = self.probe(os.path.join(self.fast, plan.name))
-            for r, got in enumerate(comm.all_gather_json(names, "node tier: files wanted")):
-                node = self.nodes.node_of[r]
-                if got is None or (node in wanted and wanted[node] is None):
-                    wanted[node] = None
-                else:
-                    wanted.setdefault(node, set()).update(got)
+        ranges: dict[int, Any] = {}
+        if self.probe is not None:  # each rank: the files it reads, and which bytes of them
+            got = comm.all_gather_json(self.probe(os.path.join(self.fast, plan.name)), "node tier: files wanted")
+            wanted, ranges = node_tier.wanted_by_node(self.nodes, got, plan.files)
         rest = replace(plan, moves={n: tuple(m for m in mv if m[0] not in plan.essential)
                                     for n, mv in plan.moves.items()})
-        second = rest.restrict(wanted)
+        second = rest.restrict(wanted, ranges=ranges)
         t2 = time.perf_counter()
         node_tier.fetch(comm, self.nodes, self.fast, second, group, durable=reader, fsync=fsync)
         self.restore_phases = {"metadata_s": round(t1 - t0, 4), "plan_s": round(t2 - t1, 4),
                                "files_s": round(time.perf_counter() - t2, 4)}
         merged = {n: first.moves.get(n, ()) + second.moves.get(n, ()) for n in range(self.nodes.count)}
-        return replace(plan, moves={n: m for n, m in merged.items() if m}, skipped=second.skipped)
+        return replace(plan, moves={n: m for n, m in merged.items() if m}, skipped=second.skipped,
+                       ranges=second.ranges)
 
     def _set_aside(self, comm: Comm, broken: list[str]) -> None:
         """Parts of newer checkpoints no copy completes would block the next save of their step."""

@@ -29,7 +29,7 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from .storage.retention import list_checkpoints
 log = get_logger(__name__)
 BLOCK = 8 << 20
 PROBE = ".hpdcp-node-probe-"
+RANGES_SUFFIX = ".ranges"
+SPAN_GAP = 1 << 20  # ranges closer than this are fetched as one
+RANGED_BELOW = 0.5  # a file its node's ranks read less of than this share is fetched in ranges
 
 
 @dataclass(frozen=True)
@@ -126,23 +129,27 @@ def check_sharing(comm: Comm, nodes: Nodes, directory: str, node_local: bool, ke
 # reads block i+1 while block i is sent, the receiver writes and hashes block i while block i+1
 # arrives. The receiver computes the file's checksum from the blocks as they pass, so a file is
 # verified without being read again once it has landed.
-def _blocks(size: int) -> list[tuple[int, int]]:
-    return [(pos, min(BLOCK, size - pos)) for pos in range(0, size, BLOCK)]
+def _blocks(size: int, spans: Iterable[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """(offset, length) of each block that moves: the whole file, or only ``spans`` of it."""
+    return [(pos, min(BLOCK, hi - pos)) for lo, hi in (spans if spans is not None else [(0, size)])
+            for pos in range(lo, min(hi, size), BLOCK)]
 
 
-def _send_file(path: str, size: int, dst: int, group: Any) -> None:
-    """Send ``size`` bytes of ``path`` in blocks. A file that cannot be read to its end still
-    sends every block (zeros for what is missing: the receiver's checksum refuses them) and then
-    raises, so the two sides never fall out of step and leave the peer waiting for a timeout."""
+def _send_file(path: str, size: int, dst: int, group: Any, spans: Any = None) -> None:
+    """Send ``size`` bytes of ``path`` (or its ``spans``) in blocks. A file that cannot be read
+    to its end still sends every block (zeros for what is missing: the receiver's checksum
+    refuses them) and then raises, so the two sides never fall out of step and leave the peer
+    waiting for a timeout."""
     err: BaseException | None = None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         fd, err = None, e
-    bufs = [torch.empty(min(BLOCK, size), dtype=torch.uint8) for _ in range(min(2, len(_blocks(size))))]
+    blocks = _blocks(size, spans)
+    bufs = [torch.empty(max((n for _, n in blocks), default=0), dtype=torch.uint8) for _ in range(min(2, len(blocks)))]
     sending = None
     try:
-        for i, (pos, n) in enumerate(_blocks(size)):
+        for i, (pos, n) in enumerate(blocks):
             view = bufs[i % 2][:n]  # read into, sent from: no copy between
             got = 0
             if err is None:
@@ -183,10 +190,12 @@ def _checker(name: str, size: int) -> Any:
     return _Sha256() if name == METADATA_FILE else FileDigest(name, size)
 
 
-def _recv_file(path: str | None, size: int, src: int, group: Any, check: Any = None, fsync: bool = False) -> None:
-    """Receive ``size`` bytes into the new file ``path`` (None: discard them), each block given to
-    ``check.update`` as it arrives (``fsync``: the file synced once whole). Every block is received even when writing fails (the error is
-    raised at the end), for the same reason as in ``_send_file``."""
+def _recv_file(path: str | None, size: int, src: int, group: Any, check: Any = None, fsync: bool = False,
+               spans: Any = None) -> None:
+    """Receive ``size`` bytes (or ``spans`` of them, each at its offset in a file of ``size``
+    bytes, holes between) into the new file ``path`` (None: discard them), each block given to
+    ``check.update`` as it arrives (``fsync``: the file synced once whole). Every block is
+    received even when writing fails (the error is raised at the end), as in ``_send_file``."""
     err: BaseException | None = None
     f = None
     if path is not None:
@@ -194,23 +203,27 @@ def _recv_file(path: str | None, size: int, src: int, group: Any, check: Any = N
             f = open(path, "xb")
         except OSError as e:
             err = e
-    blocks = _blocks(size)
-    bufs = [torch.empty(min(BLOCK, size), dtype=torch.uint8) for _ in range(min(2, len(blocks)))]
+    blocks = _blocks(size, spans)
+    bufs = [torch.empty(max((n for _, n in blocks), default=0), dtype=torch.uint8) for _ in range(min(2, len(blocks)))]
     try:
         coming = dist.irecv(bufs[0][:blocks[0][1]], src=src, group=group) if blocks else None
-        for i, (_, n) in enumerate(blocks):
+        for i, (pos, n) in enumerate(blocks):
             coming.wait()
             if i + 1 < len(blocks):
                 coming = dist.irecv(bufs[(i + 1) % 2][:blocks[i + 1][1]], src=src, group=group)
             data = memoryview(bufs[i % 2][:n].numpy())
             if f is not None and err is None:
                 try:
+                    if spans is not None:
+                        f.seek(pos)
                     f.write(data)
                     if check is not None:
                         check.update(data)
                 except (OSError, HpdcpError) as e:
                     err = e
         if f is not None and err is None:
+            if spans is not None:
+                f.truncate(size)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -249,20 +262,23 @@ def _expected(table: "Table") -> dict[str, tuple[int, str]]:
     return out
 
 
-def _land(directory: str, name: str, size: int, checksum: str, receive: Any, fsync: bool) -> None:
+def _land(directory: str, name: str, size: int, checksum: str, receive: Any, fsync: bool,
+          ranged: bool = False) -> None:
     """Receive one file into ``directory`` under a hidden name (``receive(path, check)`` writes it,
     giving every byte to ``check``), compare its checksum with the recorded one, then give it its
-    name: a file that differs never takes it."""
+    name: a file that differs never takes it. ``ranged``: only some ranges of it were received;
+    there is no whole file to check, it takes ``ranges_name(name)`` (each chunk in it is checked
+    as the load reads it)."""
     part = os.path.join(directory, f".{name}.part-{uuid.uuid4().hex[:8]}")
     try:
-        check = _checker(name, size)
+        check = None if ranged else _checker(name, size)
         receive(part, check)
-        got = check.hexdigest()
+        got = check.hexdigest() if check is not None else checksum
         if got != checksum:
             what = "the metadata.json agreed" if name == METADATA_FILE else "metadata.json"
             raise CorruptCheckpointError(f"{os.path.join(directory, name)}: checksum {got} of the copy received "
                                          f"differs from the {checksum} {what} records; not kept")
-        os.rename(part, os.path.join(directory, check_file_name(name)))
+        os.rename(part, os.path.join(directory, ranges_name(name) if ranged else check_file_name(name)))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(part)
@@ -433,11 +449,15 @@ class RestorePlan:
     essential: tuple[str, ...] = (METADATA_FILE,)
     #: per node, the files it lacks and does not fetch (its ranks read none of them)
     skipped: Mapping[int, int] = field(default_factory=dict)
+    #: per node, the files it fetches in part: name -> the byte ranges (the rest of it: holes)
+    ranges: Mapping[int, Mapping[str, tuple[tuple[int, int], ...]]] = field(default_factory=dict)
 
-    def restrict(self, wanted: Mapping[int, Iterable[str] | None], *, always: Iterable[str] = ()) -> "RestorePlan":
-        """The moves of the files each node wants (None: all), plus ``always``; the rest skipped."""
+    def restrict(self, wanted: Mapping[int, Iterable[str] | None], *, always: Iterable[str] = (),
+                 ranges: Mapping[int, Mapping[str, tuple[tuple[int, int], ...]]] | None = None) -> "RestorePlan":
+        """The moves of the files each node wants (None: all), plus ``always``; the rest skipped.
+        ``ranges``: of those, the ones fetched in part (``wanted_by_node``)."""
         keep = set(always)
-        moves, skipped = {}, {}
+        moves, skipped, parts = {}, {}, {}
         for n, mv in self.moves.items():
             want = wanted.get(n)
             allowed = None if want is None else keep | set(want)
@@ -446,11 +466,15 @@ class RestorePlan:
                 moves[n] = kept
             if len(mv) > len(kept):
                 skipped[n] = len(mv) - len(kept)
-        return replace(self, moves=moves, skipped=skipped)
+            mine = {f: r for f, r in (ranges or {}).get(n, {}).items() if any(f == m[0] for m in kept)}
+            if mine:
+                parts[n] = mine
+        return replace(self, moves=moves, skipped=skipped, ranges=parts)
 
     def summary(self, nodes: Nodes) -> dict[str, dict[str, int]]:
-        """Per node: how many files it had, how many came from each peer or the durable tier, and
-        how many it lacked and did not need."""
+        """Per node: how many files it had, how many came from each peer or the durable tier (and
+        how many of those only in the ranges its ranks read), and how many it lacked and did not
+        need."""
         out = {}
         for n in range(nodes.count):
             skipped = self.skipped.get(n, 0)
@@ -460,8 +484,40 @@ class RestorePlan:
             for _, src in self.moves.get(n, ()):
                 where = "durable" if src < 0 else f"from {nodes.names[src]}"
                 got[where] = got.get(where, 0) + 1
+            if self.ranges.get(n):
+                got["of them in part"] = len(self.ranges[n])
             out[nodes.names[n]] = got
         return out
+
+
+def wanted_by_node(nodes: Nodes, per_rank: Sequence[Mapping[str, Any] | None], sizes: Mapping[str, int]
+                   ) -> tuple[dict[int, set[str] | None], dict[int, dict[str, tuple[tuple[int, int], ...]]]]:
+    """From every rank's ``wanted_files`` (by rank): per node, the files its ranks read (None:
+    every file) and, of those, the ones to fetch in part: every rank of the node gave its byte
+    ranges and together they cover less than ``RANGED_BELOW`` of the file (``sizes``)."""
+    wanted: dict[int, set[str] | None] = {}
+    spans: dict[int, dict[str, list | None]] = {}
+    for r, got in enumerate(per_rank):
+        node = nodes.node_of[r]
+        if got is None or (node in wanted and wanted[node] is None):
+            wanted[node] = None
+            continue
+        wanted.setdefault(node, set()).update(got)  # type: ignore[union-attr]
+        mine = spans.setdefault(node, {})
+        for name, sp in got.items():
+            if sp is None or mine.get(name, []) is None:
+                mine[name] = None
+            else:
+                mine[name] = [*mine.get(name, []), *(tuple(x) for x in sp)]
+    ranges: dict[int, dict[str, tuple[tuple[int, int], ...]]] = {}
+    for node, files in spans.items():
+        for name, sp in files.items():
+            if wanted.get(node) is None or sp is None or name not in sizes:
+                continue
+            merged = merge_spans(sp)
+            if sum(hi - lo for lo, hi in merged) < RANGED_BELOW * sizes[name]:
+                ranges.setdefault(node, {})[name] = tuple(merged)
+    return wanted, ranges
 
 
 def plan_restore(holdings: Mapping[int, Holding], nodes: Nodes, durable_has: bool) -> RestorePlan | None:
@@ -491,7 +547,8 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
     """Carry out ``plan``: each node's leader receives what its directory lacks of the checkpoint
     (from the peer the plan names, or read from ``durable``, a reader of the durable tier's copy),
     each file verified before it takes its name; a node that held nothing of it builds the
-    directory under a staging name and renames it when complete. Agreed on every rank. The
+    directory under a staging name and renames it when complete; a file the plan fetches in
+    ranges (``plan.ranges``) lands as ``ranges_name``. Agreed on every rank. The
     files are not fsynced one by one (the load that follows reads them from the page cache;
     ``fsync`` syncs the directory once at the end): a file a crash then leaves short or torn
     fails its size or checksum check, and the next restore fetches it again."""
@@ -515,14 +572,15 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
             size, checksum = expected[name]
             dst = nodes.leader(dst_node)
             src = nodes.leader(src_node) if src_node >= 0 else None
+            spans = plan.ranges.get(dst_node, {}).get(name)  # (None: the whole file)
 
             def move() -> None:
                 if src is not None and comm.rank == src:
-                    _send_file(os.path.join(path, name), size, dst, group)
+                    _send_file(os.path.join(path, name), size, dst, group, spans)
                 elif comm.rank == dst:
-                    receive = (functools.partial(_copy_from, durable, name, size) if src is None else
-                               lambda p, check: _recv_file(p, size, src, group, check))
-                    _land(target["dir"], name, size, checksum, receive, False)
+                    receive = (functools.partial(_copy_from, durable, name, size, spans=spans) if src is None else
+                               lambda p, check: _recv_file(p, size, src, group, check, spans=spans))
+                    _land(target["dir"], name, size, checksum, receive, False, ranged=spans is not None)
 
             comm.agree(f"node tier: restore {name} to {nodes.names[dst_node]}", move)
 
@@ -542,7 +600,8 @@ def _metadata_from(comm: Comm, nodes: Nodes, holder: int, path: str) -> str:
                       lambda: _read(os.path.join(path, METADATA_FILE)).decode() if comm.rank == src else None)[src]
 
 
-def _copy_from(durable: Any, name: str, size: int, dest: str, check: Any) -> None:
+def _copy_from(durable: Any, name: str, size: int, dest: str, check: Any, spans: Any = None) -> None:
+    """The durable copy's file ``name`` (or its ``spans``, at their offsets) into ``dest``."""
     if durable is None:
         raise MetadataError(f"{name}: no node holds it and there is no durable copy to read it from")
     fh = durable.open_file(name)
@@ -551,14 +610,16 @@ def _copy_from(durable: Any, name: str, size: int, dest: str, check: Any) -> Non
     raf = as_random_access(fh)
     try:
         with open(dest, "xb") as f:
-            pos = 0
-            while pos < size:
-                block = raf.pread(min(BLOCK, size - pos), pos)
-                if not block:
-                    raise CorruptCheckpointError(f"{durable.checkpoint_id}/{name}: ended at {pos} of {size} bytes")
+            for pos, n in _blocks(size, spans):
+                block = raf.pread(n, pos)
+                if len(block) != n:
+                    raise CorruptCheckpointError(f"{durable.checkpoint_id}/{name}: ended at {pos + len(block)} of "
+                                                 f"{size} bytes")
+                f.seek(pos)
                 f.write(block)
-                check.update(block)
-                pos += len(block)
+                if check is not None:
+                    check.update(block)
+            f.truncate(size)
     finally:
         raf.close()
 
@@ -589,45 +650,72 @@ def set_aside(comm: Comm, nodes: Nodes, directory: str, names: Iterable[str]) ->
     return comm.agree("node tier: set aside", move)[comm.rank]
 
 
-class FilesWanted(Exception):
-    """Raised by a probing ``NodeLocalReader`` where the load checks its files: the names."""
+def merge_spans(spans: Iterable[Iterable[int]], gap: int = SPAN_GAP) -> list[tuple[int, int]]:
+    """Byte ranges sorted and joined where they overlap or lie within ``gap`` of each other."""
+    out: list[list[int]] = []
+    for lo, hi in sorted((int(a), int(b)) for a, b in spans):
+        if out and lo <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
 
-    def __init__(self, names: Iterable[str]) -> None:
+
+class FilesWanted(Exception):
+    """Raised by a probing ``NodeLocalReader`` where the load checks its files: the names, each
+    with the byte ranges the rank reads from it (None: all of it)."""
+
+    def __init__(self, names: Iterable[str], spans: Mapping[str, list[tuple[int, int]]] | None) -> None:
         super().__init__("node tier probe: the files this rank reads")
-        self.names = sorted(names)
+        self.wanted = {n: (merge_spans(spans[n]) if spans is not None and n in spans else None) for n in sorted(names)}
+
+
+def ranges_name(name: str) -> str:
+    """Where a node-local restore keeps the ranges of ``name`` its ranks read (a hidden name: a
+    file with holes is never under the checkpoint's name, and never counts as held)."""
+    return f".{check_file_name(name)}{RANGES_SUFFIX}"
 
 
 class NodeLocalReader(FileSystemReader):
     """The reader of a node-local checkpoint: every node reads its own copy, so the coordinator's
     pin (its directory's inode) names nothing here; the copies were agreed by their metadata's
-    digest (``plan_restore``) and every chunk is checked against its checksum as it is read.
+    digest (``plan_restore``) and every chunk is checked against its checksum as it is read. A
+    file the restore fetched in ranges (``ranges_name``) is read in place of the missing one.
     ``probe``: stop the load where it checks the files its plan reads, before any byte moves,
     raising ``FilesWanted`` (``wanted_files``)."""
 
     def __init__(self, path: str | os.PathLike, probe: bool = False, **options: Any) -> None:
-        super().__init__(path, **options)
+        aliases = {}
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(path):
+                name = entry[1:-len(RANGES_SUFFIX)]
+                if entry.startswith(".") and entry.endswith(RANGES_SUFFIX) and name and \
+                        not os.path.exists(os.path.join(path, name)):
+                    aliases[name] = entry
+        super().__init__(path, aliases=aliases, **options)
         self.probe = probe
 
     def pin(self) -> Any:
         return None
 
-    def check_files(self, names: Iterable[str]) -> None:
-        if self.probe:
-            raise FilesWanted(names)
-        super().check_files(names)
+    def check_reads(self, names: Iterable[str], spans: Any) -> None:
+        if self.probe:  # ranges only where every chunk read is verified (a hole never reads as data)
+            raise FilesWanted(names, spans() if self.verify_checksums else None)
+        super().check_reads(names, spans)
 
 
-def wanted_files(load: Any) -> list[str] | None:
-    """The files this rank's load would read: ``load()`` runs a load through a probing
-    ``NodeLocalReader`` (every rank, collectively), which stops where the files are checked.
-    None when it stopped anywhere else (the caller then fetches every file)."""
+def wanted_files(load: Any) -> dict[str, list[tuple[int, int]] | None] | None:
+    """The files this rank's load would read, each with the byte ranges it reads (None: all of
+    it): ``load()`` runs a load through a probing ``NodeLocalReader`` (every rank,
+    collectively), which stops where the files are checked. None when it stopped anywhere else
+    (the caller then fetches every file)."""
     try:
         load()
     except BaseException as e:
         seen, cur = set(), e
         while cur is not None and id(cur) not in seen:
             if isinstance(cur, FilesWanted):
-                return cur.names
+                return cur.wanted
             seen.add(id(cur))
             cur = cur.__cause__ or cur.__context__
         log.warning("node tier: the probe of what this rank reads stopped elsewhere (%s: %s); fetching every file",

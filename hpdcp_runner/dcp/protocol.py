@@ -535,14 +535,25 @@ class LoadSteps:
         own = self.own = self.planner.create_local_plan()
         # every file this rank may read exists, is regular and has its recorded size, checked
         # here (an agreed step) before any data moves into the caller's tensors
-        self.reader.check_files(sorted({md.tensors[it.fqn].chunks[it.chunk].file for it in own.items}
-                                       | {md.objects[f].file for f in own.objects}))
+        self.reader.check_reads(sorted({md.tensors[it.fqn].chunks[it.chunk].file for it in own.items}
+                                       | {md.objects[f].file for f in own.objects}), self._chunk_spans)
         # no broadcasts without replicas to share: the coordinator need not see shards
         sharing = self.options.mode != "never"
         shards = CompactShards.from_summaries(own.shards if sharing else ())
         parts = CompactParts.from_parts(self._amplified_parts() if sharing and self.options.share_reads else ())
         return LoadPlanMsg(own.missing, key_bitmap(md.keys(), own.requested), shards, node_id(),
                            bool(self.reader.slow_storage), parts).to_wire()
+
+    def _chunk_spans(self) -> dict[str, list[tuple[int, int]]]:
+        """The bytes of each file this rank's plan reads from: every chunk it reads a part of,
+        whole (a shared read's source reads other members' parts of the same chunks)."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for it in self.own.items:
+            tm = self.md.tensors[it.fqn]
+            chunk = tm.chunks[it.chunk]
+            out.setdefault(chunk.file, []).append(
+                (chunk.byte_offset, chunk.byte_offset + chunk.box.numel * element_size(tm.dtype)))
+        return out
 
     def _amplified_parts(self) -> list[Part]:
         """This rank's reads that would fetch ``AMPLIFIED`` times their bytes or more (a part of

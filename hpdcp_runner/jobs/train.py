@@ -152,9 +152,10 @@ def _restore(ctx: JobContext, tr: Trainer, path: str, losses: dict[int, float], 
     return f"reseeded (saved by {saved_ws} ranks, resumed on {ws})"
 
 
-def _files_read(ctx: JobContext, tr: Trainer, path: str) -> list[str] | None:
-    """The files of ``path`` this rank's resume would read (a node-local tier fetches only those):
-    the same load, stopped where it checks its files, before any byte moves."""
+def _files_read(ctx: JobContext, tr: Trainer, path: str) -> dict[str, Any] | None:
+    """The files of ``path`` this rank's resume would read, with the byte ranges it reads (a
+    node-local tier fetches only those): the same load, stopped where it checks its files, before
+    any byte moves."""
     same = dcp.read_metadata(path).world_size == ctx.info.world_size
     target = _state(tr, ctx.info.rank, {}, with_rank_state=same)
     return node_tier.wanted_files(lambda: ctx.load(target, path, phase="train.restore_probe", strict=False,

@@ -218,3 +218,98 @@ def test_three_nodes_two_replicas_survive_two_lost_disks(tmp_path, lost):
     assert sorted(moves) == sorted(lost) and all(src == survivor for n in lost for _, src in moves[n])
     assert all(r["equal"] and set(results[0]["held"]) <= set(r["files"]) for r in results)
     assert not any(f.startswith(".") for r in results for f in r["files"])
+
+
+def _ranged_body(rank, world, base):
+    """Node 1's disk lost; its ranks read their own shards and a few small replicated tensors
+    that the save's dedup put in node 0's files: those files come over in the ranges read only,
+    under a hidden name, and the same load is bitwise; a load reading more of them (the whole
+    of ``w``) fails on a chunk's checksum instead of reading the holes as data."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hpdcp_runner import dcp
+    from hpdcp_runner.dcp.tools import Comm, node_tier, series_extra
+
+    fast = _node_dir(base, rank)
+    comm = Comm.create()
+    nodes = node_tier.Nodes.discover(comm)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(11)
+    w = torch.randn(1024, 512)  # 512 KiB a rank
+    small = {f"r{i}": torch.randn(300 + i) for i in range(8)}  # replicated: written once, by any rank
+    state = {"w": distribute_tensor(w, mesh, [Shard(0)]), **small}
+    path = os.path.join(fast, "step_3")
+    writer = dcp.FileSystemWriter(path, node_local=True)
+    dcp.save(state, checkpoint_id="fast/step_3", storage_writer=writer, extra=series_extra("step_{step}", 3))
+    worker = node_tier.Background(30)
+    worker.submit(lambda c: node_tier.replicate(c, nodes, path, node_tier.publish_parts(c, nodes, path,
+                                                                                         writer.staging_token),
+                                                1, c.group))
+    assert worker.close() == []
+    comm.agree("saved", lambda: None)
+    if rank == 2:
+        shutil.rmtree(os.path.dirname(fast))
+    comm.agree("lost", lambda: None)
+    plan = node_tier.plan_restore(node_tier.survey(comm, nodes, fast, "step_{step}")["step_3"], nodes, False)
+
+    def target():
+        return {"w": torch.distributed.tensor.zeros(1024, 512, device_mesh=mesh, placements=[Shard(0)]),
+                **{k: torch.zeros_like(v) for k, v in small.items()}}
+
+    def run(p):
+        job = node_tier.Background(30)
+        job.submit(lambda c: node_tier.fetch(c, nodes, fast, p, c.group))
+        assert job.close() == []
+
+    run(plan.restrict({n: () for n in range(nodes.count)}, always=plan.essential))  # what every copy needs
+    wanted = node_tier.wanted_files(lambda: dcp.load(target(), checkpoint_id="fast/step_3",
+                                                     storage_reader=node_tier.NodeLocalReader(path, probe=True)))
+    got = comm.all_gather_json(wanted, "wanted")
+    by_node, ranges = node_tier.wanted_by_node(nodes, got, plan.files)
+    rest = plan.restrict(by_node, ranges=ranges)
+    rest = node_tier.replace(rest, moves={n: tuple(m for m in mv if m[0] not in plan.essential)
+                                          for n, mv in rest.moves.items()})
+    run(rest)
+    loaded = target()
+    dcp.load(loaded, checkpoint_id="fast/step_3", storage_reader=node_tier.NodeLocalReader(path))
+    whole = {"w": torch.zeros(1024, 512)} if rank >= 2 else {}  # (node 1 reads it: nothing broadcast from 0)
+    try:
+        dcp.load(whole, checkpoint_id="fast/step_3", storage_reader=node_tier.NodeLocalReader(path), strict=False)
+        refused = ""
+    except Exception as e:  # agreed on every rank
+        refused = f"{type(e).__name__}: {e}"
+    return {"equal": torch.equal(loaded["w"].to_local(), state["w"].to_local())
+            and all(torch.equal(loaded[k], v) for k, v in small.items()),
+            "ranges": {str(n): sorted(r) for n, r in rest.ranges.items()}, "files": sorted(os.listdir(path)),
+            "summary": rest.summary(nodes), "refused": refused}
+
+
+def test_a_file_read_little_of_is_fetched_in_the_ranges_read(tmp_path):
+    results = run_ranks(4, _ranged_body, str(tmp_path))
+    assert all(r["equal"] for r in results)
+    ranged = results[0]["ranges"]
+    assert list(ranged) == ["1"] and ranged["1"], ranged  # node 1 only, some of node 0's files
+    for name in ranged["1"]:
+        assert name in ("rank00000.safetensors", "rank00001.safetensors")
+        assert f".{name}.ranges" in results[2]["files"] and name not in results[2]["files"]
+    assert "rank00002.safetensors" in results[2]["files"] and "rank00003.safetensors" in results[2]["files"]
+    node1 = list(results[0]["summary"].values())[1]
+    assert node1["of them in part"] == len(ranged["1"])
+    assert all("checksum" in r["refused"] for r in results), [r["refused"] for r in results]
+
+
+def test_wanted_by_node_merges_ranks_and_keeps_a_file_wanted_whole_whole():
+    from hpdcp_runner.dcp.tools import node_tier
+
+    nodes = node_tier.Nodes((0, 0, 1, 1), ("h#0", "h#1"))
+    sizes = {"a": 100 << 20, "b": 100 << 20, "c": 10}
+    per_rank = [{"a": None},  # node 0: all of a
+                {"b": [[0, 10]]},
+                {"a": [[0, 1 << 20]], "b": [[5 << 20, 6 << 20]]},  # node 1: a little of a and b
+                {"a": [[(1 << 20) + 100, 2 << 20]], "b": None, "c": [[0, 10]]}]  # b whole on rank 3
+    wanted, ranges = node_tier.wanted_by_node(nodes, per_rank, sizes)
+    assert wanted == {0: {"a", "b"}, 1: {"a", "b", "c"}}
+    assert ranges == {0: {"b": ((0, 10),)}, 1: {"a": ((0, 2 << 20),)}}  # joined; c: all of it is read
+    assert node_tier.wanted_by_node(nodes, [None, {"a": None}, {"a": None}, {"a": None}], sizes)[0] == \
+        {0: None, 1: {"a"}}

@@ -146,7 +146,7 @@ class StorageReader(ABC):
 
         rank 0:     text = read_metadata_text(); p = pin()  # the metadata and what was read
         every rank: attach_metadata(parsed, pin=p)          # validated metadata; same checkpoint?
-        every rank: check_files(names)                      # before any byte moves
+        every rank: check_reads(names, spans)               # check_files(names), before any byte moves
         every rank: read_tensors(requests); read_objects(wanted, allow_pickle=...)
         every rank: close()
 
@@ -184,6 +184,13 @@ class StorageReader(ABC):
     def check_files(self, names: Iterable[str]) -> None:
         """Check these files (exist, readable, recorded size) before any data is read; a storage
         that cannot check cheaply may do nothing."""
+
+    def check_reads(self, names: Iterable[str], spans: Callable[[], Mapping[str, list[tuple[int, int]]]]) -> None:
+        """What a load calls before any data is read: ``check_files(names)``. ``spans()`` gives
+        the byte ranges of each of those files this rank's plan may read (the whole chunks it
+        reads from): a reader that must get a file before it can read it (a node-local restore)
+        may get only those ranges."""
+        self.check_files(names)
 
     def pin(self) -> Any:
         """Coordinator, after ``read_metadata_text``: a JSON-able identity of what was read (None:

@@ -232,5 +232,5 @@ class FileSystemReader(CheckpointReader):
     """The reader of our checkpoint in a local directory: a :class:`CheckpointReader` over the
     directory pinned by a descriptor (``posix_files.PinnedDirectory``)."""
 
-    def __init__(self, path: str | os.PathLike, **options: Any) -> None:
-        super().__init__(PinnedDirectory(path), **options)
+    def __init__(self, path: str | os.PathLike, aliases: Mapping[str, str] | None = None, **options: Any) -> None:
+        super().__init__(PinnedDirectory(path, aliases), **options)

@@ -6,7 +6,7 @@ import errno
 import os
 import stat
 import threading
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ...core.errors import CheckpointNotFoundError, CorruptCheckpointError, HpdcpError, MetadataError
 from ...core.rafile import FdFile, RandomAccessFile, open_regular, open_regular_file
@@ -30,14 +30,17 @@ class PinnedDirectory(CheckpointFiles):
     keeps reading the one it started with, or fails saying it changed. Files are opened without
     following links and must be regular files (no FIFO or device can hang a load)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, aliases: Mapping[str, str] | None = None) -> None:
         self.url = os.path.abspath(os.fspath(path))
+        #: a checkpoint file's name -> the name it is read under here (a node-local restore's
+        #: file holding only the ranges its ranks read: never under the checkpoint's name)
+        self.aliases = dict(aliases or {})
         self._dir_fd: int | None = None
         self._subdirs: dict[str, int] = {}  # a subdirectory's path: its descriptor, opened inside the pin
         self._subdirs_lock = threading.Lock()
 
     def _join(self, name: str) -> str:
-        return os.path.join(self.url, name)
+        return os.path.join(self.url, self.aliases.get(name, name))
 
     # -- the pin ------------------------------------------------------------------------------
     def pin_directory(self) -> None:
@@ -118,7 +121,7 @@ class PinnedDirectory(CheckpointFiles):
         subdirectory (``zero/<param>/fp32.pt``) reaches it one directory at a time, each opened
         inside the pinned one without following a link, so no link can lead a load outside."""
         self.pin_directory()
-        *dirs, base = plain_name(name, self.url).split("/")
+        *dirs, base = plain_name(self.aliases.get(name, name), self.url).split("/")
         fd = self._dir_fd
         for i in range(len(dirs)):
             sub = "/".join(dirs[:i + 1])
