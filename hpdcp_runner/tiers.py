@@ -176,10 +176,11 @@ class Tiers:
         """Make every node's copy of ``plan``'s checkpoint readable: first what every copy needs
         (metadata.json, the chunk index), then, when ``probe`` can tell, only the files each
         node's ranks will read (else every file it lacks), a file they read little of only in
-        the ranges they read. Returns the plan carried out."""
+        the ranges they read; a file only the durable copy holds is read from it once and sent
+        on. Returns the plan carried out."""
         fsync, group = self.ctx.engine.fsync, self.drainer.group
         t0 = time.perf_counter()
-        first = plan.restrict({n: () for n in range(self.nodes.count)}, always=plan.essential)
+        first = plan.restrict({n: () for n in range(self.nodes.count)}, always=plan.essential).share_durable_reads()
         node_tier.fetch(comm, self.nodes, self.fast, first, group, durable=reader, fsync=fsync)
         t1 = time.perf_counter()
         wanted: dict[int, Any] = {}
@@ -189,7 +190,7 @@ class Tiers:
             wanted, ranges = node_tier.wanted_by_node(self.nodes, got, plan.files)
         rest = replace(plan, moves={n: tuple(m for m in mv if m[0] not in plan.essential)
                                     for n, mv in plan.moves.items()})
-        second = rest.restrict(wanted, ranges=ranges)
+        second = rest.restrict(wanted, ranges=ranges).share_durable_reads()
         t2 = time.perf_counter()
         node_tier.fetch(comm, self.nodes, self.fast, second, group, durable=reader, fsync=fsync)
         self.restore_phases = {"metadata_s": round(t1 - t0, 4), "plan_s": round(t2 - t1, 4),

@@ -471,6 +471,18 @@ class RestorePlan:
                 parts[n] = mine
         return replace(self, moves=moves, skipped=skipped, ranges=parts)
 
+    def share_durable_reads(self) -> "RestorePlan":
+        """A file no node holds that several nodes fetch is read from the durable copy once, by
+        the lowest node that fetches it whole, and sent on from there (``fetch`` runs every
+        durable read before the moves between nodes)."""
+        readers: dict[str, int] = {}
+        for n, mv in sorted(self.moves.items()):
+            for f, src in mv:
+                if src < 0 and f not in self.ranges.get(n, {}):
+                    readers.setdefault(f, n)
+        return replace(self, moves={n: tuple((f, readers[f]) if src < 0 and readers.get(f, n) != n else (f, src)
+                                             for f, src in mv) for n, mv in self.moves.items()})
+
     def summary(self, nodes: Nodes) -> dict[str, dict[str, int]]:
         """Per node: how many files it had, how many came from each peer or the durable tier (and
         how many of those only in the ranges its ranks read), and how many it lacked and did not
@@ -567,22 +579,23 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
             target["dir"] = staging
 
     comm.agree("node tier: restore prepare", prepare)
-    for dst_node in range(nodes.count):
-        for name, src_node in plan.moves.get(dst_node, ()):
-            size, checksum = expected[name]
-            dst = nodes.leader(dst_node)
-            src = nodes.leader(src_node) if src_node >= 0 else None
-            spans = plan.ranges.get(dst_node, {}).get(name)  # (None: the whole file)
+    order = [(dst_node, name, src_node) for dst_node in range(nodes.count)
+             for name, src_node in plan.moves.get(dst_node, ())]
+    for dst_node, name, src_node in sorted(order, key=lambda m: m[2] >= 0):  # durable reads first
+        size, checksum = expected[name]
+        dst = nodes.leader(dst_node)
+        src = nodes.leader(src_node) if src_node >= 0 else None
+        spans = plan.ranges.get(dst_node, {}).get(name)  # (None: the whole file)
 
-            def move() -> None:
-                if src is not None and comm.rank == src:
-                    _send_file(os.path.join(path, name), size, dst, group, spans)
-                elif comm.rank == dst:
-                    receive = (functools.partial(_copy_from, durable, name, size, spans=spans) if src is None else
-                               lambda p, check: _recv_file(p, size, src, group, check, spans=spans))
-                    _land(target["dir"], name, size, checksum, receive, False, ranged=spans is not None)
+        def move() -> None:
+            if src is not None and comm.rank == src:  # (a file it fetched itself is in its staging)
+                _send_file(os.path.join(target["dir"], name), size, dst, group, spans)
+            elif comm.rank == dst:
+                receive = (functools.partial(_copy_from, durable, name, size, spans=spans) if src is None else
+                           lambda p, check: _recv_file(p, size, src, group, check, spans=spans))
+                _land(target["dir"], name, size, checksum, receive, False, ranged=spans is not None)
 
-            comm.agree(f"node tier: restore {name} to {nodes.names[dst_node]}", move)
+        comm.agree(f"node tier: restore {name} to {nodes.names[dst_node]}", move)
 
     def finish() -> None:
         if leader and target["dir"] != path:

@@ -313,3 +313,19 @@ def test_wanted_by_node_merges_ranks_and_keeps_a_file_wanted_whole_whole():
     assert ranges == {0: {"b": ((0, 10),)}, 1: {"a": ((0, 2 << 20),)}}  # joined; c: all of it is read
     assert node_tier.wanted_by_node(nodes, [None, {"a": None}, {"a": None}, {"a": None}], sizes)[0] == \
         {0: None, 1: {"a"}}
+
+
+def test_a_file_only_the_durable_copy_holds_is_read_from_it_once():
+    from hpdcp_runner.dcp.tools import node_tier
+
+    nodes = node_tier.Nodes((0, 1, 2), ("h#0", "h#1", "h#2"))
+    plan = node_tier.RestorePlan("s", 3, "d", {"a": 10, "b": 10, "c": 10},
+                                 {0: (("a", -1), ("b", -1)), 1: (("a", -1), ("b", -1), ("c", 0)), 2: (("a", -1),)},
+                                 ranges={0: {"a": ((0, 4),)}, 1: {"b": ((0, 4),)}})
+    shared = plan.share_durable_reads()
+    # a: node 0 wants part of it, node 1 the whole (reads it), node 2 the whole (gets it from 1);
+    # b: node 0 reads it whole, node 1 gets its part from node 0
+    assert shared.moves == {0: (("a", 1), ("b", -1)), 1: (("a", -1), ("b", 0), ("c", 0)), 2: (("a", 1),)}
+    only_parts = node_tier.RestorePlan("s", 3, "d", {"a": 10}, {0: (("a", -1),), 1: (("a", -1),)},
+                                       ranges={0: {"a": ((0, 4),)}, 1: {"a": ((5, 9),)}})
+    assert only_parts.share_durable_reads().moves == only_parts.moves  # nobody holds it whole: each reads its own
