@@ -344,44 +344,92 @@ def publish_parts(comm: Comm, nodes: Nodes, path: str, token: str, *, overwrite:
     return table
 
 
+@dataclass(frozen=True)
+class _Move:
+    """One file moving to a node: sent by rank ``src`` (a node's leader; None: read from the
+    durable copy) to rank ``dst`` (``spans``: only those byte ranges of it)."""
+
+    name: str
+    src: int | None
+    dst: int
+    spans: tuple[tuple[int, int], ...] | None = None
+
+
+def _run_moves(comm: Comm, moves: Sequence[_Move], send: Any, receive: Any, phase: str) -> None:
+    """Every move of ``moves`` (the same list, in the same order, on every rank): this rank sends
+    its moves in a thread of its own while it receives its own, so every pair of nodes moves at
+    once, each in the list's order (the earliest unfinished move always has both ends ready: no
+    wait can close a cycle). A file this rank receives and sends on is sent once it has landed.
+    A failed file does not stop the rest (both ends still move every block); the first failure
+    is raised on every rank, once all have run."""
+    outgoing = [m for m in moves if m.src == comm.rank]
+    incoming = [m for m in moves if m.dst == comm.rank]
+    landed = {m.name: threading.Event() for m in incoming}
+    errors: list[BaseException] = []
+
+    def sending() -> None:
+        for m in outgoing:
+            if m.name in landed:
+                landed[m.name].wait()
+            try:
+                send(m)
+            except BaseException as e:  # (kept for the agreement: this thread must not die silently)
+                errors.append(e)
+
+    def run() -> None:
+        thread = threading.Thread(target=sending, name="hpdcp-node-send", daemon=True) if outgoing else None
+        if thread is not None:
+            thread.start()
+        try:
+            for m in incoming:
+                try:
+                    receive(m)
+                except (HpdcpError, OSError) as e:
+                    errors.append(e)
+                finally:
+                    landed[m.name].set()
+        finally:
+            if thread is not None:
+                thread.join()
+        if errors:
+            raise errors[0]
+
+    comm.agree(phase, run)
+
+
 def replicate(comm: Comm, nodes: Nodes, path: str, table: Table, k: int, group: Any, *,
               fsync: bool = True) -> dict[str, int]:
     """Send each node's own ranks' files of the committed checkpoint ``path`` to its ``k``
-    partner nodes (``Nodes.partners``), leader to leader, one transfer at a time; each lands in
-    the partner's ``path`` verified. Returns what this rank sent and received (files, bytes)."""
+    partner nodes (``Nodes.partners``), leader to leader, every node at once (``_run_moves``);
+    each lands in the partner's ``path`` verified. Returns what this rank sent and received
+    (files, bytes)."""
     stats = {"files_sent": 0, "bytes_sent": 0, "files_received": 0, "bytes_received": 0}
     expected = _expected(table)
     order = sorted(table.files.items())
-    for i in range(1, k + 1):
-        for src_node in range(nodes.count):
-            dst_node = (src_node + i) % nodes.count
-            files = [(n, f.size, f.checksum) for n, f in order if nodes.node_of[f.rank % len(nodes.node_of)] == src_node]
-            src, dst = nodes.leader(src_node), nodes.leader(dst_node)
+    moves = [_Move(n, nodes.leader(src_node), nodes.leader((src_node + i) % nodes.count))
+             for i in range(1, k + 1) for src_node in range(nodes.count)
+             for n, f in order if nodes.node_of[f.rank % len(nodes.node_of)] == src_node]
+    refused: list[str] = []
 
-            def move() -> None:
-                failed: BaseException | None = None  # the first; the rest of the files still move
-                for name, size, checksum in files:
-                    try:
-                        if comm.rank == src:
-                            _send_file(os.path.join(path, name), size, dst, group)
-                            stats["files_sent"] += 1
-                            stats["bytes_sent"] += size
-                        elif comm.rank == dst:
-                            if failed is not None or os.path.exists(os.path.join(path, name)):
-                                _recv_file(None, size, src, group)
-                                if failed is None:
-                                    failed = MetadataError(f"{path}/{name} already exists on {nodes.names[dst_node]}")
-                                continue
-                            _land(path, name, *expected[name],
-                                  lambda p, check: _recv_file(p, size, src, group, check, fsync), fsync)
-                            stats["files_received"] += 1
-                            stats["bytes_received"] += size
-                    except (HpdcpError, OSError) as e:
-                        failed = failed or e
-                if failed is not None:
-                    raise failed
+    def send(m: _Move) -> None:
+        size = expected[m.name][0]
+        _send_file(os.path.join(path, m.name), size, m.dst, group)
+        stats["files_sent"] += 1
+        stats["bytes_sent"] += size
 
-            comm.agree(f"node tier: replicate {nodes.names[src_node]} -> {nodes.names[dst_node]}", move)
+    def receive(m: _Move) -> None:
+        size = expected[m.name][0]
+        if refused or os.path.exists(os.path.join(path, m.name)):  # (every block still comes)
+            _recv_file(None, size, m.src, group)
+            if not refused:
+                refused.append(m.name)
+                raise MetadataError(f"{path}/{m.name} already exists on {nodes.names[nodes.node_of[m.dst]]}")
+            return
+        _land(path, m.name, *expected[m.name], lambda p, check: _recv_file(p, size, m.src, group, check, fsync), fsync)
+        stats["files_received"] += 1
+        stats["bytes_received"] += size
+
+    _run_moves(comm, moves, send, receive, f"node tier: replicate {os.path.basename(path)} to {k} peer(s)")
     return stats
 
 
@@ -563,7 +611,8 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
     ranges (``plan.ranges``) lands as ``ranges_name``. Agreed on every rank. The
     files are not fsynced one by one (the load that follows reads them from the page cache;
     ``fsync`` syncs the directory once at the end): a file a crash then leaves short or torn
-    fails its size or checksum check, and the next restore fetches it again."""
+    fails its size or checksum check, and the next restore fetches it again. Every pair of
+    nodes moves at once (``_run_moves``)."""
     path = os.path.join(directory, plan.name)
     node = nodes.node_of[comm.rank]
     leader = nodes.leader(node) == comm.rank
@@ -579,23 +628,21 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
             target["dir"] = staging
 
     comm.agree("node tier: restore prepare", prepare)
-    order = [(dst_node, name, src_node) for dst_node in range(nodes.count)
-             for name, src_node in plan.moves.get(dst_node, ())]
-    for dst_node, name, src_node in sorted(order, key=lambda m: m[2] >= 0):  # durable reads first
-        size, checksum = expected[name]
-        dst = nodes.leader(dst_node)
-        src = nodes.leader(src_node) if src_node >= 0 else None
-        spans = plan.ranges.get(dst_node, {}).get(name)  # (None: the whole file)
+    moves = sorted((_Move(name, nodes.leader(src_node) if src_node >= 0 else None, nodes.leader(dst_node),
+                          plan.ranges.get(dst_node, {}).get(name))
+                    for dst_node in range(nodes.count) for name, src_node in plan.moves.get(dst_node, ())),
+                   key=lambda m: m.src is not None)  # the durable reads first: a node sends on what it read
 
-        def move() -> None:
-            if src is not None and comm.rank == src:  # (a file it fetched itself is in its staging)
-                _send_file(os.path.join(target["dir"], name), size, dst, group, spans)
-            elif comm.rank == dst:
-                receive = (functools.partial(_copy_from, durable, name, size, spans=spans) if src is None else
-                           lambda p, check: _recv_file(p, size, src, group, check, spans=spans))
-                _land(target["dir"], name, size, checksum, receive, False, ranged=spans is not None)
+    def send(m: _Move) -> None:  # (a file this node fetched itself is in its staging directory)
+        _send_file(os.path.join(target["dir"], m.name), expected[m.name][0], m.dst, group, m.spans)
 
-        comm.agree(f"node tier: restore {name} to {nodes.names[dst_node]}", move)
+    def receive(m: _Move) -> None:
+        size, checksum = expected[m.name]
+        got = (functools.partial(_copy_from, durable, m.name, size, spans=m.spans) if m.src is None else
+               lambda p, check: _recv_file(p, size, m.src, group, check, spans=m.spans))
+        _land(target["dir"], m.name, size, checksum, got, False, ranged=m.spans is not None)
+
+    _run_moves(comm, moves, send, receive, f"node tier: restore {plan.name}")
 
     def finish() -> None:
         if leader and target["dir"] != path:
