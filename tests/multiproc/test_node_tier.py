@@ -33,16 +33,12 @@ def _state(rank, world):
     return {"w": distribute_tensor(w, mesh, [Shard(0)]), "b": b, "step": 3}, w, b
 
 
-def _body(rank, world, base):
+def _save_and_spread(nodes, fast, state, k):
+    """Save ``state`` as ``fast/step_3`` into each node's own directory, publish every node's
+    part and replicate it to ``k`` peers; (the path, what this rank moved)."""
     from hpdcp_runner import dcp
-    from hpdcp_runner.dcp.tools import Comm, node_tier, series_extra
+    from hpdcp_runner.dcp.tools import node_tier, series_extra
 
-    fast = _node_dir(base, rank)
-    comm = Comm.create()
-    nodes = node_tier.Nodes.discover(comm)
-    assert nodes.count == 2 and nodes.node_of == (0, 0, 1, 1) and nodes.partners(1, 1) == [0]
-    node_tier.check_sharing(comm, nodes, fast, True, "k")  # each node's own directory: accepted
-    state, w, b = _state(rank, world)
     path = os.path.join(fast, "step_3")
     writer = dcp.FileSystemWriter(path, node_local=True)
     dcp.save(state, checkpoint_id="fast/step_3", storage_writer=writer, extra=series_extra("step_{step}", 3))
@@ -51,10 +47,24 @@ def _body(rank, world, base):
 
     def spread(c):
         table = node_tier.publish_parts(c, nodes, path, writer.staging_token)
-        out["moved"] = node_tier.replicate(c, nodes, path, table, 1, c.group)
+        out["moved"] = node_tier.replicate(c, nodes, path, table, k, c.group)
 
     worker.submit(spread)
     assert worker.close() == []
+    return path, out["moved"]
+
+
+def _body(rank, world, base):
+    from hpdcp_runner import dcp
+    from hpdcp_runner.dcp.tools import Comm, node_tier
+
+    fast = _node_dir(base, rank)
+    comm = Comm.create()
+    nodes = node_tier.Nodes.discover(comm)
+    assert nodes.count == 2 and nodes.node_of == (0, 0, 1, 1) and nodes.partners(1, 1) == [0]
+    node_tier.check_sharing(comm, nodes, fast, True, "k")  # each node's own directory: accepted
+    state, w, b = _state(rank, world)
+    path, moved = _save_and_spread(nodes, fast, state, 1)
     names = sorted(os.listdir(path))
     # each node: its own files, the other node's replicas, the index and metadata.json
     assert names == ["chunk_index.safetensors", "metadata.json", "rank00000.safetensors", "rank00001.safetensors",
@@ -82,7 +92,7 @@ def _body(rank, world, base):
     dcp.load(full, checkpoint_id="fast/step_3", storage_reader=node_tier.NodeLocalReader(path))
     return {"local_equal": torch.equal(target["w"].to_local(), state["w"].to_local()),
             "full_equal": torch.equal(full["w"], w) and torch.equal(full["b"], b) and full["step"] == 3,
-            "summary": summary, "moved": out["moved"]}
+            "summary": summary, "moved": moved}
 
 
 def test_parts_published_replicated_and_restored_bitwise(tmp_path):
@@ -167,7 +177,7 @@ def _three_nodes_body(rank, world, base, lost):
     in ``lost`` lose their disks at once, the survivor's copy restores them. Blocks of 1,000
     bytes, so every file moves in many (the last one short) through both sides' double buffers."""
     from hpdcp_runner import dcp
-    from hpdcp_runner.dcp.tools import Comm, node_tier, series_extra
+    from hpdcp_runner.dcp.tools import Comm, node_tier
 
     os.environ["GROUP_RANK"] = str(rank)
     fast = os.path.join(base, f"node{rank}", "fast")
@@ -176,18 +186,7 @@ def _three_nodes_body(rank, world, base, lost):
     nodes = node_tier.Nodes.discover(comm)
     assert nodes.count == 3 and nodes.partners(2, 2) == [0, 1]
     state, w, b = _state(rank, world)
-    path = os.path.join(fast, "step_3")
-    writer = dcp.FileSystemWriter(path, node_local=True)
-    dcp.save(state, checkpoint_id="fast/step_3", storage_writer=writer, extra=series_extra("step_{step}", 3))
-    worker = node_tier.Background(30)
-    out = {}
-
-    def spread(c):
-        table = node_tier.publish_parts(c, nodes, path, writer.staging_token)
-        out["moved"] = node_tier.replicate(c, nodes, path, table, 2, c.group)
-
-    worker.submit(spread)
-    assert worker.close() == []
+    path, moved = _save_and_spread(nodes, fast, state, 2)
     held = sorted(n for n in os.listdir(path) if n.startswith("rank"))
     comm.agree("barrier", lambda: None)
     if rank in lost:
@@ -200,7 +199,7 @@ def _three_nodes_body(rank, world, base, lost):
     assert fetcher.close() == []
     full = {"w": torch.zeros(64, 24), "b": torch.zeros(10, dtype=torch.bfloat16), "step": 0}
     dcp.load(full, checkpoint_id="fast/step_3", storage_reader=node_tier.NodeLocalReader(path))
-    return {"held": held, "moves": {n: sorted(m) for n, m in plan.moves.items()}, "moved": out["moved"],
+    return {"held": held, "moves": {n: sorted(m) for n, m in plan.moves.items()}, "moved": moved,
             "equal": torch.equal(full["w"], w) and torch.equal(full["b"], b) and full["step"] == 3,
             "files": sorted(os.listdir(path))}
 
@@ -229,7 +228,7 @@ def _ranged_body(rank, world, base):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from hpdcp_runner import dcp
-    from hpdcp_runner.dcp.tools import Comm, node_tier, series_extra
+    from hpdcp_runner.dcp.tools import Comm, node_tier
 
     fast = _node_dir(base, rank)
     comm = Comm.create()
@@ -239,14 +238,7 @@ def _ranged_body(rank, world, base):
     w = torch.randn(1024, 512)  # 512 KiB a rank
     small = {f"r{i}": torch.randn(300 + i) for i in range(8)}  # replicated: written once, by any rank
     state = {"w": distribute_tensor(w, mesh, [Shard(0)]), **small}
-    path = os.path.join(fast, "step_3")
-    writer = dcp.FileSystemWriter(path, node_local=True)
-    dcp.save(state, checkpoint_id="fast/step_3", storage_writer=writer, extra=series_extra("step_{step}", 3))
-    worker = node_tier.Background(30)
-    worker.submit(lambda c: node_tier.replicate(c, nodes, path, node_tier.publish_parts(c, nodes, path,
-                                                                                         writer.staging_token),
-                                                1, c.group))
-    assert worker.close() == []
+    path, _ = _save_and_spread(nodes, fast, state, 1)
     comm.agree("saved", lambda: None)
     if rank == 2:
         shutil.rmtree(os.path.dirname(fast))
@@ -318,7 +310,6 @@ def test_wanted_by_node_merges_ranks_and_keeps_a_file_wanted_whole_whole():
 def test_a_file_only_the_durable_copy_holds_is_read_from_it_once():
     from hpdcp_runner.dcp.tools import node_tier
 
-    nodes = node_tier.Nodes((0, 1, 2), ("h#0", "h#1", "h#2"))
     plan = node_tier.RestorePlan("s", 3, "d", {"a": 10, "b": 10, "c": 10},
                                  {0: (("a", -1), ("b", -1)), 1: (("a", -1), ("b", -1), ("c", 0)), 2: (("a", -1),)},
                                  ranges={0: {"a": ((0, 4),)}, 1: {"b": ((0, 4),)}})
