@@ -17,7 +17,8 @@ the lowest node that holds it, or from the durable tier's copy of the same check
 node does.
 
 Everything here is collective over a ``Comm`` (every rank calls it in the same order); files
-move between the nodes' leaders (their lowest rank) by point-to-point sends of 8 MiB blocks.
+move between the nodes' leaders (their lowest rank) by point-to-point sends of 8 MiB blocks,
+every pair of nodes at once (``node_moves``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-import torch
 import torch.distributed as dist
 
 from .comm.broadcast import node_id
@@ -40,15 +40,13 @@ from .core.errors import ConfigError, CorruptCheckpointError, HpdcpError, Metada
 from .core.utils import get_logger
 from .background.drain import SerialWorker
 from .format.metadata import METADATA_FILE, FileMeta, check_file_name, file_table
-from .format.stream_digest import FileDigest
+from .node_moves import RANGES_SUFFIX, Move, copy_from, land, recv_file, run_moves, send_file
 from .storage.posix.commit import clear_abandoned, fsync_dir, publish_dir
 from .storage.posix.filesystem import FileSystemReader
 from .storage.retention import list_checkpoints
 
 log = get_logger(__name__)
-BLOCK = 8 << 20
 PROBE = ".hpdcp-node-probe-"
-RANGES_SUFFIX = ".ranges"
 SPAN_GAP = 1 << 20  # ranges closer than this are fetched as one
 RANGED_BELOW = 0.5  # a file its node's ranks read less of than this share is fetched in ranges
 
@@ -124,116 +122,6 @@ def check_sharing(comm: Comm, nodes: Nodes, directory: str, node_local: bool, ke
                           f"files there; declare it node-local ({key}=true) or give a directory every node sees")
 
 
-# -- moving files between node leaders ------------------------------------------------------
-# Both sides keep one block in flight while they work on the next (two buffers each): the sender
-# reads block i+1 while block i is sent, the receiver writes and hashes block i while block i+1
-# arrives. The receiver computes the file's checksum from the blocks as they pass, so a file is
-# verified without being read again once it has landed.
-def _blocks(size: int, spans: Iterable[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
-    """(offset, length) of each block that moves: the whole file, or only ``spans`` of it."""
-    return [(pos, min(BLOCK, hi - pos)) for lo, hi in (spans if spans is not None else [(0, size)])
-            for pos in range(lo, min(hi, size), BLOCK)]
-
-
-def _send_file(path: str, size: int, dst: int, group: Any, spans: Any = None) -> None:
-    """Send ``size`` bytes of ``path`` (or its ``spans``) in blocks. A file that cannot be read
-    to its end still sends every block (zeros for what is missing: the receiver's checksum
-    refuses them) and then raises, so the two sides never fall out of step and leave the peer
-    waiting for a timeout."""
-    err: BaseException | None = None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        fd, err = None, e
-    blocks = _blocks(size, spans)
-    bufs = [torch.empty(max((n for _, n in blocks), default=0), dtype=torch.uint8) for _ in range(min(2, len(blocks)))]
-    sending = None
-    try:
-        for i, (pos, n) in enumerate(blocks):
-            view = bufs[i % 2][:n]  # read into, sent from: no copy between
-            got = 0
-            if err is None:
-                try:
-                    got = os.preadv(fd, [memoryview(view.numpy())], pos)
-                    if got < n:
-                        err = CorruptCheckpointError(f"{path}: ended at {pos + got} of {size} bytes while being sent")
-                except OSError as e:
-                    err = e
-            if got < n:
-                view[got:].zero_()
-            if sending is not None:
-                sending.wait()
-            sending = dist.isend(view, dst=dst, group=group)
-        if sending is not None:
-            sending.wait()
-    finally:
-        if fd is not None:
-            os.close(fd)
-    if err is not None:
-        raise err
-
-
-class _Sha256:
-    """``metadata.json``'s checksum in ``_expected``: its SHA-256, as the coordinator wrote it."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.sha256()
-
-    def update(self, block: Any) -> None:
-        self._h.update(block)
-
-    def hexdigest(self) -> str:
-        return "sha256:" + self._h.hexdigest()
-
-
-def _checker(name: str, size: int) -> Any:
-    return _Sha256() if name == METADATA_FILE else FileDigest(name, size)
-
-
-def _recv_file(path: str | None, size: int, src: int, group: Any, check: Any = None, fsync: bool = False,
-               spans: Any = None) -> None:
-    """Receive ``size`` bytes (or ``spans`` of them, each at its offset in a file of ``size``
-    bytes, holes between) into the new file ``path`` (None: discard them), each block given to
-    ``check.update`` as it arrives (``fsync``: the file synced once whole). Every block is
-    received even when writing fails (the error is raised at the end), as in ``_send_file``."""
-    err: BaseException | None = None
-    f = None
-    if path is not None:
-        try:
-            f = open(path, "xb")
-        except OSError as e:
-            err = e
-    blocks = _blocks(size, spans)
-    bufs = [torch.empty(max((n for _, n in blocks), default=0), dtype=torch.uint8) for _ in range(min(2, len(blocks)))]
-    try:
-        coming = dist.irecv(bufs[0][:blocks[0][1]], src=src, group=group) if blocks else None
-        for i, (pos, n) in enumerate(blocks):
-            coming.wait()
-            if i + 1 < len(blocks):
-                coming = dist.irecv(bufs[(i + 1) % 2][:blocks[i + 1][1]], src=src, group=group)
-            data = memoryview(bufs[i % 2][:n].numpy())
-            if f is not None and err is None:
-                try:
-                    if spans is not None:
-                        f.seek(pos)
-                    f.write(data)
-                    if check is not None:
-                        check.update(data)
-                except (OSError, HpdcpError) as e:
-                    err = e
-        if f is not None and err is None:
-            if spans is not None:
-                f.truncate(size)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-    finally:
-        if f is not None:
-            f.close()
-    if err is not None:
-        raise err
-
-
 @dataclass(frozen=True)
 class Table:
     """A checkpoint's files as its ``metadata.json`` names them (``format.metadata.file_table``)."""
@@ -260,31 +148,6 @@ def _expected(table: "Table") -> dict[str, tuple[int, str]]:
         out[table.index["file"]] = (table.index["size"], table.index["checksum"])
     out[METADATA_FILE] = (len(text.encode()), "sha256:" + hashlib.sha256(text.encode()).hexdigest())
     return out
-
-
-def _land(directory: str, name: str, size: int, checksum: str, receive: Any, fsync: bool,
-          ranged: bool = False) -> None:
-    """Receive one file into ``directory`` under a hidden name (``receive(path, check)`` writes it,
-    giving every byte to ``check``), compare its checksum with the recorded one, then give it its
-    name: a file that differs never takes it. ``ranged``: only some ranges of it were received;
-    there is no whole file to check, it takes ``ranges_name(name)`` (each chunk in it is checked
-    as the load reads it)."""
-    part = os.path.join(directory, f".{name}.part-{uuid.uuid4().hex[:8]}")
-    try:
-        check = None if ranged else _checker(name, size)
-        receive(part, check)
-        got = check.hexdigest() if check is not None else checksum
-        if got != checksum:
-            what = "the metadata.json agreed" if name == METADATA_FILE else "metadata.json"
-            raise CorruptCheckpointError(f"{os.path.join(directory, name)}: checksum {got} of the copy received "
-                                         f"differs from the {checksum} {what} records; not kept")
-        os.rename(part, os.path.join(directory, ranges_name(name) if ranged else check_file_name(name)))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(part)
-        raise
-    if fsync:
-        fsync_dir(directory)
 
 
 # -- the save's second half -----------------------------------------------------------------
@@ -344,59 +207,6 @@ def publish_parts(comm: Comm, nodes: Nodes, path: str, token: str, *, overwrite:
     return table
 
 
-@dataclass(frozen=True)
-class _Move:
-    """One file moving to a node: sent by rank ``src`` (a node's leader; None: read from the
-    durable copy) to rank ``dst`` (``spans``: only those byte ranges of it)."""
-
-    name: str
-    src: int | None
-    dst: int
-    spans: tuple[tuple[int, int], ...] | None = None
-
-
-def _run_moves(comm: Comm, moves: Sequence[_Move], send: Any, receive: Any, phase: str) -> None:
-    """Every move of ``moves`` (the same list, in the same order, on every rank): this rank sends
-    its moves in a thread of its own while it receives its own, so every pair of nodes moves at
-    once, each in the list's order (the earliest unfinished move always has both ends ready: no
-    wait can close a cycle). A file this rank receives and sends on is sent once it has landed.
-    A failed file does not stop the rest (both ends still move every block); the first failure
-    is raised on every rank, once all have run."""
-    outgoing = [m for m in moves if m.src == comm.rank]
-    incoming = [m for m in moves if m.dst == comm.rank]
-    landed = {m.name: threading.Event() for m in incoming}
-    errors: list[BaseException] = []
-
-    def sending() -> None:
-        for m in outgoing:
-            if m.name in landed:
-                landed[m.name].wait()
-            try:
-                send(m)
-            except BaseException as e:  # (kept for the agreement: this thread must not die silently)
-                errors.append(e)
-
-    def run() -> None:
-        thread = threading.Thread(target=sending, name="hpdcp-node-send", daemon=True) if outgoing else None
-        if thread is not None:
-            thread.start()
-        try:
-            for m in incoming:
-                try:
-                    receive(m)
-                except (HpdcpError, OSError) as e:
-                    errors.append(e)
-                finally:
-                    landed[m.name].set()
-        finally:
-            if thread is not None:
-                thread.join()
-        if errors:
-            raise errors[0]
-
-    comm.agree(phase, run)
-
-
 def replicate(comm: Comm, nodes: Nodes, path: str, table: Table, k: int, group: Any, *,
               fsync: bool = True) -> dict[str, int]:
     """Send each node's own ranks' files of the committed checkpoint ``path`` to its ``k``
@@ -406,30 +216,30 @@ def replicate(comm: Comm, nodes: Nodes, path: str, table: Table, k: int, group: 
     stats = {"files_sent": 0, "bytes_sent": 0, "files_received": 0, "bytes_received": 0}
     expected = _expected(table)
     order = sorted(table.files.items())
-    moves = [_Move(n, nodes.leader(src_node), nodes.leader((src_node + i) % nodes.count))
+    moves = [Move(n, nodes.leader(src_node), nodes.leader((src_node + i) % nodes.count))
              for i in range(1, k + 1) for src_node in range(nodes.count)
              for n, f in order if nodes.node_of[f.rank % len(nodes.node_of)] == src_node]
     refused: list[str] = []
 
-    def send(m: _Move) -> None:
+    def send(m: Move) -> None:
         size = expected[m.name][0]
-        _send_file(os.path.join(path, m.name), size, m.dst, group)
+        send_file(os.path.join(path, m.name), size, m.dst, group)
         stats["files_sent"] += 1
         stats["bytes_sent"] += size
 
-    def receive(m: _Move) -> None:
+    def receive(m: Move) -> None:
         size = expected[m.name][0]
         if refused or os.path.exists(os.path.join(path, m.name)):  # (every block still comes)
-            _recv_file(None, size, m.src, group)
+            recv_file(None, size, m.src, group)
             if not refused:
                 refused.append(m.name)
                 raise MetadataError(f"{path}/{m.name} already exists on {nodes.names[nodes.node_of[m.dst]]}")
             return
-        _land(path, m.name, *expected[m.name], lambda p, check: _recv_file(p, size, m.src, group, check, fsync), fsync)
+        land(path, m.name, *expected[m.name], lambda p, check: recv_file(p, size, m.src, group, check, fsync), fsync)
         stats["files_received"] += 1
         stats["bytes_received"] += size
 
-    _run_moves(comm, moves, send, receive, f"node tier: replicate {os.path.basename(path)} to {k} peer(s)")
+    run_moves(comm, moves, send, receive, f"node tier: replicate {os.path.basename(path)} to {k} peer(s)")
     return stats
 
 
@@ -608,7 +418,7 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
     (from the peer the plan names, or read from ``durable``, a reader of the durable tier's copy),
     each file verified before it takes its name; a node that held nothing of it builds the
     directory under a staging name and renames it when complete; a file the plan fetches in
-    ranges (``plan.ranges``) lands as ``ranges_name``. Agreed on every rank. The
+    ranges (``plan.ranges``) lands as ``node_moves.ranges_name``. Agreed on every rank. The
     files are not fsynced one by one (the load that follows reads them from the page cache;
     ``fsync`` syncs the directory once at the end): a file a crash then leaves short or torn
     fails its size or checksum check, and the next restore fetches it again. Every pair of
@@ -628,21 +438,21 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
             target["dir"] = staging
 
     comm.agree("node tier: restore prepare", prepare)
-    moves = sorted((_Move(name, nodes.leader(src_node) if src_node >= 0 else None, nodes.leader(dst_node),
+    moves = sorted((Move(name, nodes.leader(src_node) if src_node >= 0 else None, nodes.leader(dst_node),
                           plan.ranges.get(dst_node, {}).get(name))
                     for dst_node in range(nodes.count) for name, src_node in plan.moves.get(dst_node, ())),
                    key=lambda m: m.src is not None)  # the durable reads first: a node sends on what it read
 
-    def send(m: _Move) -> None:  # (a file this node fetched itself is in its staging directory)
-        _send_file(os.path.join(target["dir"], m.name), expected[m.name][0], m.dst, group, m.spans)
+    def send(m: Move) -> None:  # (a file this node fetched itself is in its staging directory)
+        send_file(os.path.join(target["dir"], m.name), expected[m.name][0], m.dst, group, m.spans)
 
-    def receive(m: _Move) -> None:
+    def receive(m: Move) -> None:
         size, checksum = expected[m.name]
-        got = (functools.partial(_copy_from, durable, m.name, size, spans=m.spans) if m.src is None else
-               lambda p, check: _recv_file(p, size, m.src, group, check, spans=m.spans))
-        _land(target["dir"], m.name, size, checksum, got, False, ranged=m.spans is not None)
+        got = (functools.partial(copy_from, durable, m.name, size, spans=m.spans) if m.src is None else
+               lambda p, check: recv_file(p, size, m.src, group, check, spans=m.spans))
+        land(target["dir"], m.name, size, checksum, got, False, ranged=m.spans is not None)
 
-    _run_moves(comm, moves, send, receive, f"node tier: restore {plan.name}")
+    run_moves(comm, moves, send, receive, f"node tier: restore {plan.name}")
 
     def finish() -> None:
         if leader and target["dir"] != path:
@@ -658,30 +468,6 @@ def _metadata_from(comm: Comm, nodes: Nodes, holder: int, path: str) -> str:
     src = nodes.leader(holder)
     return comm.agree("node tier: restore metadata",
                       lambda: _read(os.path.join(path, METADATA_FILE)).decode() if comm.rank == src else None)[src]
-
-
-def _copy_from(durable: Any, name: str, size: int, dest: str, check: Any, spans: Any = None) -> None:
-    """The durable copy's file ``name`` (or its ``spans``, at their offsets) into ``dest``."""
-    if durable is None:
-        raise MetadataError(f"{name}: no node holds it and there is no durable copy to read it from")
-    fh = durable.open_file(name)
-    from .core.rafile import as_random_access
-
-    raf = as_random_access(fh)
-    try:
-        with open(dest, "xb") as f:
-            for pos, n in _blocks(size, spans):
-                block = raf.pread(n, pos)
-                if len(block) != n:
-                    raise CorruptCheckpointError(f"{durable.checkpoint_id}/{name}: ended at {pos + len(block)} of "
-                                                 f"{size} bytes")
-                f.seek(pos)
-                f.write(block)
-                if check is not None:
-                    check.update(block)
-            f.truncate(size)
-    finally:
-        raf.close()
 
 
 def set_aside(comm: Comm, nodes: Nodes, directory: str, names: Iterable[str]) -> list[str]:
@@ -730,17 +516,11 @@ class FilesWanted(Exception):
         self.wanted = {n: (merge_spans(spans[n]) if spans is not None and n in spans else None) for n in sorted(names)}
 
 
-def ranges_name(name: str) -> str:
-    """Where a node-local restore keeps the ranges of ``name`` its ranks read (a hidden name: a
-    file with holes is never under the checkpoint's name, and never counts as held)."""
-    return f".{check_file_name(name)}{RANGES_SUFFIX}"
-
-
 class NodeLocalReader(FileSystemReader):
     """The reader of a node-local checkpoint: every node reads its own copy, so the coordinator's
     pin (its directory's inode) names nothing here; the copies were agreed by their metadata's
     digest (``plan_restore``) and every chunk is checked against its checksum as it is read. A
-    file the restore fetched in ranges (``ranges_name``) is read in place of the missing one.
+    file the restore fetched in ranges (``node_moves.ranges_name``) is read in place of the missing one.
     ``probe``: stop the load where it checks the files its plan reads, before any byte moves,
     raising ``FilesWanted`` (``wanted_files``)."""
 

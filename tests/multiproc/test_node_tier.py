@@ -181,7 +181,9 @@ def _three_nodes_body(rank, world, base, lost):
 
     os.environ["GROUP_RANK"] = str(rank)
     fast = os.path.join(base, f"node{rank}", "fast")
-    node_tier.BLOCK = 1000
+    from hpdcp_runner.dcp import node_moves
+
+    node_moves.BLOCK = 1000
     comm = Comm.create()
     nodes = node_tier.Nodes.discover(comm)
     assert nodes.count == 3 and nodes.partners(2, 2) == [0, 1]

@@ -11,7 +11,7 @@ import hpdcp_runner.dcp as dcp
 
 ROOT = os.path.dirname(dcp.__file__)
 # lower number = lower layer; a module may import its own layer and those below
-LAYERS = {"core": 0, "format": 1, "planning": 2, "storage": 3, "comm": 4, "api": 5, "protocol": 5, "background": 5, "node_tier": 5,
+LAYERS = {"core": 0, "format": 1, "planning": 2, "storage": 3, "comm": 4, "api": 5, "protocol": 5, "background": 5, "node_tier": 5, "node_moves": 5,
           "state_dict": 5, "offline": 6, "__init__": 7, "tools": 7}
 FORBIDDEN = ("hydra", "omegaconf")
 
