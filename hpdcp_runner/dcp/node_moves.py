@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .comm.collectives import Comm
 from .core.errors import CorruptCheckpointError, HpdcpError, MetadataError
+from .core.rafile import as_random_access
 from .format.metadata import METADATA_FILE, check_file_name
 from .format.stream_digest import FileDigest
 from .storage.posix.commit import fsync_dir
@@ -97,7 +98,7 @@ def recv_file(path: str | None, size: int, src: int, group: Any, check: Any = No
     """Receive ``size`` bytes (or ``spans`` of them, each at its offset in a file of ``size``
     bytes, holes between) into the new file ``path`` (None: discard them), each block given to
     ``check.update`` as it arrives (``fsync``: the file synced once whole). Every block is
-    received even when writing fails (the error is raised at the end), as in ``_send_file``."""
+    received even when writing fails (the error is raised at the end), as in ``send_file``."""
     err: BaseException | None = None
     f = None
     if path is not None:
@@ -224,10 +225,7 @@ def copy_from(durable: Any, name: str, size: int, dest: str, check: Any, spans: 
     """The durable copy's file ``name`` (or its ``spans``, at their offsets) into ``dest``."""
     if durable is None:
         raise MetadataError(f"{name}: no node holds it and there is no durable copy to read it from")
-    fh = durable.open_file(name)
-    from .core.rafile import as_random_access
-
-    raf = as_random_access(fh)
+    raf = as_random_access(durable.open_file(name))
     try:
         with open(dest, "xb") as f:
             for pos, n in _blocks(size, spans):

@@ -210,7 +210,7 @@ def publish_parts(comm: Comm, nodes: Nodes, path: str, token: str, *, overwrite:
 def replicate(comm: Comm, nodes: Nodes, path: str, table: Table, k: int, group: Any, *,
               fsync: bool = True) -> dict[str, int]:
     """Send each node's own ranks' files of the committed checkpoint ``path`` to its ``k``
-    partner nodes (``Nodes.partners``), leader to leader, every node at once (``_run_moves``);
+    partner nodes (``Nodes.partners``), leader to leader, every node at once (``node_moves.run_moves``);
     each lands in the partner's ``path`` verified. Returns what this rank sent and received
     (files, bytes)."""
     stats = {"files_sent": 0, "bytes_sent": 0, "files_received": 0, "bytes_received": 0}
@@ -422,7 +422,7 @@ def fetch(comm: Comm, nodes: Nodes, directory: str, plan: RestorePlan, group: An
     files are not fsynced one by one (the load that follows reads them from the page cache;
     ``fsync`` syncs the directory once at the end): a file a crash then leaves short or torn
     fails its size or checksum check, and the next restore fetches it again. Every pair of
-    nodes moves at once (``_run_moves``)."""
+    nodes moves at once (``node_moves.run_moves``)."""
     path = os.path.join(directory, plan.name)
     node = nodes.node_of[comm.rank]
     leader = nodes.leader(node) == comm.rank
