@@ -96,6 +96,9 @@ STEP_CASES = {
     "process async, node-local + replica": ["dcp.async_mode=process", "dcp.persist_start_wait_s=60"],
     "process async, background staging": ["dcp.async_mode=process", "dcp.persist_start_wait_s=60",
                                            "dcp.async_staging=background"],
+    "process async, background staging, no replica": ["dcp.async_mode=process", "dcp.persist_start_wait_s=60",
+                                                      "dcp.async_staging=background",
+                                                      "checkpoint.fast_tier.replicas=0"],
 }
 
 
