@@ -562,6 +562,8 @@ class LoadSteps:
         for it in self.own.items:
             tm = self.md.tensors[it.fqn]
             chunk = tm.chunks[it.chunk]
+            if it.overlap.sizes == chunk.sizes:  # the whole chunk: read at its own bytes
+                continue
             need = it.overlap.numel * element_size(tm.dtype)
             cost = self.reader.read_bytes(chunk, tm.dtype, Box(relative(it.overlap, chunk.box), it.overlap.sizes))
             if need and cost >= AMPLIFIED * need:

@@ -45,6 +45,12 @@ def point(name: str, **info: Any) -> None:
             action(**info)
 
 
+def is_armed(name: str) -> bool:
+    """Whether ``name`` has an action: a point passed once per read asks this before it builds
+    its ``info`` (the rank lookup alone is ~2 us, on ~1,000 reads per load)."""
+    return bool(_ARMED) and name in _ARMED
+
+
 def arm(name: str, action: Callable[..., Any]) -> None:
     _ARMED[name] = action
 

@@ -137,12 +137,14 @@ def split_piece(length: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(start + step, length) - start
 
 
-def dtensor_local_box(tensor: "torch.distributed.tensor.DTensor") -> Box | None:
+def dtensor_local_box(tensor: "torch.distributed.tensor.DTensor",
+                      local: torch.Tensor | None = None) -> Box | None:
     """The global box this rank's local shard of a DTensor covers, or None if not on its mesh.
 
     Shard/Replicate placements are computed here; other shard-like placements (e.g. the strided
     shards of FSDP2 + TP) go through DTensor's own chunk list. The result is checked against the
     real local shape, so a placement we misunderstand is an error, never a silent wrong box.
+    ``local``: the caller's ``tensor.to_local()``, if it has it (a plan asks once per tensor).
     """
     from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -175,7 +177,7 @@ def dtensor_local_box(tensor: "torch.distributed.tensor.DTensor") -> Box | None:
         if len(chunks) != 1:
             raise StateDictError(f"unsupported DTensor placements {tensor.placements}: {len(chunks)} chunks")
         offs, sizes = list(chunks[0].offsets), list(chunks[0].sizes)
-    local_shape = tuple(tensor.to_local().shape)
+    local_shape = tuple((tensor.to_local() if local is None else local).shape)
     if tuple(sizes) != local_shape:
         raise StateDictError(
             f"DTensor placements {tensor.placements} imply a local shape {tuple(sizes)} but the local "

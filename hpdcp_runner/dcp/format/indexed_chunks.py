@@ -101,25 +101,48 @@ class IndexedChunks(Sequence[ChunkMeta]):
         return ChunkMeta(o, tuple(sizes[:nd]), f.name, chunk_key(self.key, o), boff, i64_to_hex(row[CHECKSUM]), hexes)
 
     def overlapping(self, box: Box) -> list[int]:
-        """Indices of the chunks that intersect ``box``: a bisection of the sort keys and the rows
-        around it, nothing else of the tensor. Keys out of order around the answer are an error
-        naming the row; disorder elsewhere shows as a coverage gap (``check_all`` then names it)."""
+        """Indices of the chunks that intersect ``box`` (see ``overlaps``)."""
+        return [i for i, _ in self.overlaps(box)]
+
+    def overlaps(self, box: Box) -> list[tuple[int, Box]]:
+        """(index, overlap with ``box``) of every chunk that intersects ``box``: a bisection of the
+        sort keys and the rows around it, nothing else of the tensor. Keys out of order around
+        the answer are an error naming the row; disorder elsewhere shows as a coverage gap
+        (``check_all`` then names it). Only rows that intersect are checked and described (a
+        row this rank does not read costs an intersection of its integers, not a ``ChunkMeta``):
+        a plan touches every tensor of the checkpoint, so this runs ~2,000 times per load."""
         n = self.n
         if not n or not box.numel:
             return []
         if n <= _SCAN_ROWS:  # a few chunks: read and intersect them all (no bisection)
-            if len(self._cache) < n:
-                self._load(self.lo, self.hi)
-                self._check_order(self.lo, self.hi)
-            return [i for i in range(n) if intersect(self._cache[i].box, box) is not None]
-        dim, span = self.index.tensor_sort[self.tid]
-        q_lo = box.offsets[dim] if dim < len(box.offsets) else 0
-        q_hi = q_lo + (box.sizes[dim] if dim < len(box.sizes) else 1)
-        a, b = self.index.search(self.tid, q_lo - span + 1, q_hi, self.shape[dim] if dim < len(self.shape) else 1)
-        self._check_order(max(a - 1, self.lo), min(b + 1, self.hi))
-        if any(j - self.lo not in self._cache for j in range(a, b)):
-            self._load(a, b)
-        return [j - self.lo for j in range(a, b) if intersect(self._cache[j - self.lo].box, box) is not None]
+            a, b = self.lo, self.hi
+            self._check_order(a, b)
+        else:
+            dim, span = self.index.tensor_sort[self.tid]
+            q_lo = box.offsets[dim] if dim < len(box.offsets) else 0
+            q_hi = q_lo + (box.sizes[dim] if dim < len(box.sizes) else 1)
+            a, b = self.index.search(self.tid, q_lo - span + 1, q_hi, self.shape[dim] if dim < len(self.shape) else 1)
+            self._check_order(max(a - 1, self.lo), min(b + 1, self.hi))
+        if a >= b:
+            return []
+        out = []
+        cache, d, offsets, sizes = self._cache, self.index.ndim, box.offsets, box.sizes
+        dims = range(len(offsets))
+        for j, row in zip(range(a, b), self.index.rows(a, b)):
+            lo, hi = [], []
+            for k in dims:  # the row's box (offsets at 6.., sizes at 6 + d..) against ``box``
+                o = row[6 + k]
+                lo.append(o if o > offsets[k] else offsets[k])
+                e = o + row[6 + d + k]
+                hi.append(e if e < offsets[k] + sizes[k] else offsets[k] + sizes[k])
+                if lo[-1] >= hi[-1]:
+                    break
+            else:
+                i = j - self.lo
+                if i not in cache:
+                    cache[i] = self._chunk(j, row)  # checked before it is used
+                out.append((i, Box(tuple(lo), tuple(h - x for h, x in zip(hi, lo)))))
+        return out
 
     def _check_order(self, a: int, b: int) -> None:
         """Rows [a, b) have ascending sort keys (what the bisection relies on)."""
@@ -164,3 +187,17 @@ def overlapping_chunks(chunks: Sequence[ChunkMeta], box: Box, index: Any = None)
         return chunks.overlapping(box)
     cand = index.overlapping(box) if index is not None else range(len(chunks))
     return [c for c in cand if intersect(box, chunks[c].box) is not None]
+
+
+def chunk_overlaps(chunks: Sequence[ChunkMeta], box: Box, index: Any = None) -> list[tuple[int, Box]]:
+    """(index, overlap) of every chunk of ``chunks`` that meets ``box`` (``index``: a
+    ``BoxIndex`` over a tuple)."""
+    if isinstance(chunks, IndexedChunks):
+        return chunks.overlaps(box)
+    cand = index.overlapping(box) if index is not None else range(len(chunks))
+    out = []
+    for c in cand:
+        ov = intersect(box, chunks[c].box)
+        if ov is not None:
+            out.append((c, ov))
+    return out

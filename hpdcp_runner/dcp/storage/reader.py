@@ -272,7 +272,8 @@ class CheckpointReader(StorageReader):
 
     def _read_one(self, name: str, offset: int, nbytes: int, r: ReadRequest, dt: torch.dtype) -> None:
         """One request: ``offset``/``nbytes`` is the flat span of its part in the file."""
-        faults.point("load.read", rank=rank_of_env(), path=self.path, file=name)
+        if faults.is_armed("load.read"):
+            faults.point("load.read", rank=rank_of_env(), path=self.path, file=name)
         self.copier.copy(self._fd(name), name, offset, nbytes, r, dt)
 
     def read_objects(self, wanted: Mapping[str, ObjectMeta], *, allow_pickle: bool) -> dict[str, Any]:

@@ -230,3 +230,32 @@ def test_a_failed_index_write_fails_the_build_and_drops_the_sink():
         _streamed(rows, 40, sink)
     assert sink.aborted and not sink.closed
     assert not any(t.name == "hpdcp-index-write" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("parts", [(3, 2), (40, 1), (1, 33), (5, 7)])
+def test_overlaps_are_every_chunk_that_meets_the_box_and_describe_only_those(tmp_path, parts):
+    """What a plan asks of a tensor's chunks: each chunk meeting the box with its exact overlap
+    (the same as intersecting every chunk), through the scan (<= 16 chunks) and the bisection;
+    rows that miss the box are never described (a plan touches every tensor of the checkpoint)."""
+    shape = (97, 61)
+    full = {"w": torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape),
+            "s": torch.tensor(3.5)}
+    ck = _checkpoint(tmp_path, full, parts[0] * parts[1], _grid({"w": parts, "s": ()}))
+    md = read_metadata(ck)
+    chunks = md.tensors["w"].chunks
+    assert isinstance(chunks, indexed_chunks.IndexedChunks)
+    assert (len(chunks) > indexed_chunks._SCAN_ROWS) == (parts[0] * parts[1] > 16)  # both paths taken
+    every = [c.box for c in chunks]  # (a second read: the cache is reset below)
+    rng = random.Random(sum(parts))
+    for _ in range(25):
+        md = read_metadata(ck)
+        chunks = md.tensors["w"].chunks
+        o = (rng.randrange(shape[0]), rng.randrange(shape[1]))
+        box = Box(o, (rng.randint(1, shape[0] - o[0]), rng.randint(1, shape[1] - o[1])))
+        got = chunks.overlaps(box)
+        want = [(i, ov) for i, b in enumerate(every) if (ov := indexed_chunks.intersect(b, box)) is not None]
+        assert got == want
+        assert set(chunks._cache) == {i for i, _ in want}
+    scalar = md.tensors["s"].chunks
+    assert scalar.overlaps(Box((), ())) == [(0, Box((), ()))]
+    assert chunks.overlaps(Box((0, 0), (0, 5))) == []
