@@ -189,7 +189,8 @@ class LayoutConf:
     # the source's own (a Hugging Face directory, or the one our checkpoints record)
     config: Optional[str] = None
     # layout=auto: the family's rule table picked from config.json's model_type (or the keys)
-    family: Optional[str] = None  # auto: null = recognise it; or llama | phi3 | gpt2 | moe | titan
+    # auto: null = recognise it; or llama | phi3 | gpt2 | moe | titan | bloom | falcon_gqa | mpt | bigcode
+    family: Optional[str] = None
     parallel: Optional[str] = None  # auto: tp | fsdp_tp | ep | ep_tp (null: tp, or ep for moe)
     # a layout YAML of your own (name, kind, mesh, rules): read over this one at start-up
     file: Optional[str] = None

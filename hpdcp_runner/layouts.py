@@ -92,9 +92,15 @@ FAMILY_OF_MODEL_TYPE = {
     **dict.fromkeys(("phi3", "phimoe_dense"), "phi3"),
     "gpt2": "gpt2",
     **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe"), "moe"),
+    # fused q/k/v that transformers gives no plan for; falcon and gpt_bigcode by their attention
+    # (``family_of_config``)
+    "bloom": "bloom", "mpt": "mpt", "falcon": "falcon", "gpt_bigcode": "bigcode",
 }
 FAMILY_PARALLEL = {"llama": ("tp", "fsdp_tp"), "phi3": ("tp", "fsdp_tp"), "gpt2": ("tp", "fsdp_tp"),
-                   "titan": ("tp", "fsdp_tp"), "moe": ("ep", "ep_tp")}
+                   "titan": ("tp", "fsdp_tp"), "moe": ("ep", "ep_tp"), "bloom": ("tp", "fsdp_tp"),
+                   "falcon_gqa": ("tp", "fsdp_tp"), "mpt": ("tp", "fsdp_tp"), "bigcode": ("tp", "fsdp_tp")}
+_MULTI_QUERY = ("one key head and one value head shared by every query head, fused with the query heads into "
+                "{weight}: no tensor-parallel split keeps them whole on every rank")
 _KEY_SIGNS = (("moe", re.compile(r"\.experts\.(\d+\.)?(w[123]|gate_up_proj|gate_proj|down_proj)\b")),
               ("phi3", re.compile(r"\.qkv_proj\.weight$")), ("gpt2", re.compile(r"\.c_attn\.weight$")),
               ("titan", re.compile(r"(^|\.)(tok_embeddings|attention\.wq)\.weight$")),
@@ -105,11 +111,37 @@ _KEY_SIGNS = (("moe", re.compile(r"\.experts\.(\d+\.)?(w[123]|gate_up_proj|gate_
 _MEGATRON_NAMES = ("decoder.layers.", "embedding.word_embeddings.")
 
 
+def family_of_config(raw_config: Mapping[str, Any]) -> str | None:
+    """The preset family of a ``config.json``'s ``model_type``, by its attention where one type
+    stores q/k/v in several ways: Falcon's new decoder architecture fuses them per key/value group,
+    its classic multi-head attention per head (as BLOOM), GPTBigCode's multi-head per head (its own
+    names). Multi-query attention (Falcon-7B, StarCoder: one key and one value head fused behind
+    every query head) has no tensor-parallel preset: ``ConfigError`` says so. Their flags are read
+    with transformers' defaults (``save_pretrained`` leaves defaults out of ``config.json``)."""
+    mt = raw_config.get("model_type")
+    fam = FAMILY_OF_MODEL_TYPE.get(mt) if isinstance(mt, str) else None
+    if fam == "falcon":
+        if raw_config.get("new_decoder_architecture", False):
+            return "falcon_gqa"
+        if raw_config.get("multi_query", True):
+            raise ConfigError(f"layout=auto: this Falcon model has multi-query attention, "
+                              f"{_MULTI_QUERY.format(weight='query_key_value')}; shard it with layout=fsdp (every "
+                              f"weight split along dim 0, any family), or give a layout (layout.file=<your rules>, "
+                              f"docs/write_a_layout.md)")
+        return "bloom"
+    if fam == "bigcode" and raw_config.get("multi_query", True):
+        raise ConfigError(f"layout=auto: this GPTBigCode (StarCoder) model has multi-query attention, "
+                          f"{_MULTI_QUERY.format(weight='c_attn')}; shard it with layout=fsdp (every weight split "
+                          f"along dim 0, any family), or give a layout (layout.file=<your rules>, "
+                          f"docs/write_a_layout.md)")
+    return fam
+
+
 def recognise_family(raw_config: Mapping[str, Any] | None, keys: Iterable[str]) -> tuple[str | None, str]:
     """(family, how it was recognised): config.json's ``model_type`` first, else the key names."""
     mt = (raw_config or {}).get("model_type")
     if mt in FAMILY_OF_MODEL_TYPE:
-        return FAMILY_OF_MODEL_TYPE[mt], f"config.json model_type {mt!r}"
+        return family_of_config(raw_config or {}), f"config.json model_type {mt!r}"
     keys = list(keys)
     for fam, sign in _KEY_SIGNS:
         hit = next((k for k in keys if sign.search(k)), None)
@@ -153,8 +185,9 @@ def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterab
     elif isinstance(mt, str) and mt not in FAMILY_OF_MODEL_TYPE:
         raise ConfigError(f"layout=auto: the {mt!r} family (config.json model_type) has no parallel plan we can use "
                           f"({plan_missing or 'transformers was not consulted'}) and no preset of ours; name a layout "
-                          f"(layout=<name>, layout.file=<your rules>, docs/write_a_layout.md) or a family whose "
-                          f"preset fits (layout.family=<{'|'.join(FAMILY_PARALLEL)}>)")
+                          f"(layout=<name>, layout.file=<your rules>, docs/write_a_layout.md), a family whose "
+                          f"preset fits (layout.family=<{'|'.join(FAMILY_PARALLEL)}>), or layout=fsdp (every weight "
+                          f"split along dim 0: no family needed)")
     else:
         keys = keys if isinstance(keys, Mapping) else list(keys)  # (read twice below)
         megatron = next((k for k in keys if k.startswith(_MEGATRON_NAMES)), None) if mt is None else None
@@ -188,7 +221,7 @@ def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterab
 def config_values(raw: Mapping[str, Any] | None) -> dict[str, int]:
     """The integers of a Hugging Face ``config.json`` a rule can name, plus the ones families
     leave implicit: ``head_dim`` (hidden / heads), ``num_key_value_heads`` (= heads, no GQA), and
-    GPT-2's ``n_embd`` / ``n_head`` / ``n_inner`` under the common names too."""
+    GPT-2's ``n_embd`` / ``n_head`` / ``n_inner`` and MPT's ``d_model`` / ``n_heads`` under the common names too."""
     if not raw:
         return {}
     text = raw.get("text_config")
@@ -196,7 +229,8 @@ def config_values(raw: Mapping[str, Any] | None) -> dict[str, int]:
     # only sizes: a hostile or broken config (zero or negative heads, huge numbers) names nothing
     v = {k: x for k, x in src.items() if isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1 << 40}
     for common, gpt2 in (("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
-                         ("num_hidden_layers", "n_layer")):
+                         ("num_hidden_layers", "n_layer"), ("hidden_size", "d_model"),
+                         ("num_attention_heads", "n_heads"), ("num_hidden_layers", "n_layers")):  # (MPT's)
         if common not in v and gpt2 in v:
             v[common] = v[gpt2]
     if "intermediate_size" not in v and "hidden_size" in v and src.get("model_type") == "gpt2":

@@ -198,3 +198,99 @@ def test_partly_split_blocks_are_found_and_whole_ones_are_not():
               "l.1.attn.o_proj.weight": (4, 4), "l.1.attn.q_proj.weight": (4, 4), "l.1.attn.k_proj.weight": (4, 4),
               "l.1.mlp.gate.weight": (2, 4), "embed.weight": (8, 4)}
     assert p.partly_split(shapes) == {"l.0.attn": (["l.0.attn.o_proj.weight"], ["l.0.attn.q_a_proj.weight"])}
+
+
+def _held_rows(lay, key, shape, ws, cfg):
+    """{rank: sorted row ids} a rank holds of ``key`` (rows of dim 0)."""
+    out = {}
+    for r in range(ws):
+        rows = []
+        for b in Placer(lay, r, ws, model_config=cfg).boxes(key, shape, r):
+            rows += range(b.offsets[0], b.offsets[0] + b.sizes[0])
+        out[r] = sorted(rows)
+    return out
+
+
+def _held_cols(lay, key, shape, ws, cfg):
+    return {r: sorted(c for b in Placer(lay, r, ws, model_config=cfg).boxes(key, shape, r)
+                      for c in range(b.offsets[1], b.offsets[1] + b.sizes[1])) for r in range(ws)}
+
+
+# Each family's fused q/k/v rows as its own forward reads them (transformers 5.25: BLOOM
+# ``fused_qkv.view(..., heads, 3, head_dim)``; Falcon's new decoder architecture
+# ``view(..., kv_heads, -1, head_dim)``, its classic attention ``unflatten(-2, (heads, 3))``;
+# GPTBigCode without multi-query ``view(..., heads, 3 * head_dim)``; MPT ``chunk(3)``):
+# {query head: its q, k and v rows}. A rank must hold exactly the rows of its own heads, and the
+# attention output projection's input columns of the same query heads.
+def _per_head_interleaved(heads, hd):
+    rows = torch.arange(heads * 3 * hd).view(heads, 3, hd)
+    return {h: rows[h].flatten().tolist() for h in range(heads)}
+
+
+def _per_group(heads, kv, hd):
+    g = heads // kv
+    rows = torch.arange((heads + 2 * kv) * hd).view(kv, g + 2, hd)
+    return {h: rows[h // g, h % g].tolist() + rows[h // g, g].tolist() + rows[h // g, g + 1].tolist()
+            for h in range(heads)}
+
+
+def _chunked(heads, hd):
+    q, k, v = torch.arange(3 * heads * hd).view(3, heads, hd)
+    return {h: q[h].tolist() + k[h].tolist() + v[h].tolist() for h in range(heads)}
+
+
+FUSED = {  # family config, the fused key, its rows per query head, the output projection's key
+    "bloom": ({"model_type": "bloom", "hidden_size": 64, "n_head": 8}, "transformer.h.3.self_attention.query_key_value",
+              _per_head_interleaved(8, 8), "transformer.h.3.self_attention.dense.weight"),
+    "falcon": ({"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 8, "multi_query": False},
+               "transformer.h.0.self_attention.query_key_value", _per_head_interleaved(8, 8),
+               "transformer.h.0.self_attention.dense.weight"),
+    "falcon_gqa": ({"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 8, "num_kv_heads": 4,
+                    "new_decoder_architecture": True}, "transformer.h.0.self_attention.query_key_value",
+                   _per_group(8, 4, 8), "transformer.h.0.self_attention.dense.weight"),
+    "bigcode": ({"model_type": "gpt_bigcode", "n_embd": 64, "n_head": 8, "multi_query": False},
+                "transformer.h.1.attn.c_attn", _per_head_interleaved(8, 8), "transformer.h.1.attn.c_proj.weight"),
+    "mpt": ({"model_type": "mpt", "d_model": 64, "n_heads": 8}, "transformer.blocks.0.attn.Wqkv", _chunked(8, 8),
+            "transformer.blocks.0.attn.out_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("family", list(FUSED))
+@pytest.mark.parametrize("parallel, ws", [("tp", 2), ("tp", 4), ("fsdp_tp", 4)])
+def test_fused_qkv_families_hold_whole_heads_of_q_k_and_v(family, parallel, ws):
+    """layout=auto on families transformers gives no plan for, whose q, k and v are one weight:
+    every tensor-parallel rank holds exactly the q, k and v rows of its own query heads (and their
+    key/value group), and the output projection's input columns of the same heads."""
+    cfg, fused, per_head, out_proj = FUSED[family]
+    auto = load_preset("auto")
+    auto.parallel = parallel
+    lay, note, _ = resolve_auto(auto, cfg, [], load_preset)
+    preset = {"falcon": "bloom", "falcon_gqa": "falcon_gqa"}.get(family, family)
+    assert lay.name == f"{preset}_{parallel}" and f"config.json model_type {cfg['model_type']!r}" in note
+    tp = ws if parallel == "tp" else 2
+    heads = len(per_head)
+    nrows = len({i for v in per_head.values() for i in v})  # (a group's k and v serve several heads)
+    for suffix, shape in ((".weight", (nrows, 64)), (".bias", (nrows,))):
+        held = _held_rows(lay, fused + suffix, shape, ws, cfg)
+        for r in range(ws):
+            t = r % tp  # the tensor-parallel coordinate (fsdp_tp: mesh [dp, tp])
+            mine = range(t * heads // tp, (t + 1) * heads // tp)
+            want = sorted({i for h in mine for i in per_head[h]})
+            assert held[r] == want, (family, suffix, r)
+        cols = _held_cols(lay, out_proj, (64, 64), ws, cfg)
+        for r in range(ws):
+            t = r % tp
+            assert cols[r] == list(range(t * 64 // tp, (t + 1) * 64 // tp))
+
+
+def test_multi_query_families_are_refused_with_the_way_out():
+    """Falcon-7B and StarCoder fuse one key and one value head behind all query heads: no split
+    keeps them whole, and auto says so (defaults read as transformers does: an omitted
+    ``multi_query`` is true)."""
+    for cfg, weight in (({"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 8}, "query_key_value"),
+                        ({"model_type": "gpt_bigcode", "n_embd": 64, "n_head": 8}, "c_attn")):
+        with pytest.raises(ConfigError, match=rf"multi-query attention, .*into {weight}: .*layout=fsdp"):
+            resolve_auto(load_preset("auto"), cfg, [], load_preset)
+    assert config_values({"model_type": "mpt", "d_model": 64, "n_heads": 8, "n_layers": 2})["head_dim"] == 8
+    with pytest.raises(ConfigError, match=r"has no parallel plan .* or layout=fsdp"):
+        resolve_auto(load_preset("auto"), {"model_type": "mamba"}, [], load_preset)
