@@ -171,6 +171,10 @@ class RuleConf:
     parts: Optional[list[Any]] = None
     parts_dim: int = 0
     unit: Optional[Any] = None  # parts split only on multiples of this (head_dim: whole heads per rank)
+    # a part of fewer units than the ranks splitting it (1 key/value head, 4 ranks), ranks a multiple
+    # of them: each unit held whole by ranks/units consecutive ranks, as tensor-parallel runtimes
+    # replicate key/value heads (else such a part is an error)
+    replicate_few: bool = False
     experts: Optional[Any] = None  # E on one key per expert: how many experts (default: counted from the keys)
     why: Optional[str] = None  # what made this rule (layout=auto: the family's plan entry), shown by inspect
 
@@ -189,7 +193,8 @@ class LayoutConf:
     # the source's own (a Hugging Face directory, or the one our checkpoints record)
     config: Optional[str] = None
     # layout=auto: the family's rule table picked from config.json's model_type (or the keys)
-    # auto: null = recognise it; or llama | phi3 | gpt2 | moe | titan | bloom | falcon_gqa | mpt | bigcode
+    # auto: null = recognise it; or llama | phi3 | gpt2 | moe | titan | bloom | falcon_gqa | falcon_mq |
+    # mpt | bigcode | bigcode_mq
     family: Optional[str] = None
     parallel: Optional[str] = None  # auto: tp | fsdp_tp | ep | ep_tp (null: tp, or ep for moe)
     # a layout YAML of your own (name, kind, mesh, rules): read over this one at start-up

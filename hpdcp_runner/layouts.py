@@ -98,9 +98,8 @@ FAMILY_OF_MODEL_TYPE = {
 }
 FAMILY_PARALLEL = {"llama": ("tp", "fsdp_tp"), "phi3": ("tp", "fsdp_tp"), "gpt2": ("tp", "fsdp_tp"),
                    "titan": ("tp", "fsdp_tp"), "moe": ("ep", "ep_tp"), "bloom": ("tp", "fsdp_tp"),
-                   "falcon_gqa": ("tp", "fsdp_tp"), "mpt": ("tp", "fsdp_tp"), "bigcode": ("tp", "fsdp_tp")}
-_MULTI_QUERY = ("one key head and one value head shared by every query head, fused with the query heads into "
-                "{weight}: no tensor-parallel split keeps them whole on every rank")
+                   "falcon_gqa": ("tp", "fsdp_tp"), "falcon_mq": ("tp", "fsdp_tp"), "mpt": ("tp", "fsdp_tp"),
+                   "bigcode": ("tp", "fsdp_tp"), "bigcode_mq": ("tp", "fsdp_tp")}
 _KEY_SIGNS = (("moe", re.compile(r"\.experts\.(\d+\.)?(w[123]|gate_up_proj|gate_proj|down_proj)\b")),
               ("phi3", re.compile(r"\.qkv_proj\.weight$")), ("gpt2", re.compile(r"\.c_attn\.weight$")),
               ("titan", re.compile(r"(^|\.)(tok_embeddings|attention\.wq)\.weight$")),
@@ -114,26 +113,17 @@ _MEGATRON_NAMES = ("decoder.layers.", "embedding.word_embeddings.")
 def family_of_config(raw_config: Mapping[str, Any]) -> str | None:
     """The preset family of a ``config.json``'s ``model_type``, by its attention where one type
     stores q/k/v in several ways: Falcon's new decoder architecture fuses them per key/value group,
-    its classic multi-head attention per head (as BLOOM), GPTBigCode's multi-head per head (its own
-    names). Multi-query attention (Falcon-7B, StarCoder: one key and one value head fused behind
-    every query head) has no tensor-parallel preset: ``ConfigError`` says so. Their flags are read
-    with transformers' defaults (``save_pretrained`` leaves defaults out of ``config.json``)."""
+    its classic multi-head attention per head (as BLOOM), multi-query attention (Falcon-7B,
+    StarCoder) as all query heads then one key and one value head. The flags are read with
+    transformers' defaults (``save_pretrained`` leaves defaults out of ``config.json``)."""
     mt = raw_config.get("model_type")
     fam = FAMILY_OF_MODEL_TYPE.get(mt) if isinstance(mt, str) else None
     if fam == "falcon":
         if raw_config.get("new_decoder_architecture", False):
             return "falcon_gqa"
-        if raw_config.get("multi_query", True):
-            raise ConfigError(f"layout=auto: this Falcon model has multi-query attention, "
-                              f"{_MULTI_QUERY.format(weight='query_key_value')}; shard it with layout=fsdp (every "
-                              f"weight split along dim 0, any family), or give a layout (layout.file=<your rules>, "
-                              f"docs/write_a_layout.md)")
-        return "bloom"
-    if fam == "bigcode" and raw_config.get("multi_query", True):
-        raise ConfigError(f"layout=auto: this GPTBigCode (StarCoder) model has multi-query attention, "
-                          f"{_MULTI_QUERY.format(weight='c_attn')}; shard it with layout=fsdp (every weight split "
-                          f"along dim 0, any family), or give a layout (layout.file=<your rules>, "
-                          f"docs/write_a_layout.md)")
+        return "falcon_mq" if raw_config.get("multi_query", True) else "bloom"
+    if fam == "bigcode":
+        return "bigcode_mq" if raw_config.get("multi_query", True) else "bigcode"
     return fam
 
 
@@ -328,6 +318,7 @@ class _Rule:
         self.parts = list(getattr(conf, "parts", None) or [])
         self.parts_dim = int(getattr(conf, "parts_dim", 0) or 0)
         self.unit = getattr(conf, "unit", None)
+        self.replicate_few = bool(getattr(conf, "replicate_few", False))
         self.experts = getattr(conf, "experts", None)
         self.where = f"layout {layout_name!r} rules[{i}] (pattern {conf.pattern!r})"
 
@@ -432,6 +423,8 @@ class Placer:
             out["parts_dim"] = r.parts_dim
         if r.unit is not None:
             out["unit"] = self._unit(r)
+        if r.replicate_few:
+            out["replicate_few"] = True
         if r.per_expert:
             out["expert"] = int(r.regex.fullmatch(fqn).group("expert"))
         return out
@@ -604,6 +597,11 @@ class Placer:
                                   f"expert-parallel size {n} (mesh dim {mesh_dim} of {list(self.shape)})")
             if d == parts_dim and rule.unit is not None:
                 unit = self._unit(rule)
+                few = sizes[d] // unit if unit > 0 and not sizes[d] % unit else 0
+                if rule.replicate_few and 0 < few < n and not n % few:  # key/value heads fewer than the ranks
+                    offs[d] += c * few // n * unit
+                    sizes[d] = unit
+                    continue
                 if unit <= 0 or sizes[d] % unit or (sizes[d] // unit) % n:
                     raise ConfigError(
                         f"{rule.where}: part {part} of {fqn!r} is {sizes[d]} wide, {sizes[d] / unit:g} units of "

@@ -172,13 +172,16 @@ FUSED_QKV = {  # transformers has no parallel plan for these; our presets place 
     "bloom": ("bloom", dict(SMALL)),
     "falcon_gqa": ("falcon", dict(SMALL, num_kv_heads=4, new_decoder_architecture=True, bias=True)),
     "mpt": ("mpt", dict(vocab_size=128, d_model=64, n_heads=8, n_layers=2, max_seq_len=64)),
+    "falcon_mq": ("falcon", dict(SMALL, bias=True)),  # multi_query: transformers' default
+    "bigcode_mq": ("gpt_bigcode", dict(vocab_size=128, n_embd=64, n_head=8, n_layer=2, n_positions=64)),
 }
 
 
 @pytest.mark.parametrize("family", list(FUSED_QKV))
 def test_fused_qkv_families_without_a_plan_round_trip_under_auto(cli, tmp_path, family):
-    """BLOOM, Falcon-40B-style and MPT checkpoints: auto picks our preset from config.json, each
-    of 2 ranks writes the q, k and v rows of its own 4 query heads, fsdp x tp at 4 ranks reads
+    """BLOOM, Falcon (40B-style and multi-query), MPT and StarCoder-style checkpoints: auto picks
+    our preset from config.json, each of 2 ranks holds the q, k and v rows of its own 4 query heads
+    (multi-query: the one key and value head on both, written once), fsdp x tp at 4 ranks reads
     them, and the Hugging Face export reopens with bitwise logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -196,7 +199,14 @@ def test_fused_qkv_families_without_a_plan_round_trip_under_auto(cli, tmp_path, 
     elif family == "bloom":  # [heads, 3, head_dim]: heads 4r..4r+3 are rows 96r..96r+95
         key = "transformer.h.1.self_attention.query_key_value.weight"
         want = {r: [([r * 96, 0], [96, 64])] for r in range(2)}
-    else:  # 4 groups of (2 queries, k, v): groups 2r, 2r+1
+    elif family == "falcon_gqa":  # 4 groups of (2 queries, k, v): groups 2r, 2r+1
         key = "transformer.h.1.self_attention.query_key_value.weight"
         want = {r: [([r * 8 * hd, 0], [8 * hd, 64])] for r in range(2)}
+    else:  # [8 query heads | k | v]: rank r its 4 query heads; k and v held by both, written once
+        key = {"falcon_mq": "transformer.h.1.self_attention.query_key_value.weight",
+               "bigcode_mq": "transformer.h.1.attn.c_attn.weight"}[family]
+        got = _written_by(tmp_path / "a", key)
+        assert all(([r * 32, 0], [32, 64]) in got[r] for r in range(2))
+        assert sorted(c for r in got for c in got[r] if c[0][0] >= 64) == [([64, 0], [8, 64]), ([72, 0], [8, 64])]
+        return
     assert _written_by(tmp_path / "a", key) == want

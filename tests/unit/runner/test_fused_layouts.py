@@ -283,14 +283,53 @@ def test_fused_qkv_families_hold_whole_heads_of_q_k_and_v(family, parallel, ws):
             assert cols[r] == list(range(t * 64 // tp, (t + 1) * 64 // tp))
 
 
-def test_multi_query_families_are_refused_with_the_way_out():
-    """Falcon-7B and StarCoder fuse one key and one value head behind all query heads: no split
-    keeps them whole, and auto says so (defaults read as transformers does: an omitted
-    ``multi_query`` is true)."""
-    for cfg, weight in (({"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 8}, "query_key_value"),
-                        ({"model_type": "gpt_bigcode", "n_embd": 64, "n_head": 8}, "c_attn")):
-        with pytest.raises(ConfigError, match=rf"multi-query attention, .*into {weight}: .*layout=fsdp"):
-            resolve_auto(load_preset("auto"), cfg, [], load_preset)
+@pytest.mark.parametrize("family", ["falcon_mq", "bigcode_mq"])
+@pytest.mark.parametrize("parallel, ws", [("tp", 2), ("tp", 4), ("fsdp_tp", 4)])
+def test_multi_query_families_hold_their_query_heads_and_the_key_and_value_whole(family, parallel, ws):
+    """Falcon-7B and StarCoder fuse all query heads, then one key and one value head (transformers
+    5.25: ``split([heads, 1, 1])`` / ``split((embed_dim, kv_dim, kv_dim))``). Every tensor-parallel
+    rank holds its query heads and the key and value heads whole, what a tensor-parallel runtime
+    replicates; an omitted ``multi_query`` is transformers' default, true."""
+    cfg, key, out_proj = {
+        "falcon_mq": ({"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 8},
+                      "transformer.h.0.self_attention.query_key_value", "transformer.h.0.self_attention.dense.weight"),
+        "bigcode_mq": ({"model_type": "gpt_bigcode", "n_embd": 64, "n_head": 8}, "transformer.h.2.attn.c_attn",
+                       "transformer.h.2.attn.c_proj.weight")}[family]
+    auto = load_preset("auto")
+    auto.parallel = parallel
+    lay, _, _ = resolve_auto(auto, cfg, [], load_preset)
+    assert lay.name == f"{family}_{parallel}"
+    tp = ws if parallel == "tp" else 2
+    for suffix, shape in ((".weight", (80, 64)), (".bias", (80,))):
+        held = _held_rows(lay, key + suffix, shape, ws, cfg)
+        cols = _held_cols(lay, out_proj, (64, 64), ws, cfg)
+        for r in range(ws):
+            t = r % tp
+            q = list(range(t * 64 // tp, (t + 1) * 64 // tp))
+            assert held[r] == q + list(range(64, 80)), (suffix, r)  # its queries, then k and v whole
+            assert cols[r] == q
+        full = torch.arange(80.).view(80, *[1] * (len(shape) - 1)).expand(shape).contiguous()  # row ids
+        local = Placer(lay, 1, ws, model_config=cfg).place(key + suffix, full)
+        assert isinstance(local, FusedShard)  # one local tensor: its query rows, then k, then v
+        assert local.local.reshape(len(held[1]), -1)[:, 0].tolist() == [float(i) for i in held[1]]
+
+
+def test_replicate_few_holds_each_key_value_head_on_its_share_of_the_ranks():
+    """GQA with fewer key/value heads than ranks, the ranks a multiple of them: each head whole on
+    ranks/heads consecutive ranks (rank r holds head r * heads // ranks); without the flag, or when
+    the ranks are no multiple of the heads, the split is refused naming the part."""
+    rule = {"pattern": ".*", "placements": ["S0"], "parts": [32, 16, 16], "unit": 8, "replicate_few": True}
+    lay = _layout([rule])
+    assert [_rows(Placer(lay, r, 4).boxes("x", (64, 4), r)) for r in range(4)] == [
+        [(8 * r, 8), (32 + 8 * (r // 2), 8), (48 + 8 * (r // 2), 8)] for r in range(4)]
+    with pytest.raises(ConfigError, match=r"part 1 of 'x' is 16 wide, 2 units of 8 \(heads\), which do not divide "):
+        Placer(_layout([dict(rule, replicate_few=False)]), 0, 4).boxes("x", (64, 4), 0)
+    with pytest.raises(ConfigError, match=r"part 1 of 'x' is 16 wide, 2 units of 8 \(heads\), which do not divide "):
+        Placer(_layout([dict(rule, parts=[48, 16, 16])]), 0, 3).boxes("x", (80, 4), 0)
+    assert Placer(lay, 0, 4).describe_rule("x")["replicate_few"] is True
+
+
+def test_mpt_names_and_unknown_families():
     assert config_values({"model_type": "mpt", "d_model": 64, "n_heads": 8, "n_layers": 2})["head_dim"] == 8
     with pytest.raises(ConfigError, match=r"has no parallel plan .* or layout=fsdp"):
         resolve_auto(load_preset("auto"), {"model_type": "mamba"}, [], load_preset)
