@@ -60,6 +60,7 @@ class PlannedRule:
     parts: list[int] | None = None
     parts_dim: int = 0
     unit: int | None = None
+    replicate_few: bool = False  # fused q/k/v: key/value heads fewer than the ranks held whole
     per_expert: bool = False  # E over keys, one per expert (the expert number is in the key)
     experts: int | None = None  # how many (the stacked dim of the model parameter they fill)
     why: str = ""
@@ -553,6 +554,11 @@ def _check_heads(fam: _Family, key: str, counts: list[int], ranks: int, report: 
         rule.placements[-1], rule.unit, rule.parts = "R", None, None
         report["replicated_kv"].append(key)
         return
+    if what == "query and key/value" and bad == [fam.kv_heads] and fam.kv_heads < ranks and \
+            ranks % fam.kv_heads == 0:  # fused: the key and value parts held whole, the queries split
+        rule.replicate_few = True
+        report["replicated_kv"].append(key)
+        return
     raise ConfigError(f"layout=auto: {key!r} holds {', '.join(map(str, bad))} {what} head(s), which do not divide by "
                       f"{ranks} tensor-parallel ranks: a split would cut a head; run on a number of ranks that divides "
                       f"the heads, or set layout.mesh so the tensor-parallel size does")
@@ -599,6 +605,8 @@ def _rule_dict(pattern: str, r: PlannedRule) -> dict:
         out["parts_dim"] = r.parts_dim
     if r.unit is not None:
         out["unit"] = r.unit
+    if r.replicate_few:
+        out["replicate_few"] = True
     if r.experts is not None:
         out["experts"] = r.experts
     return out

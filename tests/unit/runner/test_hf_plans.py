@@ -111,6 +111,22 @@ def test_key_value_heads_fewer_than_ranks_are_replicated_and_said(written):
     assert report["replicated_kv"] == []
 
 
+def test_fused_qkv_with_fewer_key_value_heads_than_ranks_holds_them_whole(written):
+    """Phi-3's fused qkv_proj (8 query heads, 4 key/value heads of 8) on 8 ranks: each rank its
+    query head, and key/value head r // 2 of k and of v whole (the pair of ranks that shares it
+    holds the same rows), as a tensor-parallel runtime replicates key/value heads."""
+    raw, shapes = written["phi3"]
+    layout, note, report = _plan(raw, shapes, None, 8)
+    key = "model.layers.1.self_attn.qkv_proj.weight"
+    assert key in report["replicated_kv"] and "key/value projection(s) replicated" in note
+    placer = Placer(layout, 0, 8, model_config=raw, keys=shapes)
+    assert placer.describe_rule(key)["replicate_few"] is True
+    q, kv, hd = 64, 32, 8
+    for r in range(8):
+        got = [(b.offsets[0], b.sizes[0]) for b in placer.boxes(key, shapes[key], r)]
+        assert got == [(r * hd, hd), (q + r // 2 * hd, hd), (q + kv + r // 2 * hd, hd)], (r, got)
+
+
 def test_a_split_that_would_cut_a_query_head_is_refused_by_name(written):
     raw, shapes = written["qwen2"]  # 12 heads, 4 key/value heads
     with pytest.raises(ConfigError, match=r"'model\.layers\.0\.self_attn\.(q|o)_proj\.(weight|bias)' holds 12 query head\(s\), "
