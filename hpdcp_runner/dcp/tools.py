@@ -8,7 +8,7 @@ from .background.saver import save_in_flight
 from .comm.broadcast import node_id
 from .comm.collectives import Comm
 from .core.memory import available_bytes, check_allocation, check_together
-from .core.geometry import Box, dtensor_local_box, narrow, split_piece, whole
+from .core.geometry import Box, dtensor_local_box, intersect, narrow, split_piece, whole
 from .core.ragged import decompose_flat_interval
 from .core.utils import TENSOR_LEAVES, PhaseTimer, flatten_state_dict, get_logger, set_element
 from .format.metadata import DTYPES, METADATA_FILE, dtype_from_name
@@ -30,7 +30,7 @@ from .storage.formats.foreign import FORMATS, detect_format
 from .storage.retention import (apply_retention, latest_checkpoint, list_checkpoints, series_extra, series_outsiders,
                                 unrecorded_checkpoints)
 
-__all__ = ["node_id", "save_in_flight", "available_bytes", "check_allocation", "check_together", "Comm", "Box", "dtensor_local_box", "narrow", "split_piece", "whole", "decompose_flat_interval",
+__all__ = ["node_id", "save_in_flight", "available_bytes", "check_allocation", "check_together", "Comm", "Box", "dtensor_local_box", "intersect", "narrow", "split_piece", "whole", "decompose_flat_interval",
            "TENSOR_LEAVES", "PhaseTimer", "flatten_state_dict", "get_logger", "set_element", "DTYPES",
            "METADATA_FILE", "dtype_from_name", "parse_json", "compile_rules", "rename_key", "transforms", "node_tier", "export_hf", "describe",
            "full_tensor_digests", "verify", "read_side_file", "local_pieces", "leaf_shape_dtype", "new_key_path", "ReaderOptions",

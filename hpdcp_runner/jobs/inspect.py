@@ -13,7 +13,7 @@ import math
 import os
 
 from ..dcp import ConfigError, Metadata, rename_keys
-from ..dcp.tools import METADATA_FILE, describe, dtype_from_name, join_location
+from ..dcp.tools import METADATA_FILE, describe, dtype_from_name, intersect, join_location
 from ..layouts import Placer, mesh_shape, problems
 from ..runtime import write_out
 from .context import JobContext
@@ -100,9 +100,9 @@ def layout_report(ctx: JobContext, md: Metadata, ranks: int, path: str | None = 
     if bad:
         raise ConfigError(f"layout {layout.name!r} at job.ranks={ranks}: " + "; ".join(bad))
     placer = Placer(layout, 0, ranks, model_config=ctx.model_config, keys=md.tensors)
-    tensors = {}
+    tensors, every = {}, {}
     for k, t in sorted(md.tensors.items()):
-        boxes = [placer.boxes(k, t.shape, r) for r in range(ranks)]
+        boxes = every[k] = [placer.boxes(k, t.shape, r) for r in range(ranks)]
         tensors[k] = {"rule": placer.rule_for(k),
                       "placements": placer.placements_for(k, len(t.shape)) if layout.kind == "dtensor" else
                       [layout.kind],
@@ -113,8 +113,9 @@ def layout_report(ctx: JobContext, md: Metadata, ranks: int, path: str | None = 
         if getattr(rule, "why", None):
             tensors[k]["why"] = rule.why
     nbytes = {k: math.prod(t.shape) * dtype_from_name(t.dtype).itemsize for k, t in md.tensors.items()}
-    split = sum(n for k, n in nbytes.items() if any(p not in ("R",) for p in tensors[k]["placements"])
-                and tensors[k]["placements"] != ["plain"] and len(md.tensors[k].shape))
+    # what is not on every rank: a fused tensor's key/value heads held whole by all count as whole
+    split = sum(n - _held_by_all(every[k]) * n // max(math.prod(md.tensors[k].shape), 1)
+                for k, n in nbytes.items() if len(md.tensors[k].shape))
     rules = [{k: v for k, v in vars(r).items() if v is not None and not (k == "parts_dim" and not r.parts)}
              for r in layout.rules]
     return {"name": layout.name, "kind": layout.kind, "ranks": ranks, "mesh": list(mesh_shape(layout, ranks)),
@@ -167,3 +168,12 @@ def run(ctx: JobContext) -> dict:
     return {"checkpoint": path, "tensors": len(d["tensors"]), "objects": len(d["objects"]),
             "tensor_bytes": d["tensor_bytes"], "format": d["format"],
             **({"layout": d["layout"]["name"]} if "layout" in d else {})}
+
+
+def _held_by_all(boxes_per_rank: list) -> int:
+    """Elements of a tensor every rank holds (each rank's boxes are disjoint, so their
+    intersections with another rank's stay disjoint)."""
+    common = list(boxes_per_rank[0]) if boxes_per_rank else []
+    for other in boxes_per_rank[1:]:
+        common = [ov for a in common for b in other if (ov := intersect(a, b)) is not None]
+    return sum(b.numel for b in common)
