@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from hpdcp_runner.config import LayoutConf, load_preset
 from hpdcp_runner.dcp import ConfigError, FusedShard, LocalShard, load, read_metadata, save
+from hpdcp_runner.dcp.tools import Box
 from hpdcp_runner.layouts import Placer, config_values, evaluate, problems, recognise_family, resolve_auto
 from hpdcp_runner.targets import state_from_metadata
 
@@ -333,3 +334,17 @@ def test_mpt_names_and_unknown_families():
     assert config_values({"model_type": "mpt", "d_model": 64, "n_heads": 8, "n_layers": 2})["head_dim"] == 8
     with pytest.raises(ConfigError, match=r"has no parallel plan .* or layout=fsdp"):
         resolve_auto(load_preset("auto"), {"model_type": "mamba"}, [], load_preset)
+
+
+def test_inspect_counts_what_every_rank_holds_as_whole():
+    """inspect's 'split across ranks': a multi-query model's key and value rows, on every rank,
+    are not split bytes; a per-expert key another group owns is."""
+    from hpdcp_runner.jobs.inspect import _held_by_all
+
+    cfg = {"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 8}
+    lay, _, _ = resolve_auto(load_preset("auto"), cfg, [], load_preset)
+    key = "transformer.h.0.self_attention.query_key_value.weight"
+    boxes = [Placer(lay, r, 4, model_config=cfg).boxes(key, (80, 64), r) for r in range(4)]
+    assert _held_by_all(boxes) == 16 * 64  # k and v: 2 heads of 8 rows
+    assert _held_by_all([[Box((0, 0), (4, 4))], []]) == 0
+    assert _held_by_all([[Box((0,), (8,))], [Box((0,), (8,))]]) == 8
