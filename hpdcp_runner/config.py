@@ -194,7 +194,7 @@ class LayoutConf:
     config: Optional[str] = None
     # layout=auto: the family's rule table picked from config.json's model_type (or the keys)
     # auto: null = recognise it; or llama | phi3 | gpt2 | moe | titan | bloom | falcon_gqa | falcon_mq |
-    # mpt | bigcode | bigcode_mq
+    # mpt | bigcode | bigcode_mq | opt
     family: Optional[str] = None
     parallel: Optional[str] = None  # auto: tp | fsdp_tp | ep | ep_tp (null: tp, or ep for moe)
     # a layout YAML of your own (name, kind, mesh, rules): read over this one at start-up

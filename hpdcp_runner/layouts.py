@@ -94,12 +94,13 @@ FAMILY_OF_MODEL_TYPE = {
     **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe"), "moe"),
     # fused q/k/v that transformers gives no plan for; falcon and gpt_bigcode by their attention
     # (``family_of_config``)
-    "bloom": "bloom", "mpt": "mpt", "falcon": "falcon", "gpt_bigcode": "bigcode",
+    "bloom": "bloom", "persimmon": "bloom", "mpt": "mpt", "falcon": "falcon", "gpt_bigcode": "bigcode",
+    **dict.fromkeys(("opt", "biogpt", "xglm"), "opt"), "stablelm": "llama",
 }
 FAMILY_PARALLEL = {"llama": ("tp", "fsdp_tp"), "phi3": ("tp", "fsdp_tp"), "gpt2": ("tp", "fsdp_tp"),
                    "titan": ("tp", "fsdp_tp"), "moe": ("ep", "ep_tp"), "bloom": ("tp", "fsdp_tp"),
                    "falcon_gqa": ("tp", "fsdp_tp"), "falcon_mq": ("tp", "fsdp_tp"), "mpt": ("tp", "fsdp_tp"),
-                   "bigcode": ("tp", "fsdp_tp"), "bigcode_mq": ("tp", "fsdp_tp")}
+                   "bigcode": ("tp", "fsdp_tp"), "bigcode_mq": ("tp", "fsdp_tp"), "opt": ("tp", "fsdp_tp")}
 _KEY_SIGNS = (("moe", re.compile(r"\.experts\.(\d+\.)?(w[123]|gate_up_proj|gate_proj|down_proj)\b")),
               ("phi3", re.compile(r"\.qkv_proj\.weight$")), ("gpt2", re.compile(r"\.c_attn\.weight$")),
               ("titan", re.compile(r"(^|\.)(tok_embeddings|attention\.wq)\.weight$")),
@@ -211,7 +212,8 @@ def resolve_auto(layout: Any, raw_config: Mapping[str, Any] | None, keys: Iterab
 def config_values(raw: Mapping[str, Any] | None) -> dict[str, int]:
     """The integers of a Hugging Face ``config.json`` a rule can name, plus the ones families
     leave implicit: ``head_dim`` (hidden / heads), ``num_key_value_heads`` (= heads, no GQA), and
-    GPT-2's ``n_embd`` / ``n_head`` / ``n_inner`` and MPT's ``d_model`` / ``n_heads`` under the common names too."""
+    GPT-2's ``n_embd`` / ``n_head`` / ``n_inner``, MPT's ``d_model`` / ``n_heads`` and XGLM's
+    ``attention_heads`` under the common names too."""
     if not raw:
         return {}
     text = raw.get("text_config")
@@ -220,7 +222,8 @@ def config_values(raw: Mapping[str, Any] | None) -> dict[str, int]:
     v = {k: x for k, x in src.items() if isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1 << 40}
     for common, gpt2 in (("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
                          ("num_hidden_layers", "n_layer"), ("hidden_size", "d_model"),
-                         ("num_attention_heads", "n_heads"), ("num_hidden_layers", "n_layers")):  # (MPT's)
+                         ("num_attention_heads", "n_heads"), ("num_hidden_layers", "n_layers"),  # (MPT's)
+                         ("num_attention_heads", "attention_heads"), ("num_hidden_layers", "num_layers")):  # (XGLM's)
         if common not in v and gpt2 in v:
             v[common] = v[gpt2]
     if "intermediate_size" not in v and "hidden_size" in v and src.get("model_type") == "gpt2":

@@ -168,37 +168,47 @@ def test_mixtral_per_expert_keys_stacked_and_back_to_hugging_face(cli, tmp_path)
     assert torch.equal(_logits(back.eval()), _logits(model))
 
 
-FUSED_QKV = {  # transformers has no parallel plan for these; our presets place their fused q/k/v
+NO_PLAN = {  # transformers has no parallel plan for these; our presets place their fused q/k/v
     "bloom": ("bloom", dict(SMALL)),
     "falcon_gqa": ("falcon", dict(SMALL, num_kv_heads=4, new_decoder_architecture=True, bias=True)),
     "mpt": ("mpt", dict(vocab_size=128, d_model=64, n_heads=8, n_layers=2, max_seq_len=64)),
     "falcon_mq": ("falcon", dict(SMALL, bias=True)),  # multi_query: transformers' default
     "bigcode_mq": ("gpt_bigcode", dict(vocab_size=128, n_embd=64, n_head=8, n_layer=2, n_positions=64)),
+    "persimmon": ("persimmon", dict(SMALL)),  # BLOOM's preset: q, k, v interleaved per head
+    "opt": ("opt", dict(vocab_size=128, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=8,
+                        max_position_embeddings=64, word_embed_proj_dim=64)),
 }
 
 
-@pytest.mark.parametrize("family", list(FUSED_QKV))
-def test_fused_qkv_families_without_a_plan_round_trip_under_auto(cli, tmp_path, family):
-    """BLOOM, Falcon (40B-style and multi-query), MPT and StarCoder-style checkpoints: auto picks
+@pytest.mark.parametrize("family", list(NO_PLAN))
+def test_families_without_a_plan_round_trip_under_auto(cli, tmp_path, family):
+    """BLOOM, Persimmon, Falcon (40B-style and multi-query), MPT, StarCoder-style and OPT checkpoints: auto picks
     our preset from config.json, each of 2 ranks holds the q, k and v rows of its own 4 query heads
     (multi-query: the one key and value head on both, written once), fsdp x tp at 4 ranks reads
     them, and the Hugging Face export reopens with bitwise logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, kwargs = FUSED_QKV[family]
+    model_type, kwargs = NO_PLAN[family]
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs)).eval()
     model.save_pretrained(tmp_path / "hf")
     a, b = _round_trip(cli, tmp_path, model, ["layout=auto"], ["layout=auto", "layout.parallel=fsdp_tp"])
-    assert a["target_layout"] == f"{family}_tp" and b["target_layout"] == f"{family}_fsdp_tp"
+    preset = "bloom" if family == "persimmon" else family
+    assert a["target_layout"] == f"{preset}_tp" and b["target_layout"] == f"{preset}_fsdp_tp"
     assert "no parallel plan" in a["layout_recognised"]
     hd = 8
     if family == "mpt":  # [q | k | v], 8 heads each: rank r holds heads 4r..4r+3 of each
         key = "transformer.blocks.1.attn.Wqkv.weight"
         want = {r: [([p * 64 + r * 32, 0], [32, 64]) for p in range(3)] for r in range(2)}
-    elif family == "bloom":  # [heads, 3, head_dim]: heads 4r..4r+3 are rows 96r..96r+95
-        key = "transformer.h.1.self_attention.query_key_value.weight"
+    elif family in ("bloom", "persimmon"):  # [heads, 3, head_dim]: heads 4r..4r+3 are rows 96r..96r+95
+        key = {"bloom": "transformer.h.1.self_attention.query_key_value.weight",
+               "persimmon": "model.layers.1.self_attn.query_key_value.weight"}[family]
         want = {r: [([r * 96, 0], [96, 64])] for r in range(2)}
+    elif family == "opt":  # separate q/k/v: heads 4r..4r+3 of each, out_proj's columns of the same heads
+        assert _written_by(tmp_path / "a", "model.decoder.layers.1.self_attn.out_proj.weight") == {
+            r: [([0, r * 32], [64, 32])] for r in range(2)}
+        key = "model.decoder.layers.1.self_attn.k_proj.weight"
+        want = {r: [([r * 32, 0], [32, 64])] for r in range(2)}
     elif family == "falcon_gqa":  # 4 groups of (2 queries, k, v): groups 2r, 2r+1
         key = "transformer.h.1.self_attention.query_key_value.weight"
         want = {r: [([r * 8 * hd, 0], [8 * hd, 64])] for r in range(2)}

@@ -253,6 +253,9 @@ FUSED = {  # family config, the fused key, its rows per query head, the output p
                 "transformer.h.1.attn.c_attn", _per_head_interleaved(8, 8), "transformer.h.1.attn.c_proj.weight"),
     "mpt": ({"model_type": "mpt", "d_model": 64, "n_heads": 8}, "transformer.blocks.0.attn.Wqkv", _chunked(8, 8),
             "transformer.blocks.0.attn.out_proj.weight"),
+    "persimmon": ({"model_type": "persimmon", "hidden_size": 64, "num_attention_heads": 8},
+                  "model.layers.0.self_attn.query_key_value", _per_head_interleaved(8, 8),
+                  "model.layers.0.self_attn.dense.weight"),
 }
 
 
@@ -266,7 +269,7 @@ def test_fused_qkv_families_hold_whole_heads_of_q_k_and_v(family, parallel, ws):
     auto = load_preset("auto")
     auto.parallel = parallel
     lay, note, _ = resolve_auto(auto, cfg, [], load_preset)
-    preset = {"falcon": "bloom", "falcon_gqa": "falcon_gqa"}.get(family, family)
+    preset = {"falcon": "bloom", "persimmon": "bloom"}.get(family, family)
     assert lay.name == f"{preset}_{parallel}" and f"config.json model_type {cfg['model_type']!r}" in note
     tp = ws if parallel == "tp" else 2
     heads = len(per_head)
@@ -348,3 +351,25 @@ def test_inspect_counts_what_every_rank_holds_as_whole():
     assert _held_by_all(boxes) == 16 * 64  # k and v: 2 heads of 8 rows
     assert _held_by_all([[Box((0, 0), (4, 4))], []]) == 0
     assert _held_by_all([[Box((0,), (8,))], [Box((0,), (8,))]]) == 8
+
+
+@pytest.mark.parametrize("model_type, cfg", [("opt", {"hidden_size": 64, "num_attention_heads": 8}),
+                                             ("biogpt", {"hidden_size": 64, "num_attention_heads": 8}),
+                                             ("xglm", {"d_model": 64, "attention_heads": 8})])
+def test_opt_like_families_split_q_k_v_and_out_proj_by_the_same_heads(model_type, cfg):
+    """OPT, BioGPT and XGLM (separate q/k/v with biases, out_proj, fc1/fc2): rank r of 4 holds
+    the q, k and v rows of heads 2r, 2r+1 and the out_proj input columns of the same heads; a head
+    count the ranks do not divide is refused, never cut."""
+    cfg = {"model_type": model_type, **cfg}
+    lay, note, _ = resolve_auto(load_preset("auto"), cfg, [], load_preset)
+    assert lay.name == "opt_tp" and repr(model_type) in note
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        for suffix, shape in ((".weight", (64, 64)), (".bias", (64,))):
+            assert _held_rows(lay, f"m.layers.3.self_attn.{proj}{suffix}", shape, 4, cfg) == {
+                r: list(range(16 * r, 16 * r + 16)) for r in range(4)}
+    assert _held_cols(lay, "m.layers.3.self_attn.out_proj.weight", (64, 64), 4, cfg) == {
+        r: list(range(16 * r, 16 * r + 16)) for r in range(4)}
+    assert Placer(lay, 0, 4, model_config=cfg).placements_for("m.layers.3.self_attn.out_proj.bias", 1) == ["R"]
+    with pytest.raises(ConfigError, match=r"8 units of 8 \(heads\), which do not divide by 3 ranks"):
+        Placer(lay, 0, 3, model_config=cfg).boxes("m.layers.3.self_attn.q_proj.weight", (64, 64), 0)
+    assert recognise_family({"model_type": "stablelm"}, [])[0] == "llama"
