@@ -154,11 +154,12 @@ def test_every_family_by_its_plan_at_2_and_4_ranks_bitwise(cli, tmp_path, family
 
 
 def test_a_family_with_neither_plan_nor_preset_is_refused_by_name(cli, tmp_path):
-    """StableLM: transformers has no parallel plan for it and we have no preset; its q_proj once
-    made auto guess Llama and exit 0. Now one line naming the family and the way out, exit 2."""
+    """BitNet: transformers has no parallel plan for it and we have no preset; its q_proj must not
+    make auto guess Llama and exit 0 (as StableLM's once did, before its preset was named). One
+    line naming the family and the ways out, exit 2."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("stablelm", **{k: hf_families.BASE[k] for k in (
+    cfg = AutoConfig.for_model("bitnet", **{k: hf_families.BASE[k] for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "max_position_embeddings")})
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
@@ -166,6 +167,6 @@ def test_a_family_with_neither_plan_nor_preset_is_refused_by_name(cli, tmp_path)
              f"hydra.run.dir={tmp_path}/r"])
     assert r.returncode == 2, _tail(r)
     err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
-    assert len(err) == 1 and "the 'stablelm' family (config.json model_type) has no parallel plan" in err[0] and \
-        "layout=<name>" in err[0], r.stderr[-2000:]
+    assert len(err) == 1 and "the 'bitnet' family (config.json model_type) has no parallel plan" in err[0] and \
+        "layout=<name>" in err[0] and "layout=fsdp" in err[0], r.stderr[-2000:]
     assert not (tmp_path / "o").exists()

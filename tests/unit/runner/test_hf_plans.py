@@ -149,11 +149,16 @@ def test_auto_prefers_the_plan_and_refuses_a_family_with_neither_plan_nor_preset
     lay, note, report = resolve_auto(load_preset("auto"), raw, {k: _Meta(s) for k, s in shapes.items()}, load_preset,
                                      make_layout, 4)
     assert lay.name == "auto:starcoder2_tp" and report["split"]
-    # stablelm: transformers has no plan for it and we have no preset; its q_proj once made auto guess llama
-    with pytest.raises(ConfigError, match=r"the 'stablelm' family \(config.json model_type\) has no parallel plan we "
-                                          r"can use \(transformers .* has no parallel plan for 'stablelm'\) and no preset"):
-        resolve_auto(load_preset("auto"), {"model_type": "stablelm", "hidden_size": 64},
+    # bitnet: transformers has no plan for it and we have no preset (its sub-norms sit inside the
+    # attention); its q_proj must not make auto guess llama, as StableLM's once did before it was named
+    with pytest.raises(ConfigError, match=r"the 'bitnet' family \(config.json model_type\) has no parallel plan we "
+                                          r"can use \(transformers .* has no parallel plan for 'bitnet'\) and no preset"):
+        resolve_auto(load_preset("auto"), {"model_type": "bitnet", "hidden_size": 64},
                      {"model.layers.0.self_attn.q_proj.weight": _Meta((64, 64))}, load_preset, make_layout, 2)
+    # stablelm: no plan either, but Llama's names and layout: its preset, named
+    lay, note, _ = resolve_auto(load_preset("auto"), {"model_type": "stablelm", "hidden_size": 64},
+                                {"model.layers.0.self_attn.q_proj.weight": _Meta((64, 64))}, load_preset, make_layout, 2)
+    assert lay.name == "llama_tp" and "model_type 'stablelm'" in note
     # layout.family names a preset: the user's word beats the plan
     auto = load_preset("auto")
     auto.family = "llama"
