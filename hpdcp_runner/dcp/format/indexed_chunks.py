@@ -100,10 +100,6 @@ class IndexedChunks(Sequence[ChunkMeta]):
         o = tuple(offs[:nd])
         return ChunkMeta(o, tuple(sizes[:nd]), f.name, chunk_key(self.key, o), boff, i64_to_hex(row[CHECKSUM]), hexes)
 
-    def overlapping(self, box: Box) -> list[int]:
-        """Indices of the chunks that intersect ``box`` (see ``overlaps``)."""
-        return [i for i, _ in self.overlaps(box)]
-
     def overlaps(self, box: Box) -> list[tuple[int, Box]]:
         """(index, overlap with ``box``) of every chunk that intersects ``box``: a bisection of the
         sort keys and the rows around it, nothing else of the tensor. Keys out of order around
@@ -179,14 +175,6 @@ class IndexedChunks(Sequence[ChunkMeta]):
             problem = boxes_tile(self.shape, [c.box for c in chunks])
             if problem:
                 raise MetadataError(f"{self.index.name}: tensor {self.key!r} (rows {self.lo}..{self.hi}): {problem}")
-
-
-def overlapping_chunks(chunks: Sequence[ChunkMeta], box: Box, index: Any = None) -> list[int]:
-    """Indices of ``chunks`` that intersect ``box`` (``index``: a ``BoxIndex`` over a tuple)."""
-    if isinstance(chunks, IndexedChunks):
-        return chunks.overlapping(box)
-    cand = index.overlapping(box) if index is not None else range(len(chunks))
-    return [c for c in cand if intersect(box, chunks[c].box) is not None]
 
 
 def chunk_overlaps(chunks: Sequence[ChunkMeta], box: Box, index: Any = None) -> list[tuple[int, Box]]:

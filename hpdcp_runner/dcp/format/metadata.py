@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 from ..core.errors import MetadataError
 from . import jsondoc
 from .chunk_index import ChunkIndex
-from .indexed_chunks import IndexedChunks, overlapping_chunks
+from .indexed_chunks import IndexedChunks, chunk_overlaps
 from .metadata_parse import file_table, parse_document, validate_index
 from .records import (CHECKSUM_ALGORITHM, DEFAULT_MAX_METADATA_BYTES, DTYPES, FORMAT_NAME, FORMAT_VERSION, MAX_FILE_DEPTH,
                       METADATA_FILE, READ_VERSIONS, ChunkMeta, FileMeta, ObjectMeta, ReportedRows, TensorMeta,
@@ -27,7 +27,7 @@ __all__ = ["CHECKSUM_ALGORITHM", "DEFAULT_MAX_METADATA_BYTES", "DTYPES", "FORMAT
            "MAX_FILE_DEPTH", "METADATA_FILE", "READ_VERSIONS", "ChunkMeta", "DeferredMetadata", "FileMeta",
            "IndexedChunks", "Metadata", "MetadataError", "ObjectMeta", "ReportedRows", "TensorMeta", "WriteResult",
            "WrittenRows", "check_file_name", "check_relative_name", "chunk_key", "dtype_from_name", "dtype_name",
-           "element_size", "file_table", "overlapping_chunks", "validate_index"]
+           "element_size", "file_table", "chunk_overlaps", "validate_index"]
 
 
 @dataclass(frozen=True)

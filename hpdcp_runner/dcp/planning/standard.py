@@ -17,8 +17,7 @@ from ..format.chunk_index import BLOCK_COUNT as BLOCK_COUNT_COL, BLOCK_START as 
     TENSOR as TENSOR_COL, ChunkIndex
 from ..format.checksums import BLOCK_BYTES
 from ..format.metadata import (FileMeta, IndexedChunks, Metadata, ObjectMeta, ReportedRows, TensorMeta, WriteResult,
-                               WrittenRows, chunk_key, dtype_name)
-from ..format.indexed_chunks import chunk_overlaps
+                               WrittenRows, chunk_key, chunk_overlaps, dtype_name)
 from ..core.geometry import tiling_problem
 from .interfaces import OBJECT, TENSOR, KeyInfo, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from ..core.ragged import FlatShard, FusedShard, LocalShard, ShardPieces
